@@ -1,0 +1,100 @@
+"""Score a checkpoint on truthfulqa_mc2 with lm-eval (docs/eval.md).
+
+    tune run recipes/evaluate.py --config configs/eval/truthfulqa_mc2.yaml checkpoint_dir=/tmp/tiny/epoch_0
+
+The scoring is lm-eval's: its HF model class (HFLM) runs the loglikelihood requests, its truthfulqa_mc2 task
+builds the 6-shot QA prompt and the choices, and its `process_results_mc2` turns them into the score. This
+recipe loads our checkpoint, hands it over, and reports.
+
+Features (each behind a config key):
+    - checkpoint_dir: an HF-format Llama folder (the fine-tune recipe's epoch_N/ or step_N/, or any HF Llama).
+      A missing, partial or non-Llama checkpoint stops with one message and exit status 1.
+    - tokenizer_path: the SentencePiece model; default the checkpoint's own tokenizer.model.
+    - data_source: `local` reads {data_dir}/truthfulqa/mc_task.json (no network) into lm-eval's own task;
+      `hub` runs lm-eval's task as-is, downloading truthfulqa/truthful_qa. Same documents, prompt, choices.
+    - tasks: [truthfulqa_mc2], the only task supported; any other name is an error.
+    - add_bos: prepend BOS to every request, as the published Llama 2 numbers do (True); torchtune's own
+      eleuther_eval wrapper does not, which lowers Llama 2 scores.
+    - device (auto/cpu/cuda), dtype (fp32/bf16), batch_size, limit (first N questions; null = all 817).
+    - output_dir: where lm-eval's results JSON goes; default {checkpoint_dir}/../eval/{checkpoint name}/.
+    - wandb_project: when set, the scores and task config go to a Weights & Biases run.
+The table, the score, the time taken and the results file are printed at the end; lm-eval shows a progress bar.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+from torchtune import config
+
+from eval import harness
+from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype
+from eval.errors import EvalInputError
+from eval.truthfulqa import TASK_NAME, check_tasks, task_spec
+
+
+class EvalRecipe:
+    def __init__(self, cfg: DictConfig) -> None:
+        # Cheap checks first, so a bad option fails before anything is loaded.
+        self.tasks = check_tasks(cfg.get("tasks", [TASK_NAME]))
+        self.device = resolve_device(cfg.get("device", "auto"))
+        self.dtype = resolve_dtype(cfg.get("dtype", "fp32"))
+        self.batch_size = int(cfg.get("batch_size", 8))
+        self.limit = cfg.get("limit", None)
+        self.add_bos = bool(cfg.get("add_bos", True))
+        self.data_source = cfg.get("data_source", "local")
+        self.data_dir = Path(cfg.get("data_dir", "../shared/data"))
+        self.wandb_project = cfg.get("wandb_project", None)
+        self.checkpoint_dir, self.tokenizer_path = check_checkpoint(cfg.get("checkpoint_dir"), cfg.get("tokenizer_path"))
+        default_output = self.checkpoint_dir.resolve().parent / "eval" / self.checkpoint_dir.resolve().name
+        self.output_dir = Path(cfg.get("output_dir") or default_output)
+        self.task = task_spec(self.data_source, self.data_dir)
+
+    def setup(self) -> None:
+        self.tokenizer = load_tokenizer(self.tokenizer_path, add_bos=self.add_bos)
+        self.model = load_model(self.checkpoint_dir, self.device, self.dtype)
+        print(f"Evaluating {self.checkpoint_dir} on {self.tasks} ({self.data_source} data, {self.device}, {self.dtype}, BOS {'on' if self.add_bos else 'off'})")
+
+    def evaluate(self) -> dict:
+        start = time.perf_counter()
+        results = harness.evaluate(
+            self.model, self.tokenizer, self.task, add_bos=self.add_bos, batch_size=self.batch_size, limit=self.limit
+        )
+        seconds = time.perf_counter() - start
+        results["total_evaluation_time_seconds"] = str(seconds)  # the key (and string type) lm-eval's CLI writes
+        results["recipe"] = {
+            "checkpoint_dir": str(self.checkpoint_dir.resolve()),
+            "tokenizer_path": str(self.tokenizer_path.resolve()),
+            "data_source": self.data_source,
+            "add_bos": self.add_bos,
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "batch_size": self.batch_size,
+            "limit": self.limit,
+        }
+        path = harness.save(results, self.output_dir)
+
+        print(harness.table(results))
+        score = results["results"][TASK_NAME]["acc,none"]
+        n = results["n-samples"][TASK_NAME]["effective"]
+        print(f"{TASK_NAME}: {score:.4f} on {n} questions in {seconds:.1f} s; results: {path}")
+        if self.wandb_project:
+            harness.log_to_wandb(results, project=self.wandb_project, run_name=f"eval-{self.checkpoint_dir.resolve().name}")
+        return results
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> int:
+    try:
+        recipe = EvalRecipe(cfg)
+        recipe.setup()
+        recipe.evaluate()
+    except EvalInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
