@@ -745,7 +745,10 @@ class FullFinetuneRecipeSingleDevice:
                     "steps_in_epoch": steps_in_epoch,
                     "global_step": self._global_step,
                     "optimizer": (self._optim_wrapper if self._optimizer_in_bwd else self._optimizer).state_dict(),
-                    "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+                    # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
+                    "lr_scheduler": None if self._lr_scheduler is None else {
+                        k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)
+                    },
                     "rng": rng,
                     "config": {
                         "optimizer": self._cfg_optimizer._component_,
