@@ -1,0 +1,164 @@
+"""Time one AdamW step at Llama2-7B shapes for our variants and the field's, in one process.
+
+    python bench/optimizer_step.py --out bench/results/optimizer_step_h200.json
+
+Parameters are the 291 tensors of Llama2-7B (6.738 B) in bf16 at random values with random bf16 gradients
+(no weights are needed to time an optimizer). For each variant, in this order, in the same process: build the
+optimizer, time the first step (wall clock, includes Triton / torch.compile compilation), run warm-up steps,
+then time ``--steps`` steps with CUDA events and report the median. State bytes are the growth of
+``torch.cuda.memory_allocated`` across the first step, i.e. what the optimizer really allocated.
+
+Variants that fail (missing library, error) are recorded with their error instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def llama2_7b_shapes() -> list[tuple[int, ...]]:
+    dim, hidden, vocab, layers = 4096, 11008, 32000, 32
+    shapes = [(vocab, dim)]
+    for _ in range(layers):
+        shapes += [(dim, dim)] * 4 + [(hidden, dim), (dim, hidden), (hidden, dim)] + [(dim,)] * 2
+    return shapes + [(dim,), (vocab, dim)]
+
+
+def small_shapes() -> list[tuple[int, ...]]:
+    return [(512, 256), (256,), (1000, 77), (4096,), (33, 129)]
+
+
+def make_variant(name: str, params):
+    """name -> optimizer over params. The name is the config's `_component_` path (plus kwargs)."""
+    lr = 1e-5
+    if name == "torch.optim.AdamW(fused=True)":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    if name == "torch.optim.AdamW(foreach=True)":
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name.startswith("optimizers."):
+        import optimizers
+
+        cls_name, _, kw = name[len("optimizers."):].partition("(")
+        kwargs = eval(f"dict({kw[:-1]})") if kw else {}  # noqa: S307 - our own fixed variant strings
+        return getattr(optimizers, cls_name)(params, lr=lr, **kwargs)
+    if name.startswith("torchao.optim."):
+        import torchao.optim
+
+        return getattr(torchao.optim, name.split(".")[-1])(params, lr=lr)
+    if name.startswith("bitsandbytes.optim."):
+        import bitsandbytes.optim
+
+        return getattr(bitsandbytes.optim, name.split(".")[-1])(params, lr=lr)
+    raise ValueError(f"unknown variant {name}")
+
+
+def time_variant(name, shapes, steps, warmup, device):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=torch.bfloat16) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt = make_variant(name, params)
+    t0 = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    state = torch.cuda.memory_allocated() - base
+    for _ in range(warmup):
+        opt.step()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        opt.step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    finite = all(bool(torch.isfinite(p).all()) for p in params[:3])
+    rec = dict(variant=name, step_ms=statistics.median(times), step_ms_min=min(times), first_step_s=first,
+               state_gib=state / 2**30, finite_after=finite)
+    del opt, params
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+DEFAULT_VARIANTS = [
+    "torch.optim.AdamW(fused=True)",
+    "torch.optim.AdamW(foreach=True)",
+    "optimizers.AdamW",
+    "optimizers.AdamW8bit",
+    "optimizers.AdamW4bit",
+    "optimizers.AdamWFp8",
+    "torchao.optim.AdamW8bit",
+    "torchao.optim.AdamW4bit",
+    "torchao.optim.AdamWFp8",
+    "bitsandbytes.optim.AdamW8bit",
+]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--shapes", choices=["llama2_7b", "small"], default="llama2_7b")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/optimizer_step.py needs a CUDA GPU (it times device kernels)")
+    shapes = llama2_7b_shapes() if args.shapes == "llama2_7b" else small_shapes()
+    n = sum(torch.Size(s).numel() for s in shapes)
+    print(f"{len(shapes)} tensors, {n / 1e9:.3f} B params, bf16, on {torch.cuda.get_device_name()}", flush=True)
+    records = []
+    for name in args.variants:
+        try:
+            rec = time_variant(name, shapes, args.steps, args.warmup, "cuda")
+        except Exception as e:  # a failed variant is a row, not a crash
+            traceback.print_exc()
+            rec = dict(variant=name, error=f"{type(e).__name__}: {e}"[:500])
+            gc.collect()
+            torch.cuda.empty_cache()
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    print(f"\n| variant | step ms | first step s | state GiB |\n|---|---|---|---|")
+    for r in records:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:60]} | | |")
+        else:
+            print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['first_step_s']:.1f} | {r['state_gib']:.2f} |")
+    if args.out:
+        import triton
+
+        out = dict(
+            command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
+            hardware=f"{torch.cuda.get_device_name()}, {platform.machine()}",
+            date=datetime.date.today().isoformat(),
+            params=n, tensors=len(shapes), param_dtype="bfloat16",
+            versions=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version()),
+            note="Llama2-7B parameter shapes at random values (no weights needed to time an optimizer step).",
+            records=records,
+        )
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Lazy Triton import shared by the optimizer files.
+
+Triton is optional: without it the optimizers run their plain-PyTorch path. The format files define
+their Triton helpers at import time, so when Triton is missing ``jit`` returns a placeholder that raises
+the install instruction only if someone actually tries to launch it.
+
+On a machine without CUDA, Triton kernels still run under ``TRITON_INTERPRET=1`` (numpy-backed, slow,
+small tensors only): that is how CI checks the kernel logic. The variable must be set before this module
+is imported, because ``triton.jit`` picks the interpreter at decoration time.
+"""
+
+import os
+
+try:  # pragma: no cover - exercised implicitly by every import
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+INSTALL_HINT = "pip install triton (or construct the optimizer with backend='torch')"
+
+
+def jit(fn):
+    """``triton.jit`` when Triton is installed; otherwise a placeholder that fails when used."""
+    if HAVE_TRITON:
+        return triton.jit(fn)
+
+    def _missing(*args, **kwargs):
+        raise RuntimeError(f"Triton is not installed: {INSTALL_HINT}")
+
+    return _missing
+
+
+def triton_usable(device: "torch.device") -> bool:  # noqa: F821
+    """Whether the Triton path can run for tensors on ``device``."""
+    if not HAVE_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    # The interpreter runs CPU tensors; it is for tests, never picked automatically for speed.
+    return device.type == "cpu" and INTERPRET

@@ -1,0 +1,60 @@
+"""16-bit (or 32-bit) AdamW: plain moments in bf16 or fp32, through the same kernel as the low-bit formats.
+
+Bytes per parameter: 4 with bf16 states (``state_dtype=torch.bfloat16``, the default), 8 with fp32. The fp32
+format is also where every optimizer keeps tiny tensors (norm weights), whose states are not worth quantizing.
+"""
+
+import torch
+
+from ._triton import jit, tl
+from ._update import LowBitAdamW, StateFormat, _set_fp32_format, round_to
+
+BLOCK = 256  # only the tiling and padding unit here: nothing is block-scaled
+
+
+def _make(dtype: torch.dtype, name: str) -> StateFormat:
+    def quantize(x, signed):
+        return x.to(dtype), None
+
+    def dequantize(codes, scale, signed):
+        return codes.float()
+
+    return StateFormat(name=name, block_size=BLOCK, code_dtype=dtype, elems_per_code=1, scaled=False,
+                       quantize=quantize, dequantize=dequantize, triton_load=_load, triton_store=_store,
+                       bytes_per_element=torch.finfo(dtype).bits / 8)
+
+
+@jit
+def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED: tl.constexpr):
+    lo = tl.load(codes + off_lo, mask=emask_lo, other=0.0).to(tl.float32)
+    hi = tl.load(codes + off_hi, mask=emask_hi, other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@jit
+def _store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED: tl.constexpr):
+    tl.store(codes + off_lo, round_to(lo, codes.dtype.element_ty), mask=emask_lo)
+    tl.store(codes + off_hi, round_to(hi, codes.dtype.element_ty), mask=emask_hi)
+
+
+FORMAT_BF16 = _make(torch.bfloat16, "bf16")
+FORMAT_FP32 = _make(torch.float32, "fp32")
+_set_fp32_format(FORMAT_FP32)
+
+
+class AdamW(LowBitAdamW):
+    """AdamW with 16-bit (default) or 32-bit moments, updated by one multi-tensor kernel per step on CUDA.
+
+    Same arguments and defaults as ``torch.optim.AdamW`` (``amsgrad`` unsupported), plus keyword-only extras:
+    ``state_dtype`` (``torch.bfloat16`` or ``torch.float32``, or the strings ``"bf16"``/``"fp32"``), and those
+    of ``optimizers.AdamW8bit`` (``backend``, ``stochastic_round``, ``compensate``).
+    """
+
+    FORMAT = FORMAT_BF16
+
+    def __init__(self, params, *args, state_dtype=torch.bfloat16, **kwargs):
+        names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+        dtype = names.get(state_dtype, state_dtype) if isinstance(state_dtype, str) else state_dtype
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32 ('bf16'/'fp32'), got {state_dtype!r}")
+        super().__init__(params, *args, _format=FORMAT_BF16 if dtype == torch.bfloat16 else FORMAT_FP32, **kwargs)

@@ -1,0 +1,383 @@
+"""Spec-driven tests of optimizers.*: variant x param dtype x path (torch | triton) x device, against fp32 AdamW.
+
+On a machine without CUDA the Triton path runs under TRITON_INTERPRET=1 (set below, before the import), on
+small tensors: that checks the kernel's logic in CI. Tests marked ``gpu`` run the same checks on CUDA; they ran
+on the H200 (see bench/results/ and the issue notes). Tolerances are stated per spec: they are the measured
+error with a margin, and each test can fail (see the mutation notes in the asserts).
+"""
+
+import io
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import optimizers  # noqa: E402
+from optimizers import _dynamic_map as dm  # noqa: E402
+from optimizers import adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
+from optimizers._update import stochastic_round_bf16  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@dataclass
+class Spec:
+    name: str
+    cls: type
+    kwargs: dict = field(default_factory=dict)
+    # relative error of the total update (p_N - p_0) against fp32 torch.optim.AdamW after STEPS steps
+    tol_fp32: float = 0.05
+    tol_bf16: float = 0.08
+    exact_codes: bool = True  # triton and torch paths produce the same codes (integer-coded formats)
+
+
+SPECS = [
+    Spec("AdamW-bf16", optimizers.AdamW, {}, tol_fp32=0.01, tol_bf16=0.04, exact_codes=False),
+    Spec("AdamW-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04, exact_codes=False),
+    Spec("AdamW8bit", optimizers.AdamW8bit, {}, tol_fp32=0.03, tol_bf16=0.05),
+    # 4-bit on this noise-dominated problem: each op's quantization error equals torchao's AdamW4bit
+    # (same maps, nearest rounding), but torchao leaves these odd-sized tensors unquantized; we quantize them.
+    Spec("AdamW4bit", optimizers.AdamW4bit, {}, tol_fp32=0.25, tol_bf16=0.25),
+    Spec("AdamWFp8", optimizers.AdamWFp8, {}, tol_fp32=0.06, tol_bf16=0.08, exact_codes=False),
+]
+SPEC_IDS = [s.name for s in SPECS]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SHAPES = [(96, 70), (4096,), (40,), (129, 33), (2, 3, 300)]  # odd sizes, partial blocks, one tiny tensor
+STEPS = 8
+
+
+def _need(device):
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs CUDA")
+
+
+def _problem(seed, device, dtype):
+    """Parameters and a gradient function: a noisy quadratic pulling each tensor towards a target."""
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g) for s in SHAPES]
+    targets = [torch.randn(s, generator=g) for s in SHAPES]
+    noises = [[0.3 * torch.randn(s, generator=g) for s in SHAPES] for _ in range(STEPS)]
+
+    def grads(params, step):
+        return [((p.detach().float() - t.to(device)) + n.to(device)).to(p.dtype)
+                for p, t, n in zip(params, targets, noises[step])]
+
+    return [x.to(device, dtype) for x in init], grads
+
+
+def _run(make_opt, init, grads, steps=STEPS):
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = make_opt(params)
+    for s in range(steps):
+        for p, g in zip(params, grads(params, s)):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+def _update_rel_err(params, ref, init):
+    num = sum(float((p.float() - r.float()).norm() ** 2) for p, r in zip(params, ref))
+    den = sum(float((r.float() - x.float()).norm() ** 2) for r, x in zip(ref, init))
+    return (num / den) ** 0.5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_tracks_fp32_reference(spec, dtype, backend, device):
+    _need(device)
+    init, grads = _problem(0, device, dtype)
+    ref, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+                  [x.float() for x in init], grads)
+    params, opt = _run(lambda ps: spec.cls(ps, lr=0.05, weight_decay=0.1, backend=backend, **spec.kwargs),
+                       init, grads)
+    err = _update_rel_err(params, ref, [x.float() for x in init])
+    tol = spec.tol_fp32 if dtype == torch.float32 else spec.tol_bf16
+    assert err < tol, f"{spec.name} {dtype} {backend} {device}: update error {err:.4f} >= {tol}"
+    assert int(opt.nonfinite_count) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_triton_matches_torch_path(spec, dtype, device):
+    _need(device)
+    init, grads = _problem(1, device, dtype)
+    out = {}
+    for backend in ("torch", "triton"):
+        out[backend] = _run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, min_quant_numel=64, **spec.kwargs),
+                            init, grads, steps=3)
+    (pa, oa), (pb, ob) = out["torch"], out["triton"]
+    err = _update_rel_err(pb, pa, init)
+    # The interpreter's bf16/fp8 conversions round differently from torch's (and from the GPU's), so on CPU
+    # the float-coded formats are held to one code ulp's worth of drift rather than to bit equality.
+    loose = not spec.exact_codes and device == "cpu"
+    assert err < (0.05 if loose else 2e-3), f"triton vs torch path: update differs by {err:.2e}"
+    for a, b in zip(pa, pb):
+        for key, x in oa.state[a].items():
+            y = ob.state[b][key]
+            if key == "step":
+                assert float(x) == float(y) == 3.0
+            elif x.dtype == torch.uint8 and spec.exact_codes:
+                # fp32 fused multiply-adds can flip a code at a cell boundary; anything more is a bug
+                assert (x != y).float().mean() < 2e-3, f"{key}: codes differ"
+            elif x.dtype == torch.float32 and key.endswith("scale"):
+                torch.testing.assert_close(x, y, rtol=1e-2 if loose else 1e-4, atol=0)
+
+
+# -------------------------------------------------------------------------------------------------------
+# quantization properties
+# -------------------------------------------------------------------------------------------------------
+
+FORMATS = {
+    "8bit": (adamw8bit.quantize, adamw8bit.dequantize, 256),
+    "4bit": (adamw4bit.quantize, adamw4bit.dequantize, 128),
+    "fp8": (adamw_fp8.quantize, adamw_fp8.dequantize, 256),
+}
+
+
+def _bound(fmt, signed, x, absmax):
+    """Largest allowed |dequant - x| per element."""
+    a = x.abs() / absmax[:, None].clamp_min(1e-38)
+    if fmt == "8bit" or (fmt == "4bit" and signed):
+        bits = 8 if fmt == "8bit" else 4
+        E = bits - 1
+        # half a cell of the decade holding |x|; below 10^-E of the max: the value itself (rounds to 0)
+        dec = torch.floor(torch.log10(a.clamp_min(1e-30))).clamp(-E, -1) + 1  # upper decade exponent
+        n = 2.0 ** (dec + E - 1) * (1 if signed else 2)
+        half = 0.45 * 10.0 ** dec / n
+        rel = torch.where(a < 10.0 ** -E, a * 1.001, half * 1.01 + 1e-6)
+    elif fmt == "4bit":  # linear, no zero: (c+1)/16
+        rel = torch.full_like(a, 1 / 16 + 1e-6)
+    else:  # fp8 e4m3: 2^-4 relative in the normal range, 2^-10 of the max in the subnormal range
+        rel = torch.maximum(a * 2.0 ** -4, torch.full_like(a, 2.0 ** -10 * 448 / 448)) * 1.01
+    return rel * absmax[:, None]
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("kind", ["normal", "lognormal", "huge", "tiny", "zeros", "one_hot", "denormal"])
+def test_quantize_error_bounds(fmt, signed, kind):
+    quant, dequant, B = FORMATS[fmt]
+    g = torch.Generator().manual_seed(hash((fmt, signed, kind)) % 2**31)
+    x = torch.randn(7, B, generator=g)
+    if kind == "lognormal":
+        x = torch.exp(4 * torch.randn(7, B, generator=g)) * torch.sign(x)
+    elif kind == "huge":
+        x = x * 1e30
+    elif kind == "tiny":
+        x = x * 1e-30
+    elif kind == "zeros":
+        x = torch.zeros(7, B)
+    elif kind == "one_hot":
+        x = torch.zeros(7, B)
+        x[:, 3] = -2.5
+    elif kind == "denormal":
+        x = x * 1e-40
+    if not signed:
+        x = x.abs()
+    codes, scale = quant(x, signed)
+    y = dequant(codes, scale, signed)
+    assert torch.isfinite(y).all()
+    if kind == "denormal":  # below the smallest normal fp32 the block is stored as zero codes
+        # (the 4-bit second-moment map has no zero: its smallest code decodes to 1/16 of that tiny max)
+        assert (y.abs() <= x.abs().amax()).all() if (fmt == "4bit" and not signed) else (y == 0).all()
+        return
+    absmax = x.abs().amax(1)
+    err = (y - x).abs()
+    assert (err <= _bound(fmt, signed, x, absmax)).all(), f"max err {err.max()}"
+    if kind == "zeros" and not (fmt == "4bit" and not signed):
+        assert (y == 0).all()
+    if signed:
+        assert ((y * x) >= 0).all(), "sign flipped"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dynamic_map_encoder_picks_the_containing_cell(bits):
+    """Encoding a map value returns its own code (so decode(encode(v)) == v for every representable v)."""
+    for signed in (True, False):
+        qmap = dm.dynamic_map(bits, signed)
+        x = qmap[None, :].clone()
+        codes = dm.encode(x, torch.ones(1, 1), bits, signed)
+        torch.testing.assert_close(qmap[codes.long()], x)
+
+
+def test_dynamic_map_values_match_bitsandbytes():
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    for signed in (True, False):
+        ours = dm.dynamic_map(8, signed).sort().values
+        theirs = bnb_f.create_dynamic_map(signed=signed).float().sort().values
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+# -------------------------------------------------------------------------------------------------------
+# checkpoints, groups, rounding, non-finite gradients, options
+# -------------------------------------------------------------------------------------------------------
+
+
+def _save_load(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("where", ["cpu->cpu", pytest.param("cuda->cpu->cuda", marks=pytest.mark.gpu)])
+def test_state_dict_round_trip_is_exact(spec, where):
+    dev = "cpu" if where == "cpu->cpu" else "cuda"
+    _need(dev)
+    init, grads = _problem(2, dev, torch.bfloat16)
+    make = lambda ps: spec.cls(ps, lr=0.05, compensate=True, **spec.kwargs)  # noqa: E731
+    params, opt = _run(make, init, grads, steps=3)
+    sd = _save_load(opt.state_dict())
+    if where != "cpu->cpu":  # through the CPU: load into a CPU optimizer, save again, load back on CUDA
+        cpu_params = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        cpu_opt = make(cpu_params)
+        cpu_opt.load_state_dict(sd)
+        sd = _save_load(cpu_opt.state_dict())
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = make(clones)
+    opt2.load_state_dict(sd)
+    for step in range(3, 5):
+        for a, b, g in zip(params, clones, grads(params, step)):
+            a.grad, b.grad = g, g.clone()
+        opt.step()
+        opt2.step()
+    for a, b in zip(params, clones):
+        assert torch.equal(a, b)
+        for key, x in opt.state[a].items():
+            assert torch.equal(x, opt2.state[b][key]), key
+
+
+def test_load_state_of_another_format_fails_clearly():
+    p = [torch.nn.Parameter(torch.randn(4096))]
+    p[0].grad = torch.randn(4096)
+    o4 = optimizers.AdamW4bit(p)
+    o4.step()
+    o8 = optimizers.AdamW8bit([torch.nn.Parameter(torch.randn(4096))])
+    with pytest.raises(ValueError, match=r"format '4bit' into AdamW8bit"):
+        o8.load_state_dict(o4.state_dict())
+    with pytest.raises(ValueError, match="not an optimizers"):
+        o8.load_state_dict(torch.optim.AdamW(p).state_dict())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_param_groups_with_their_own_lr_and_weight_decay(backend):
+    init, grads = _problem(3, "cpu", torch.float32)
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 0.02, "weight_decay": 0.0},
+                {"params": ps[2:], "lr": torch.tensor(0.07), "weight_decay": 0.3, "betas": (0.8, 0.99)}]
+
+    ref, _ = _run(lambda ps: torch.optim.AdamW(groups(ps)), init, grads)
+    got, _ = _run(lambda ps: optimizers.AdamW(groups(ps), state_dtype="fp32", backend=backend), init, grads)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((200_000,), 1.0 + 0.3 * 2.0 ** -7)  # 0.3 of a bf16 ulp above 1.0
+    y = stochastic_round_bf16(x, torch.Generator().manual_seed(0)).float()
+    assert set(y.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+    assert abs(float(y.mean()) - float(x[0])) < 3e-5  # RTNE would be off by 0.3 ulp = 2.3e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["stochastic_round", "compensate", "plain"])
+def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
+    """Adam's first steps move each weight by ~lr; with lr = 0.3 ulp plain bf16 rounding loses every step."""
+    n, steps, lr = 8192, 4, 0.3 * 2.0 ** -8  # the bf16 ulp just below 1.0 is 2^-8
+    p = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    kw = {mode: True} if mode != "plain" else {}
+    opt = optimizers.AdamW([p], lr=lr, weight_decay=0.0, eps=0.0, state_dtype="fp32", backend=backend, **kw)
+    for _ in range(steps):
+        p.grad = torch.ones(n, dtype=torch.bfloat16)
+        opt.step()
+    exact = 1.0 - steps * lr
+    got = p.float().mean()
+    if mode == "compensate":
+        got = got + opt.state[p]["error"].float().reshape(-1)[:n].mean()
+    if mode == "plain":
+        assert float(got) == 1.0  # the failure mode the options exist for
+    else:
+        assert abs(float(got) - exact) < 2e-4, (float(got), exact)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend):
+    init, grads = _problem(4, "cpu", torch.float32)
+    params, opt = _run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, **spec.kwargs), init, grads, steps=2)
+    before = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    gs = grads(params, 2)
+    bad = gs[0].view(-1)
+    bad[[0, 5, 77]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for p, g in zip(params, gs):
+        p.grad = g
+    opt.step()
+    assert int(opt.nonfinite_count) == 3
+    for p in params:
+        assert torch.isfinite(p).all()
+        for key, val in opt.state[p].items():
+            assert torch.isfinite(val.float()).all(), key
+    flat, old = params[0].detach().view(-1), before[0].view(-1)
+    assert torch.equal(flat[[0, 5, 77]], old[[0, 5, 77]])  # skipped elements keep their weight
+    assert (flat[1:5] != old[1:5]).all()  # finite neighbours were updated
+    # and the skipped elements kept their moments (decoded values equal the old ones)
+    fmt = opt._buckets[0].fmt if opt._buckets[0].params[0] is params[0] else None
+    if fmt is not None:
+        m_old = fmt.dequantize(states[0]["exp_avg"], states[0].get("exp_avg_scale"), True).view(-1)
+        m_new = fmt.dequantize(opt.state[params[0]]["exp_avg"], opt.state[params[0]].get("exp_avg_scale"),
+                               True).view(-1)
+        # the block scale may change, so compare within the format's resolution (4-bit: a few codes per decade)
+        atol = 0.12 * float(m_new.abs().max()) if fmt.name == "4bit" else 1e-3
+        torch.testing.assert_close(m_new[[0, 5, 77]], m_old[[0, 5, 77]], rtol=0.15, atol=atol)
+
+
+def test_small_tensors_keep_fp32_states_and_state_bytes_are_counted():
+    big, small = torch.nn.Parameter(torch.randn(8192)), torch.nn.Parameter(torch.randn(100))
+    opt = optimizers.AdamW4bit([big, small])
+    big.grad, small.grad = torch.randn(8192), torch.randn(100)
+    opt.step()
+    assert opt.state[big]["exp_avg"].dtype == torch.uint8 and opt.state[big]["exp_avg"].numel() == 4096
+    assert opt.state[small]["exp_avg"].dtype == torch.float32
+    # 4-bit: 2 x 4096 bytes of codes + 2 x 64 fp32 scales; fp32 small: 2 x 256 (padded) x 4
+    assert opt.state_bytes() == 2 * 4096 + 2 * 64 * 4 + 2 * 256 * 4
+
+
+def test_constructor_validates_like_torch():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="learning rate"):
+        optimizers.AdamW8bit(p, lr=-1.0)
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        optimizers.AdamW8bit(p, betas=(0.9, 1.0))
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        optimizers.AdamW4bit(p, amsgrad=True)
+    with pytest.raises(ValueError, match="backend"):
+        optimizers.AdamWFp8(p, backend="cuda")
+    with pytest.raises(ValueError, match="state_dtype"):
+        optimizers.AdamW(p, state_dtype=torch.float16)
+
+
+def test_defaults_match_torch_adamw():
+    import inspect
+
+    ours = inspect.signature(optimizers.AdamW8bit.__init__).parameters
+    theirs = inspect.signature(torch.optim.AdamW.__init__).parameters
+    for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        assert ours[name].default == theirs[name].default, name
+
+
+def test_maximize_ascends():
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = optimizers.AdamW8bit([p], lr=0.1, maximize=True, weight_decay=0.0)
+    p.grad = torch.ones(4096)
+    opt.step()
+    assert (p > 0).all()
