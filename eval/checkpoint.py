@@ -102,7 +102,12 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 def load_model(ckpt: Path, device: torch.device, dtype: torch.dtype) -> transformers.LlamaForCausalLM:
     """The checkpoint's weights in eval mode on `device`; missing tensors are an error, not a random init."""
-    model, info = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # missing weights get our one-line error, not transformers' report too
+    try:
+        model, info = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise EvalInputError(f"checkpoint_dir={ckpt} lacks {len(missing)} weights (e.g. {missing[:3]}) that config.json needs: {FIX_CHECKPOINT}")

@@ -3,10 +3,10 @@
     python -m eval.parity --checkpoint_dir /tmp/tiny/epoch_0 [--limit 20] [--out eval/results/tiny_parity.json]
 
 Ours runs as users run it (`tune run recipes/evaluate.py ...`, local mc_task.json). The reference is
-`lm_eval.simple_evaluate(model="hf", model_args="pretrained=DIR,add_bos_token=True,dtype=float32", ...)`: lm-eval
+`lm_eval.simple_evaluate(model="hf", model_args="pretrained=DIR,add_bos_token=False,dtype=float32", ...)`: lm-eval
 loads the folder itself (AutoModelForCausalLM, AutoTokenizer) and runs its own truthfulqa_mc2 config, whose
 dataset is the hub's rows written to a JSON-lines file (the hub is out of reach here) and read by `datasets`'
-json loader. Both use BOS and fp32 on CPU. Prints both scores; with --out, writes them with the commands,
+json loader. Both set the same BOS convention explicitly (default: no BOS) and run fp32 on CPU. Prints both scores; with --out, writes them with the commands,
 timings, hardware and date.
 """
 
@@ -56,18 +56,18 @@ def write_hub_jsonl(mc_task_json, path) -> Path:
     return path
 
 
-def hf_model_args(checkpoint_dir) -> str:
-    return f"pretrained={Path(checkpoint_dir).resolve()},add_bos_token=True,dtype=float32"
+def hf_model_args(checkpoint_dir, add_bos: bool) -> str:
+    return f"pretrained={Path(checkpoint_dir).resolve()},add_bos_token={add_bos},dtype=float32"
 
 
-def run_lm_eval_hf(checkpoint_dir, data_dir, *, limit=None, batch_size=8) -> tuple[dict, str]:
+def run_lm_eval_hf(checkpoint_dir, data_dir, *, limit=None, batch_size=8, add_bos=False) -> tuple[dict, str]:
     """lm-eval's `hf` path on checkpoint_dir; returns (results, the call as text)."""
     with tempfile.TemporaryDirectory() as tmp:
         task = reference_task_config(write_hub_jsonl(Path(data_dir) / DATA_FILE, Path(tmp) / "truthfulqa_mc.jsonl"))
-        call = f"lm_eval.simple_evaluate(model='hf', model_args='{hf_model_args(checkpoint_dir)}', tasks=[truthfulqa_mc2 on hub-format rows], limit={limit}, batch_size={batch_size}, device='cpu')"
+        call = f"lm_eval.simple_evaluate(model='hf', model_args='{hf_model_args(checkpoint_dir, add_bos)}', tasks=[truthfulqa_mc2 on hub-format rows], limit={limit}, batch_size={batch_size}, device='cpu')"
         results = lm_eval.simple_evaluate(
             model="hf",
-            model_args=hf_model_args(checkpoint_dir),
+            model_args=hf_model_args(checkpoint_dir, add_bos),
             tasks=[task],
             task_manager=lm_eval.tasks.TaskManager(include_defaults=False),
             limit=limit,
@@ -78,17 +78,17 @@ def run_lm_eval_hf(checkpoint_dir, data_dir, *, limit=None, batch_size=8) -> tup
     return results, call
 
 
-def our_command(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8) -> list[str]:
+def our_command(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8, add_bos=False) -> list[str]:
     return [
         "tune", "run", "recipes/evaluate.py", "--config", "configs/eval/truthfulqa_mc2.yaml",
         f"checkpoint_dir={checkpoint_dir}", f"data_dir={data_dir}", f"output_dir={output_dir}",
-        f"limit={'null' if limit is None else limit}", f"batch_size={batch_size}", "device=cpu", "dtype=fp32",
+        f"limit={'null' if limit is None else limit}", f"batch_size={batch_size}", f"add_bos={add_bos}", "device=cpu", "dtype=fp32",
     ]  # fmt: skip
 
 
-def run_ours(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8) -> tuple[dict, list[str]]:
+def run_ours(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8, add_bos=False) -> tuple[dict, list[str]]:
     """Our recipe as a user runs it, from the repo root; returns (its results JSON, the command)."""
-    cmd = our_command(Path(checkpoint_dir).resolve(), Path(data_dir).resolve(), output_dir, limit=limit, batch_size=batch_size)
+    cmd = our_command(Path(checkpoint_dir).resolve(), Path(data_dir).resolve(), output_dir, limit=limit, batch_size=batch_size, add_bos=add_bos)
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     (path,) = sorted(Path(output_dir).glob("results_*.json"))[-1:]
     return json.loads(path.read_text()), cmd
@@ -114,16 +114,17 @@ def main(argv=None) -> int:
     parser.add_argument("--data_dir", default="../shared/data")
     parser.add_argument("--limit", type=int, default=None, help="first N questions (default: all 817)")
     parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--add_bos", action="store_true", help="prepend BOS in both paths (default: no BOS, see docs/eval.md)")
     parser.add_argument("--out", default=None, help="write the numbers here as JSON")
     parser.add_argument("--note", default=None, help="free text stored with the numbers (e.g. how the checkpoint was made)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        ours, cmd = run_ours(args.checkpoint_dir, args.data_dir, tmp, limit=args.limit, batch_size=args.batch_size)
+        ours, cmd = run_ours(args.checkpoint_dir, args.data_dir, tmp, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos)
         ours_wall = time.perf_counter() - start
     start = time.perf_counter()
-    ref, call = run_lm_eval_hf(args.checkpoint_dir, args.data_dir, limit=args.limit, batch_size=args.batch_size)
+    ref, call = run_lm_eval_hf(args.checkpoint_dir, args.data_dir, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos)
     ref_wall = time.perf_counter() - start
 
     ours_score = ours["results"][TASK_NAME]["acc,none"]
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
             "wall_seconds": round(ref_wall, 1),  # in-process: model load and eval
         },
         "abs_diff": abs(ours_score - ref_score),
-        "bos": "prepended in both paths (add_bos: True / add_bos_token=True)",
+        "add_bos": args.add_bos,  # the same in both paths: add_bos=... / add_bos_token=...
         "batch_size": args.batch_size,
         "dtype": "float32",
         "hardware": hardware(),

@@ -98,5 +98,5 @@ def task_spec(data_source: str, data_dir):
     if data_source == "local":
         data_file = Path(data_dir) / DATA_FILE
         read_mc_task(data_file)  # fail now, with our message, rather than inside lm-eval
-        return local_task_config(data_file)
+        return local_task_config(data_file.resolve())
     raise EvalInputError(f"data_source={data_source!r} is not one of {list(DATA_SOURCES)}: set data_source=local (offline) or data_source=hub")

@@ -13,8 +13,9 @@ Features (each behind a config key):
     - data_source: `local` reads {data_dir}/truthfulqa/mc_task.json (no network) into lm-eval's own task;
       `hub` runs lm-eval's task as-is, downloading truthfulqa/truthful_qa. Same documents, prompt, choices.
     - tasks: [truthfulqa_mc2], the only task supported; any other name is an error.
-    - add_bos: prepend BOS to every request, as the published Llama 2 numbers do (True); torchtune's own
-      eleuther_eval wrapper does not, which lowers Llama 2 scores.
+    - add_bos: whether a BOS token starts every request. False (default) is the convention of the published
+      Llama 2 truthfulqa_mc2 numbers (Open LLM Leaderboard), torchtune's eleuther_eval and lm-eval before 0.4.10;
+      docs/eval.md, "BOS", has the evidence. It is passed to lm-eval explicitly, never left to the tokenizer.
     - device (auto/cpu/cuda), dtype (fp32/bf16), batch_size, limit (first N questions; null = all 817).
     - output_dir: where lm-eval's results JSON goes; default {checkpoint_dir}/../eval/{checkpoint name}/.
     - wandb_project: when set, the scores and task config go to a Weights & Biases run.
@@ -42,7 +43,7 @@ class EvalRecipe:
         self.dtype = resolve_dtype(cfg.get("dtype", "fp32"))
         self.batch_size = int(cfg.get("batch_size", 8))
         self.limit = cfg.get("limit", None)
-        self.add_bos = bool(cfg.get("add_bos", True))
+        self.add_bos = bool(cfg.get("add_bos", False))
         self.data_source = cfg.get("data_source", "local")
         self.data_dir = Path(cfg.get("data_dir", "../shared/data"))
         self.wandb_project = cfg.get("wandb_project", None)
