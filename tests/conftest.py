@@ -22,6 +22,13 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET once, when it is first imported, and torchtune (imported by
+# several test modules at collection) imports it. So set it here, before any test module
+# loads: without CUDA, Triton kernels (the optimizers' tests) then run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -152,8 +159,6 @@ def recipe_runner(tmp_path):
 
 
 def pytest_collection_modifyitems(config, items: Sequence[pytest.Item]) -> None:
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
