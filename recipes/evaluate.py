@@ -8,7 +8,7 @@ recipe loads our checkpoint, hands it over, and reports.
 
 Features (each behind a config key):
     - checkpoint_dir: an HF-format Llama folder (the fine-tune recipe's epoch_N/ or step_N/, or any HF Llama).
-      A missing, partial or non-Llama checkpoint stops with one message and exit status 1.
+      A missing, partial or non-Llama checkpoint stops with one message and exit status 2 (as the fine-tune recipe).
     - tokenizer_path: the SentencePiece model; default the checkpoint's own tokenizer.model.
     - data_source: `local` reads {data_dir}/truthfulqa/mc_task.json (no network) into lm-eval's own task;
       `hub` runs lm-eval's task as-is, downloading truthfulqa/truthful_qa. Same documents, prompt, choices.
@@ -93,7 +93,7 @@ def recipe_main(cfg: DictConfig) -> int:
         recipe.evaluate()
     except EvalInputError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -173,14 +173,14 @@ def test_wandb_logging(tmp_path, tiny_checkpoint, monkeypatch):
     assert logged == [pytest.approx(score)]
 
 
-# (3) Bad input: one clear message naming the value and the fix, exit status 1.
+# (3) Bad input: one clear message naming the value and the fix, exit status 2 (as the fine-tune recipe).
 
 
 def _run_recipe(capsys, **overrides) -> str:
     cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"data_dir": str(DATA_DIR), "device": "cpu", "limit": 1}, overrides)
     status = _recipe_module().recipe_main.__wrapped__(cfg)  # past @config.parse, which reads sys.argv
     err = capsys.readouterr().err.strip()
-    assert status == 1
+    assert status == 2
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and err.endswith(errors[0]), err  # one message, last (after any progress bar)
     return errors[0]
@@ -271,7 +271,7 @@ def test_unsupported_task_and_options(capsys, tiny_checkpoint):
 def test_bad_input_exit_status_from_the_command_line(tiny_checkpoint):
     cmd = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "tasks=[mmlu]"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: tasks=['mmlu']: unsupported task")
 
 
