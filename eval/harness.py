@@ -6,9 +6,13 @@ from datetime import datetime
 from pathlib import Path
 
 import lm_eval
-from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
+
+try:
+    from lm_eval.models.huggingface import HFLM
+except ImportError as e:  # lm-eval installs its HF backend's dependencies only with the `lm_eval[hf]` extra
+    raise ImportError(f"lm-eval's HF model class cannot be imported ({e}): pip install accelerate (or 'lm_eval[hf]')") from e
 
 
 def evaluate(model, tokenizer, task, *, add_bos: bool, batch_size: int, limit: int | None) -> dict:

@@ -17,7 +17,6 @@ import pytest
 import sentencepiece
 import torch
 import transformers
-from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from omegaconf import OmegaConf
 
@@ -25,6 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # `eval` from this checkout, installed or not
 
 from eval.checkpoint import load_tokenizer  # noqa: E402
+from eval.harness import HFLM  # noqa: E402  (lm-eval's class; the import says what to install if it fails)
 from eval.parity import reference_task_config, run_lm_eval_hf  # noqa: E402
 from eval.truthfulqa import TASK_NAME, local_task_config  # noqa: E402
 
