@@ -32,7 +32,7 @@ from torchtune import config
 from eval import harness
 from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype
 from eval.errors import EvalInputError
-from eval.truthfulqa import TASK_NAME, check_tasks, task_spec
+from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec
 
 
 class EvalRecipe:
@@ -59,9 +59,14 @@ class EvalRecipe:
 
     def evaluate(self) -> dict:
         start = time.perf_counter()
-        results = harness.evaluate(
-            self.model, self.tokenizer, self.task, add_bos=self.add_bos, batch_size=self.batch_size, limit=self.limit
-        )
+        try:
+            results = harness.evaluate(
+                self.model, self.tokenizer, self.task, add_bos=self.add_bos, batch_size=self.batch_size, limit=self.limit
+            )
+        except ConnectionError as e:  # `datasets` could not fetch lm-eval's dataset
+            if self.data_source != "hub":
+                raise
+            raise EvalInputError(f"data_source=hub but the hub is out of reach ({e}): use data_source=local, which reads {self.data_dir / DATA_FILE}")
         seconds = time.perf_counter() - start
         results["total_evaluation_time_seconds"] = str(seconds)  # the key (and string type) lm-eval's CLI writes
         results["recipe"] = {

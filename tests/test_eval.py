@@ -268,6 +268,15 @@ def test_unsupported_task_and_options(capsys, tiny_checkpoint):
     assert "dtype='int4'" in _run_recipe(capsys, checkpoint_dir=str(tiny_checkpoint), dtype="int4")
 
 
+def test_hub_out_of_reach(tiny_checkpoint):
+    """data_source=hub runs lm-eval's task as-is; without the hub that is one message pointing at data_source=local."""
+    cmd = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "data_source=hub", "limit=1"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**_tune_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data_source=hub but the hub is out of reach") and "use data_source=local" in last
+
+
 def test_bad_input_exit_status_from_the_command_line(tiny_checkpoint):
     cmd = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "tasks=[mmlu]"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
