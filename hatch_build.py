@@ -14,10 +14,11 @@ repo's root only (importlib.machinery.PathFinder.find_spec('recipes', [REPO_ROOT
 import, torchtune's own included, goes through the normal finders untouched. Submodules
 (`recipes.full_finetune_single_device`) follow from the package's __path__.
 
-Trade-off: the repo's absolute path is baked in at install time, so a moved checkout needs
-`pip install -e .` again (until then the finder finds nothing there and steps aside). The
-standard (non-editable) wheel ships the finder too but not recipes/ itself, which would
-overwrite torchtune's recipes/__init__.py in site-packages; recipes are run from the checkout.
+Trade-off: for an editable install the repo's absolute path is baked in, so a moved checkout
+needs `pip install -e .` again (until then the finder finds nothing there and steps aside).
+A standard (non-editable) wheel must not put recipes/ at the top of site-packages, where it
+would overwrite torchtune's recipes/__init__.py: it carries our recipes as
+`_finetune_recipes/recipes/` and the finder points there instead.
 """
 
 import shutil
@@ -28,15 +29,16 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 FINDER_MODULE = "_finetune_recipes_finder"
 
-FINDER_SOURCE = '''"""Resolve the top-level name `recipes` to {repo}/recipes.
+FINDER_SOURCE = '''"""Resolve the top-level name `recipes` to {where}/recipes.
 
 Installed by hatch_build.py of that repo (read its docstring for why): torchtune ships a
 `recipes` package that shadows ours and `tune run` appends the cwd after site-packages.
 """
 import importlib.machinery
+import os
 import sys
 
-REPO_ROOT = {repo!r}
+REPO_ROOT = {root}
 
 
 class RecipesFinder:
@@ -64,10 +66,19 @@ class RecipesFinderHook(BuildHookInterface):
             return
         self._tmp = Path(tempfile.mkdtemp(prefix="recipes-finder-"))
         module = self._tmp / f"{FINDER_MODULE}.py"
-        module.write_text(FINDER_SOURCE.format(repo=str(Path(self.root).resolve())))
         pth = self._tmp / f"{FINDER_MODULE}.pth"
         pth.write_text(f"import {FINDER_MODULE}\n")
-        key = "force_include_editable" if version == "editable" else "force_include"
+        if version == "editable":
+            repo = str(Path(self.root).resolve())
+            module.write_text(FINDER_SOURCE.format(where=repo, root=repr(repo)))
+            key = "force_include_editable"
+        else:
+            # pyproject excludes recipes/ from this wheel's top level; it goes in here instead.
+            module.write_text(FINDER_SOURCE.format(
+                where="site-packages/_finetune_recipes",
+                root='os.path.join(os.path.dirname(os.path.abspath(__file__)), "_finetune_recipes")'))
+            key = "force_include"
+            build_data[key][str(Path(self.root) / "recipes")] = "_finetune_recipes/recipes"
         build_data[key][str(module)] = f"{FINDER_MODULE}.py"
         build_data[key][str(pth)] = f"{FINDER_MODULE}.pth"
 
