@@ -287,7 +287,10 @@ class FullFinetuneRecipeSingleDevice:
         dtype = cfg.get("dtype", "bf16")
         if dtype not in ("bf16", "fp32"):
             raise BadInput(f"dtype={dtype!r} is not supported; use dtype=bf16 or dtype=fp32")
-        self._device = utils.get_device(device=cfg.get("device", "cuda"))
+        device = cfg.get("device", "cuda")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise BadInput(f"device={device} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny model)")
+        self._device = utils.get_device(device=device)
         self._dtype = training.get_dtype(dtype, device=self._device)
 
         self._batch_size = _positive(cfg, "batch_size")
@@ -395,11 +398,20 @@ class FullFinetuneRecipeSingleDevice:
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
     def _check_paths(self, cfg: DictConfig) -> None:
+        def fix_for(section: str, key: str, what: str) -> str:
+            # Name the key the user actually sets: the folder the path is built from, if any.
+            raw = str(OmegaConf.to_container(cfg[section], resolve=False).get(key, ""))
+            if "${data_dir}" in raw:
+                return f"set data_dir=DIR (the folder holding {what}, e.g. ../shared/data)"
+            if "${checkpoint_dir}" in raw:
+                return "set checkpoint_dir=DIR (the HF model folder, which holds tokenizer.model)"
+            return f"set {section}.{key}=FILE"
+
         tok = Path(cfg.tokenizer.path)
         if not tok.is_file():
             raise BadInput(
-                f"tokenizer.path={tok} does not exist; set data_dir=DIR (the folder holding "
-                "llama2_tokenizer/tokenizer.model, e.g. ../shared/data) or tokenizer.path=FILE"
+                f"tokenizer.path={tok} does not exist; "
+                + fix_for("tokenizer", "path", "llama2_tokenizer/tokenizer.model")
             )
         self._tokenizer_path = tok
 
@@ -415,9 +427,9 @@ class FullFinetuneRecipeSingleDevice:
             for f in files:
                 if not Path(f).is_file():
                     raise BadInput(
-                        f"dataset.data_files={f} does not exist; set data_dir=DIR (the folder holding "
-                        "alpaca/alpaca_data.json) or dataset.data_files=FILE, or use the hub with "
-                        "dataset.source=tatsu-lab/alpaca ~dataset.data_files"
+                        f"dataset.data_files={f} does not exist; "
+                        + fix_for("dataset", "data_files", "alpaca/alpaca_data.json")
+                        + ", or take Alpaca from the hub with dataset.source=tatsu-lab/alpaca ~dataset.data_files"
                     )
 
         ckpt = cfg.get("checkpoint_dir")

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from conftest import DATA_DIR, FAST, REPO_ROOT, RECIPE, TINY_CONFIG, run_recipe
 
@@ -72,7 +73,8 @@ CASES = [
     ("kwarg-rejected", lambda t: ["optimizer=bitsandbytes.optim.AdamW8bit", "optimizer.maximize=True"],
      ["optimizer.maximize=True is not accepted by bitsandbytes.optim.AdamW8bit", "~optimizer.maximize"]),
     ("missing-data-file", lambda t: [f"dataset.data_files={t}/nope/alpaca_data.json"],
-     ["dataset.data_files={t}/nope/alpaca_data.json does not exist", "data_dir="]),
+     ["dataset.data_files={t}/nope/alpaca_data.json does not exist", "set dataset.data_files=FILE",
+      "dataset.source=tatsu-lab/alpaca"]),
     ("malformed-data-file", lambda t: [f"dataset.data_files={t / 'bad.json'}"],
      ["could not load the dataset {t}/bad.json", "JSON list of records"]),
     ("record-without-output", lambda t: [f"dataset.data_files={t / 'no_output.json'}"],
@@ -80,9 +82,10 @@ CASES = [
     ("records-without-instruction", lambda t: [f"dataset.data_files={t / 'no_instruction.json'}"],
      ["have no 'instruction' field"]),
     ("missing-tokenizer", lambda t: [f"tokenizer.path={t}/tokenizer.model"],
-     ["tokenizer.path={t}/tokenizer.model does not exist", "data_dir="]),
+     ["tokenizer.path={t}/tokenizer.model does not exist", "set tokenizer.path=FILE"]),
     ("wrong-data-dir", lambda t: [f"data_dir={t}/nowhere"],
-     ["tokenizer.path={t}/nowhere/llama2_tokenizer/tokenizer.model does not exist"]),
+     ["tokenizer.path={t}/nowhere/llama2_tokenizer/tokenizer.model does not exist", "set data_dir=DIR"]),
+    ("no-gpu", lambda t: ["device=cuda"], ["device=cuda but no CUDA GPU is visible", "device=cpu"]),
     ("missing-checkpoint-dir", lambda t: [f"checkpoint_dir={t}/Llama-2-7b-hf"],
      ["checkpoint_dir={t}/Llama-2-7b-hf is not a folder with HF weights", "checkpoint_dir=null"]),
     ("missing-resume-dir", lambda t: [f"resume_from_checkpoint={t}/step_9"],
@@ -112,6 +115,8 @@ def test_bad_input_stops_before_training(tmp_path, out_with_checkpoint, make_ove
     write_json(tmp_path / "no_output.json", [GOOD, {"instruction": "Say bye.", "input": ""}, GOOD])
     write_json(tmp_path / "no_instruction.json", [{"input": "", "output": "x"}] * 3)
     before = snapshot(out_with_checkpoint)
+    if "device=cuda" in make_overrides(tmp_path) and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: device=cuda is not bad input here")
 
     if via_cli:
         run = run_recipe(out_with_checkpoint, *make_overrides(tmp_path), timeout=300)
