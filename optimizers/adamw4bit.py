@@ -49,7 +49,11 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
 def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED: tl.constexpr):
     s = tl.load(scale + blk, mask=bmask, other=0.0)[:, None]
     byte = tl.load(codes + (off_lo - blk[:, None] * _HALF), mask=bmask[:, None], other=0).to(tl.int32)
-    return tl.load(qmap + (byte & 15)) * s, tl.load(qmap + (byte >> 4)) * s
+    lo, hi = byte & 15, byte >> 4
+    if SIGNED:
+        return dm.decode_tl(lo, 4, True) * s, dm.decode_tl(hi, 4, True) * s
+    else:  # linear map without zero: (c + 1) / 16
+        return (lo + 1).to(tl.float32) * (s * 0.0625), (hi + 1).to(tl.float32) * (s * 0.0625)
 
 
 @jit
@@ -76,7 +80,7 @@ FORMAT = StateFormat(
     name="4bit", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize, dequantize=dequantize, triton_load=_load, triton_store=_store,
     qmap_signed=_QMAP_SIGNED, qmap_unsigned=_QMAP_UNSIGNED, bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=8, num_warps=2,
+    tile_blocks=8, num_warps=4,
 )
 
 

@@ -31,7 +31,7 @@ def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SI
     s = tl.load(scale + blk, mask=bmask, other=0.0)[:, None]
     c_lo = tl.load(codes + off_lo, mask=bmask[:, None], other=0).to(tl.int32)
     c_hi = tl.load(codes + off_hi, mask=bmask[:, None], other=0).to(tl.int32)
-    return tl.load(qmap + c_lo) * s, tl.load(qmap + c_hi) * s
+    return dm.decode_tl(c_lo, 8, SIGNED) * s, dm.decode_tl(c_hi, 8, SIGNED) * s
 
 
 @jit
