@@ -382,3 +382,37 @@ def test_maximize_ascends():
     p.grad = torch.ones(4096)
     opt.step()
     assert (p > 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
+    """torchtune's optimizer-in-backward (one optimizer per parameter, stepped from a grad hook) equals one
+    optimizer stepped after backward: the update is per element, so grouping must not change it."""
+    from torchtune.training import register_optim_in_bwd_hooks
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64),
+                                   torch.nn.LayerNorm(64))
+
+    make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, min_quant_numel=1024, **spec.kwargs)  # noqa: E731
+    if spec.cls is optimizers.AdamW:
+        make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, **spec.kwargs)  # noqa: E731
+    data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    a = model()
+    opt = make(a.parameters())
+    for x in data:
+        a(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    b = model()
+    per_param = {p: make([p]) for p in b.parameters()}
+    register_optim_in_bwd_hooks(b, per_param)
+    for x in data:
+        b(x).pow(2).mean().backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert pb.grad is None  # stepped and freed in backward
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=f"{name} differs")
