@@ -27,8 +27,9 @@ import torch
 # Triton reads TRITON_INTERPRET once, when it is first imported, and torchtune (imported by
 # several test modules at collection) imports it. So set it here, before any test module
 # loads: without CUDA, Triton kernels (the optimizers' tests) then run in the interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_SET_TRITON_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+if _SET_TRITON_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
@@ -80,6 +81,10 @@ def recipe_env(**extra: str) -> Dict[str, str]:
     env = dict(os.environ)
     # Same thread count everywhere, so recorded losses do not depend on the machine's core count.
     env.setdefault("OMP_NUM_THREADS", "2")
+    if _SET_TRITON_INTERPRET:
+        # Set above for the in-process kernel tests only; a recipe run takes its normal path
+        # (pass TRITON_INTERPRET="1" here to run Triton kernels interpreted inside the recipe).
+        env.pop("TRITON_INTERPRET", None)
     env.pop("WANDB_API_KEY", None)
     env.pop("WANDB_MODE", None)
     env["WANDB_SILENT"] = "true"
