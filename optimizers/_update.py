@@ -217,6 +217,16 @@ def _set_fp32_format(fmt: StateFormat) -> None:
     _FP32 = fmt
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and their grads), else the tensor itself.
+
+    Each rank quantizes only its own shard: blocks never straddle ranks, uneven (even empty) shards work, and
+    the kernel sees plain local tensors. The state is per rank, so a checkpoint of it is per rank too.
+    """
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 class _Bucket:
     """Parameters that share one device, one dtype and one format, with their flat state buffers."""
 
@@ -225,7 +235,7 @@ class _Bucket:
         self.params = params
         self.device = device
         B = fmt.block_size
-        self.numels = [p.numel() for p in params]
+        self.numels = [_local(p).numel() for p in params]
         self.offsets = []
         total = 0
         for n in self.numels:
@@ -347,11 +357,11 @@ class LowBitAdamW(Optimizer):
         groups: dict = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if not p.is_contiguous():
+                if not _local(p).is_contiguous():
                     raise ValueError(f"{type(self).__name__} needs contiguous parameters; got one of shape "
-                                     f"{tuple(p.shape)} with strides {p.stride()}")
+                                     f"{tuple(p.shape)} with strides {_local(p).stride()}")
                 fmt = self._param_format(p)
-                key = (p.device, p.dtype, fmt.name)
+                key = (_local(p).device, p.dtype, fmt.name)
                 groups.setdefault(key, (fmt, []))[1].append(p)
         self._buckets = []
         for (device, dtype, _), (fmt, params) in groups.items():
@@ -362,7 +372,7 @@ class LowBitAdamW(Optimizer):
                 st["step"] = torch.tensor(0.0)
                 st.update(b.views(i))
             self._buckets.append(b)
-        dev = self.param_groups[0]["params"][0].device
+        dev = _local(self.param_groups[0]["params"][0]).device
         self.nonfinite_count = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def _hparams(self) -> dict:
@@ -426,13 +436,17 @@ class LowBitAdamW(Optimizer):
         meta, tiles = b.plan(active, nb)
         grads = []
         ptrs = []
+        locals_ = []
         for i in active:
-            p = b.params[i]
-            g = p.grad
+            p = _local(b.params[i])
+            g = _local(b.params[i].grad)
             if g.dtype != p.dtype or not g.is_contiguous():
                 g = g.to(dtype=p.dtype, memory_format=torch.contiguous_format)
             grads.append(g)  # keeps converted grads alive until the launch is queued
+            locals_.append(p)
             ptrs.append([p.data_ptr(), g.data_ptr()])
+        if tiles.numel() == 0:  # every active shard on this rank is empty
+            return
         aligned = all(n % 16 == 0 for n in (b.numels[i] for i in active)) and all(
             a % 16 == 0 for pair in ptrs for a in pair)
         pin = b.device.type == "cuda"
@@ -440,7 +454,7 @@ class LowBitAdamW(Optimizer):
         hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(b.device, non_blocking=True)
         fmt = b.fmt
         _adamw_kernel[(tiles.numel(),)](
-            ptr_t, meta, hp_t, tiles, b.params[active[0]], grads[0],
+            ptr_t, meta, hp_t, tiles, locals_[0], grads[0],
             b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.qmap_m, b.qmap_v, b.err, self.nonfinite_count,
             self._seed,
             BLOCK=fmt.block_size, NB=nb, LOAD=fmt.triton_load, STORE=fmt.triton_store,
@@ -451,12 +465,12 @@ class LowBitAdamW(Optimizer):
 
     def _step_torch(self, b: _Bucket, i: int, hp: list) -> None:
         """The reference path: same math as the kernel, one parameter at a time, in plain PyTorch."""
-        p = b.params[i]
+        st = self.state[b.params[i]]
+        p, grad = _local(b.params[i]), _local(b.params[i].grad)
         # fp32 scalars, like the kernel's table, so that both paths round the same way
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = torch.tensor(hp, dtype=torch.float32,
                                                                            device=p.device).unbind()
         fmt, B = b.fmt, b.fmt.block_size
-        st = self.state[p]
         n = p.numel()
         nblk = -(-n // B)
 
@@ -464,7 +478,7 @@ class LowBitAdamW(Optimizer):
             x = x.reshape(-1).float()
             return torch.nn.functional.pad(x, (0, nblk * B - n)).view(nblk, B)
 
-        g = padded(p.grad)
+        g = padded(grad)
         finite = g.abs() <= _FP32_MAX
         g = torch.where(finite, g * sign, 0.0)
         x = padded(p)
