@@ -1,0 +1,580 @@
+"""Full fine-tune of a Llama2-architecture model sharded over several devices with FSDP2.
+
+Launch from the repository root (N processes, one per GPU; on the CPU, N processes over gloo):
+
+    tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/tiny.yaml [key=value ...]
+    tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/llama2/7B_full_distributed.yaml
+
+It takes the single-device recipe's configs and overrides unchanged (tiny.yaml works as is) and shares that
+recipe's config checks, data loading, loss and logging: this file holds only what sharding changes. Read
+recipes/full_finetune_single_device.py for the features both have; here is what differs.
+
+Features (each behind the config key in brackets):
+
+    - Sharding (FSDP2) [fsdp_reshard_after_forward]: every transformer layer, then the whole model, goes
+      through ``torch.distributed.fsdp.fully_shard`` (torchtune's ``training.shard_model``). Each rank holds
+      1/N of every weight, gradient and optimizer state (rows split as evenly as possible, the last shard may
+      be shorter or empty); a layer's full weights exist only while it computes. ``True`` (default) frees
+      them after the forward and gathers them again in the backward (FULL_SHARD); ``False`` keeps them until
+      the backward (SHARD_GRAD_OP: more memory, one all-gather fewer).
+    - Backend [device]: ``cuda`` uses NCCL with one GPU per process (LOCAL_RANK); ``cpu`` uses gloo.
+      Nothing here touches NCCL's environment. Launched without torchrun, the recipe runs as one rank.
+    - Batching [batch_size, gradient_accumulation_steps]: ``batch_size`` is per rank, so one optimizer step
+      sees ``batch_size * N * gradient_accumulation_steps`` samples. The loss is the mean over every
+      unmasked token of the step on all ranks (token counts are all-reduced before the gradients are scaled),
+      so 2 ranks x batch b give the update of one device with batch 2b.
+    - Data order [seed, shuffle]: torchdata's StatefulDistributedSampler over one seeded permutation, rank r
+      taking samples r, r+N, r+2N, ...; together the ranks read the same samples per step as the
+      single-device recipe with the same global batch.
+    - Gradient clipping [clip_grad_norm]: the norm over all ranks' gradient shards (DTensor
+      ``clip_grad_norm_``), then each rank scales its shard.
+    - Optimizer [optimizer]: as in the single-device recipe (``optimizer=optimizers.AdamW8bit`` etc., torch's
+      backend flags dropped for classes without them). It receives the DTensor parameters; ``optimizers.*``
+      quantize each rank's local shard (blocks never straddle ranks).
+    - Random init [checkpoint_dir: null]: rank 0 builds the model exactly as the single-device recipe would
+      (same seed, same device) and broadcasts it, so every rank count starts from the same weights.
+    - Metrics [log_every_n_steps, metric_logger]: rank 0 logs one record per log step with the single-device
+      keys, reduced over ranks: ``loss`` (mean over all ranks' tokens), ``tokens_per_second`` (all ranks) and
+      ``tokens_per_second_per_gpu`` (that / N, per rank on a CPU), peak memory (the largest rank, plus
+      ``..._per_rank`` lists), ``optimizer_step_ms`` (slowest rank), ``optimizer_state_bytes`` (sum over ranks,
+      plus a per-rank list) and ``world_size``.
+    - Checkpoints [save_every_n_steps, output_dir]: rank 0 gathers the full weights and writes the same Hugging
+      Face folder as the single-device recipe. Resume state: ``recipe_state.pt`` (rank 0: progress, lr
+      schedule, settings, and torch.optim's state gathered in full) plus ``recipe_state_rank{r}.pt`` per rank
+      (that rank's RNG, and its shard of a quantized optimizer state, which cannot be gathered: see below).
+    - Resume [resume_from_checkpoint]: restores weights, optimizer, lr schedule, data position and RNG; the
+      run continues with the losses of an uninterrupted run. A state saved per rank (``optimizers.*``:
+      quantization blocks live inside each rank's shard) resumes only on the same number of ranks; torch's
+      AdamW state (saved in full) resumes on any number, with the same global batch for the same data order.
+
+Not supported here (each refused before training with one line): ``optimizer_in_bwd=True``, packed data.
+"""
+
+import json
+import os
+import random
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.data import padded_collate_sft
+from torchtune.models import convert_weights
+from tqdm import tqdm
+
+from recipes.full_finetune_single_device import (
+    RECIPE_STATE_FILE,
+    WEIGHTS_FILE,
+    BadInput,
+    FullFinetuneRecipeSingleDevice,
+    _hf_weight_files,
+    _replace_dir,
+    model_hf_config,
+    optimizer_state_bytes,
+    resolve_optimizer,
+)
+
+log = utils.get_logger("INFO")
+
+RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
+
+
+def _init_process_group(device: torch.device) -> None:
+    """NCCL for GPUs, gloo for the CPU. Without torchrun's variables, a world of one (handy for debugging)."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(training.get_distributed_backend(device.type))
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def optimizer_state_layout(optimizer: torch.optim.Optimizer) -> str:
+    """``"full"`` if the state can be gathered into one unsharded state dict, else ``"per_rank"``.
+
+    torch.optim keeps states shaped like the parameter (DTensors here), which torch's distributed state-dict
+    utilities gather and re-shard for any rank count. Quantized states (ours: codes and block scales of the local
+    shard, in flat buffers) are plain per-rank tensors with no global shape: only the rank that made them can
+    load them.
+    """
+    for t in _tensors(dict(optimizer.state)):
+        if t.dim() > 0 and not isinstance(t, DTensor):
+            return "per_rank"
+    return "full"
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
+    """FSDP2 full fine-tune; the module docstring lists what differs from the single-device recipe."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        # The single-device checks (dtype, device, positive sizes, flag combinations) run first, and its
+        # training.set_seed runs before the process group exists, so every rank is seeded with `seed` itself.
+        super().__init__(cfg)
+        if self._optimizer_in_bwd:
+            raise BadInput("optimizer_in_bwd=True is not supported by the distributed recipe; set "
+                           "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)")
+        _init_process_group(self._device)
+        self._world, self._rank = dist.get_world_size(), dist.get_rank()
+        self._rank0 = self._rank == 0
+        self._reshard = bool(cfg.get("fsdp_reshard_after_forward", True))
+
+    # ----------------------------------------------------------------------------------------
+    # setup
+    # ----------------------------------------------------------------------------------------
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Raise BadInput on every rank if rank 0 found one (so no rank waits in a collective forever)."""
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise BadInput(box[0])
+
+    def setup(self, cfg: DictConfig) -> None:
+        self._check_paths(cfg)
+        self._cfg_optimizer = resolve_optimizer(cfg.optimizer)
+
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._dataset = self._setup_dataset(cfg.dataset)
+        self._sampler = StatefulDistributedSampler(
+            self._dataset, num_replicas=self._world, rank=self._rank, shuffle=self._shuffle, seed=self._seed
+        )
+        self._dataloader = DataLoader(
+            self._dataset,
+            batch_size=self._batch_size,
+            sampler=self._sampler,
+            collate_fn=partial(
+                padded_collate_sft, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
+            ),
+            drop_last=True,
+            generator=torch.Generator().manual_seed(self._seed),
+        )
+        self._steps_per_epoch = len(self._dataloader) // self._accum
+        if self._max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self._max_steps_per_epoch)
+        if self._steps_per_epoch == 0:
+            raise BadInput(
+                f"the dataset has {len(self._dataset)} samples, fewer than one optimizer step needs "
+                f"(batch_size={self._batch_size} x {self._world} ranks x gradient_accumulation_steps={self._accum}); "
+                "lower batch_size"
+            )
+
+        self._model = self._setup_model(cfg)
+        self._setup_optimizer()
+        self._lr_scheduler = None
+        if cfg.get("lr_scheduler") is not None:
+            self._lr_scheduler = config.instantiate(
+                cfg.lr_scheduler, self._optimizer, num_training_steps=self._total_epochs * self._steps_per_epoch
+            )
+
+        resume_rng = None
+        if self._resume_dir is not None:
+            resume_rng = self._load_resume_state(cfg)
+
+        self._metric_logger = self._setup_metric_logger(cfg) if self._rank0 else None
+        self._metrics_path = self._output_dir / "metrics.jsonl"
+        if self._rank0 and resume_rng is None and self._metrics_path.exists():
+            self._metrics_path.unlink()
+        dist.barrier()
+        if resume_rng is not None:
+            torch.set_rng_state(resume_rng["torch"])
+            random.setstate(resume_rng["python"])
+            np.random.set_state(resume_rng["numpy"])
+            if resume_rng.get("cuda") is not None and self._device.type == "cuda":
+                torch.cuda.set_rng_state(resume_rng["cuda"], self._device)
+
+    def _full_state_dict(self, cfg: DictConfig, meta_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Rank 0's full (unsharded) weights: from an HF folder, or a fresh init like the single-device recipe's.
+
+        Other ranks return {}: torch's set_model_state_dict broadcasts from rank 0.
+        """
+        if not self._rank0:
+            self._agree(None)
+            return {}
+        weights = self._resume_dir or self._checkpoint_dir
+        error = None
+        if weights is None:
+            with training.set_default_dtype(self._dtype), self._device:
+                full = config.instantiate(cfg.model)
+            sd = {k: v.detach() for k, v in full.state_dict().items()}
+            del full
+        else:
+            sd = {}
+            for f in _hf_weight_files(weights):
+                sd.update(load_file(str(f)) if f.suffix == ".safetensors"
+                          else torch.load(f, map_location="cpu", weights_only=True))
+            hf = self._hf_config
+            sd = convert_weights.hf_to_tune(sd, num_heads=hf["num_attention_heads"],
+                                            num_kv_heads=hf["num_key_value_heads"], dim=hf["hidden_size"],
+                                            head_dim=hf["head_dim"])
+            bad = sorted(set(sd) ^ set(meta_sd))
+            bad += [k for k in sd if k in meta_sd and tuple(sd[k].shape) != tuple(meta_sd[k].shape)]
+            if bad:
+                error = (f"the weights in {weights} do not fit the model config (keys or shapes differ: "
+                         f"{', '.join(bad[:5])}); make the config's model section match the checkpoint (e.g. "
+                         "model._component_=torchtune.models.llama2.llama2_7b for Llama-2-7b-hf)")
+            log.info(f"Loading weights from {weights}")
+        self._agree(error)
+        return sd
+
+    def _load_full_weights(self, model: torch.nn.Module, full_sd: Dict[str, torch.Tensor]) -> None:
+        """Scatter rank 0's full weights into the shards, one tensor at a time.
+
+        The other ranks pass an empty tensor of the full shape, which distribute_tensor ignores (it scatters
+        rank 0's data), so no rank but 0 ever holds more than one full tensor.
+        """
+        sharded = {}
+        for name, meta in model.state_dict().items():
+            full = full_sd.pop(name) if self._rank0 else torch.empty(meta.shape, dtype=meta.dtype)
+            full = full.to(self._device, meta.dtype)
+            sharded[name] = torch.nn.Parameter(
+                distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=0), requires_grad=True
+            )
+            del full
+        model.load_state_dict(sharded, strict=True, assign=True)
+
+    def _setup_model(self, cfg: DictConfig) -> modules.TransformerDecoder:
+        # Build on the meta device (no memory), shard, then fill the shards from rank 0's full weights.
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        self._source_hf_config = None
+        if self._checkpoint_dir is not None and (self._checkpoint_dir / "config.json").is_file():
+            self._source_hf_config = json.loads((self._checkpoint_dir / "config.json").read_text())
+        self._hf_config = model_hf_config(model, self._dtype, self._source_hf_config)
+        meta_sd = model.state_dict()
+
+        if self._ac:
+            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        if self._compile:
+            training.compile_model(model, verbose=self._rank0)
+        mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
+        training.shard_model(
+            model=model,
+            shard_conditions=[lambda name, m: isinstance(m, modules.TransformerSelfAttentionLayer)],
+            cpu_offload=False,
+            reshard_after_forward=self._reshard,
+            dp_mesh=mesh["dp"],
+        )
+        self._load_full_weights(model, self._full_state_dict(cfg, meta_sd))
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE's cache is a buffer outside the state dict
+                    m.rope_init()
+        training.validate_no_params_on_meta_device(model)
+        if self._compile:
+            training.compile_loss(self._loss_fn, verbose=self._rank0)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        utils.log_rank_zero(log, f"Model: {n_params / 1e6:.1f}M parameters in {self._dtype}, sharded over "
+                                 f"{self._world} x {self._device.type} ({dist.get_backend()})")
+        return model
+
+    def _setup_optimizer(self) -> None:
+        path = self._cfg_optimizer._component_
+        try:
+            self._optimizer = config.instantiate(self._cfg_optimizer, self._model.parameters())
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"optimizer={path} rejected its arguments ({str(e).splitlines()[0]}); "
+                           "fix the optimizer.* keys") from None
+        self._optimizers = [self._optimizer]
+        utils.log_rank_zero(log, f"Optimizer: {path}")
+
+    def _load_resume_state(self, cfg: DictConfig) -> dict:
+        """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
+        state = torch.load(self._resume_dir / RECIPE_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+        saved = state["config"]
+        if saved["optimizer"] != self._cfg_optimizer._component_:
+            raise BadInput(
+                f"resume_from_checkpoint={self._resume_dir} holds the state of optimizer={saved['optimizer']}; "
+                "resume with that, or start a new run from its weights with checkpoint_dir=... "
+            )
+        saved_world = saved.get("world_size", 1)
+        layout = state.get("optimizer_layout", "full")
+        if layout == "per_rank" and saved_world != self._world:
+            raise BadInput(
+                f"resume_from_checkpoint={self._resume_dir} was saved by {saved_world} ranks and its optimizer state "
+                f"({saved['optimizer']}) is quantized per rank shard; resume with --nproc_per_node {saved_world}, "
+                "or start a new run from its weights with checkpoint_dir=..."
+            )
+        rank_file = self._resume_dir / RANK_STATE_FILE.format(rank=self._rank)
+        if not rank_file.is_file() and layout == "per_rank":
+            raise BadInput(f"resume_from_checkpoint={self._resume_dir} lacks {rank_file.name}")
+        if saved_world * saved["batch_size"] != self._world * self._batch_size:
+            utils.log_rank_zero(log, f"the global batch ({self._world} ranks x batch_size={self._batch_size}) differs "
+                                     f"from the checkpoint's ({saved_world} x {saved['batch_size']}): the data order "
+                                     "and lr schedule will not match the interrupted run")
+        for key, now in (("gradient_accumulation_steps", self._accum), ("seed", self._seed),
+                         ("shuffle", self._shuffle), ("max_steps_per_epoch", self._max_steps_per_epoch),
+                         ("epochs", self._total_epochs)):
+            if saved.get(key) != now:
+                utils.log_rank_zero(log, f"{key}={now} differs from the checkpoint's {saved.get(key)}: the data "
+                                         "order or lr schedule will not match the interrupted run")
+        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else {}
+        if layout == "per_rank":
+            self._optimizer.load_state_dict(rank_state["optimizer"])
+        else:
+            training.load_from_full_optimizer_state_dict(self._model, self._optimizer, state["optimizer"], self._device)
+        if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._epoch, self._steps_in_epoch = state["epoch"], state["steps_in_epoch"]
+        self._global_step = state["global_step"]
+        if self._steps_in_epoch >= self._steps_per_epoch:
+            self._epoch, self._steps_in_epoch = self._epoch + 1, 0
+        utils.log_rank_zero(log, f"Resuming from {self._resume_dir} on {self._world} ranks: epoch {self._epoch + 1}, "
+                                 f"step {self._steps_in_epoch} of the epoch, global step {self._global_step}")
+        return rank_state.get("rng") if saved_world == self._world else None
+
+    # ----------------------------------------------------------------------------------------
+    # train
+    # ----------------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _log(self, record: Dict[str, Any]) -> None:
+        line = " | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in record.items() if not isinstance(v, list))
+        tqdm.write(line)
+        with open(self._metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._metric_logger is not None:
+            flat = {}
+            for k, v in record.items():
+                if isinstance(v, list):  # per-rank lists become key/rank{r}
+                    flat.update({f"{k}/rank{r}": x for r, x in enumerate(v)})
+                elif k != "step" and v is not None:
+                    flat[k] = v
+            self._metric_logger.log_dict(flat, step=record["step"])
+
+    def _reduced_record(self, step: int, epoch: int, loss: float, lr: float, num_tokens: int, elapsed: float,
+                        opt_ms: Optional[float], grad_norm: Optional[float]) -> Dict[str, Any]:
+        """One metrics record with every rank's numbers (called on all ranks: it gathers)."""
+        mine = {"elapsed": elapsed, "opt_ms": opt_ms, "state_bytes": optimizer_state_bytes(self._optimizers),
+                **self._memory_metrics()}
+        every: List[dict] = [None] * self._world  # type: ignore[list-item]
+        dist.all_gather_object(every, mine)
+        wall = max(r["elapsed"] for r in every)
+        record: Dict[str, Any] = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_second": num_tokens / wall,
+            "tokens_per_second_per_gpu": num_tokens / wall / self._world,
+        }
+        for key in mine:
+            if key.startswith("peak_"):
+                record[key] = max(r[key] for r in every)
+                record[key + "_per_rank"] = [r[key] for r in every]
+        record["optimizer_step_ms"] = None if opt_ms is None else max(r["opt_ms"] for r in every)
+        record["optimizer_state_bytes"] = sum(r["state_bytes"] for r in every)
+        record["optimizer_state_bytes_per_rank"] = [r["state_bytes"] for r in every]
+        record["grad_norm"] = grad_norm
+        record["world_size"] = self._world
+        return record
+
+    def train(self) -> None:
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        for epoch in range(self._epoch, self._total_epochs):
+            self._sampler.set_epoch(epoch)
+            start = self._steps_in_epoch if epoch == self._epoch else 0
+            if start:
+                # Each rank skips its own share of the samples already trained on.
+                self._sampler.load_state_dict({"yielded": start * self._accum * self._batch_size})
+            step_in_epoch = start
+            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=f"epoch {epoch + 1}/{self._total_epochs}",
+                        dynamic_ncols=True, disable=not self._rank0)
+            running_loss, num_tokens, micro = 0.0, 0, 0
+            t0 = time.perf_counter()
+            for batch in self._dataloader:
+                utils.batch_to_device(batch, self._device)
+                loss, ntok = self._loss_step(batch)
+                (loss * ntok).backward()  # summed over tokens; divided by all ranks' tokens below
+                running_loss += loss.detach() * ntok
+                num_tokens += ntok
+                micro += 1
+                if micro % self._accum:
+                    continue
+
+                # Loss and token count over all ranks. FSDP2 averages the gradient shards over ranks, so
+                # the sum over all tokens is world/num_tokens times that average.
+                totals = torch.stack([torch.as_tensor(running_loss, dtype=torch.float64, device=self._device),
+                                      torch.as_tensor(num_tokens, dtype=torch.float64, device=self._device)])
+                dist.all_reduce(totals)
+                total_loss, total_tokens = totals.tolist()
+                training.scale_grads(self._model, torch.tensor(self._world / total_tokens, dtype=torch.float32))
+                grad_norm = None
+                if self._clip is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._clip)
+                elif (self._global_step + 1) % self._log_every == 0:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if isinstance(grad_norm, DTensor):
+                    grad_norm = grad_norm.full_tensor()
+                self._sync()
+                t_opt = time.perf_counter()
+                self._optimizer.step()
+                self._sync()
+                opt_ms = (time.perf_counter() - t_opt) * 1000
+                self._optimizer.zero_grad(set_to_none=True)
+                lr = float(self._optimizer.param_groups[0]["lr"])
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                step_in_epoch += 1
+                self._global_step += 1
+
+                loss_value = total_loss / total_tokens
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss_value:.4f}")
+                if self._global_step % self._log_every == 0:
+                    record = self._reduced_record(
+                        self._global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
+                        None if grad_norm is None else float(grad_norm))
+                    if self._rank0:
+                        self._log(record)
+                running_loss, num_tokens = 0.0, 0
+
+                if step_in_epoch == self._steps_per_epoch:
+                    break
+                if self._save_every and self._global_step % self._save_every == 0:
+                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
+                t0 = time.perf_counter()
+            pbar.close()
+            self.save_checkpoint(f"epoch_{epoch}", epoch, step_in_epoch)
+            self._steps_in_epoch = 0
+
+    # ----------------------------------------------------------------------------------------
+    # checkpoints
+    # ----------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
+        """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
+        recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place."""
+        final = self._output_dir / name
+        full_weights = training.gather_cpu_state_dict(self._model, self._rank0, self._device)
+        layout = optimizer_state_layout(self._optimizer)
+        full_optimizer = None
+        if layout == "full":
+            full_optimizer = training.get_full_optimizer_state_dict(self._model, self._optimizer, self._rank0,
+                                                                   self._device)
+        box = [str(Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self._output_dir))) if self._rank0 else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        try:
+            torch.save({"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
+                        "rng": _rng_state(self._device)},
+                       tmp / RANK_STATE_FILE.format(rank=self._rank))
+            if self._rank0:
+                hf = self._hf_config
+                state = convert_weights.tune_to_hf(full_weights, num_heads=hf["num_attention_heads"],
+                                                   num_kv_heads=hf["num_key_value_heads"], dim=hf["hidden_size"],
+                                                   head_dim=hf["head_dim"])
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_FILE),
+                          metadata={"format": "pt"})
+                del state, full_weights
+                (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+                generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}
+                (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+                shutil.copyfile(self._tokenizer_path, tmp / "tokenizer.model")
+                torch.save(
+                    {
+                        "epoch": epoch,
+                        "steps_in_epoch": steps_in_epoch,
+                        "global_step": self._global_step,
+                        "optimizer_layout": layout,
+                        "optimizer": full_optimizer,
+                        "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+                        "rng": _rng_state(self._device),
+                        "config": {
+                            "optimizer": self._cfg_optimizer._component_,
+                            "optimizer_in_bwd": False,
+                            "world_size": self._world,
+                            "batch_size": self._batch_size,
+                            "gradient_accumulation_steps": self._accum,
+                            "seed": self._seed,
+                            "shuffle": self._shuffle,
+                            "max_steps_per_epoch": self._max_steps_per_epoch,
+                            "epochs": self._total_epochs,
+                        },
+                    },
+                    tmp / RECIPE_STATE_FILE,
+                )
+            dist.barrier()  # every rank's file is written
+            if self._rank0:
+                umask = os.umask(0)
+                os.umask(umask)
+                for f in tmp.iterdir():
+                    f.chmod(0o666 & ~umask)
+                tmp.chmod(0o777 & ~umask)
+                _replace_dir(tmp, final)
+        except BaseException:
+            if self._rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        dist.barrier()  # nobody reads or overwrites it before it is in place
+        if self._rank0:
+            tqdm.write(f"Saved checkpoint {final}")
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        dist.destroy_process_group()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
+    try:
+        recipe = FullFinetuneRecipeDistributed(cfg=cfg)
+        recipe.setup(cfg=cfg)
+    except BadInput as e:
+        # One line from rank 0 (every rank finds the same error), no traceback.
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
