@@ -1,0 +1,402 @@
+"""Run a matrix of AdamW variants through the fine-tune recipe and compare them: table, plots, JSON.
+
+    python bench/compare.py --config configs/tiny.yaml --steps 20 --out-dir bench/results/tiny_cpu
+    python bench/compare.py --config configs/llama2/7B_full.yaml --variants fused,bnb8,ao8,ours8 --in-bwd \\
+        --steps 20 --out bench/results/llama2_7b_h200.json checkpoint_dir=null tokenizer.path=...
+
+Each variant is one `tune run recipes/full_finetune_single_device.py --config CONFIG optimizer=... key=value ...`
+in a fresh subprocess (so peak memory, compile caches and allocator state never leak between variants). Anything
+after the flags that looks like `key=value` (or `~key`) is passed to every run, after the variant's own overrides
+are decided but before them on the command line is never needed: the variant's optimizer keys come last and win.
+
+Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and records:
+
+    peak_gib       GPU peak allocated (peak_memory_alloc_gib) if logged, else the CPU peak RSS (peak_rss_gib)
+    tok_s          median tokens_per_second over the steps after the first --skip-steps (default 2)
+    first_step_s   seconds from the end of the recipe's setup (its "Optimizer: ..." log line) to the first
+                   metrics record: the first step with its compilation / autotuning and first batch
+    opt_step_ms    median optimizer_step_ms over the same steady steps (null with optimizer-in-backward)
+    losses         the loss of every logged step
+
+A variant whose run fails (import error, bad kwarg, out of memory, crash) becomes a row with `error` set; the
+other variants still run. Outputs, under --out-dir (or beside --out): the JSON (`--out`, default
+`{out_dir}/compare.json`, with command, hardware, library versions and date), `compare.md` (the table),
+`compare_loss.png` (loss curves overlaid) and `compare_memory_speed.png` (peak memory against tokens/s).
+With `--merge`, records already in `--out` for variants not run now are kept, so a long matrix can be run in
+pieces (e.g. one device call per few variants) into one file.
+
+Variants (`--variants`, comma-separated short names or full names; `all` = every one):
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/full_finetune_single_device.py"
+
+# short name -> (variant name = the _component_ path, with torch's backend in brackets; overrides)
+VARIANTS: Dict[str, tuple] = {
+    "fused": ("torch.optim.AdamW(fused=True)", ["optimizer=torch.optim.AdamW", "optimizer.fused=True"]),
+    "foreach": ("torch.optim.AdamW(foreach=True)",
+                ["optimizer=torch.optim.AdamW", "optimizer.fused=False", "optimizer.foreach=True"]),
+    "bnb8": ("bitsandbytes.optim.AdamW8bit", ["optimizer=bitsandbytes.optim.AdamW8bit"]),
+    "ao8": ("torchao.optim.AdamW8bit", ["optimizer=torchao.optim.AdamW8bit"]),
+    "ao4": ("torchao.optim.AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"]),
+    "aofp8": ("torchao.optim.AdamWFp8", ["optimizer=torchao.optim.AdamWFp8"]),
+    "ours8": ("optimizers.AdamW8bit", ["optimizer=optimizers.AdamW8bit"]),
+    "ours4": ("optimizers.AdamW4bit", ["optimizer=optimizers.AdamW4bit"]),
+    "oursfp8": ("optimizers.AdamWFp8", ["optimizer=optimizers.AdamWFp8"]),
+    "ours16": ("optimizers.AdamW", ["optimizer=optimizers.AdamW"]),
+}
+# Optimizer-in-backward: one optimizer per parameter, stepped in the gradient hook. The recipe refuses it with
+# clipping or gradient accumulation, so the in-backward run turns clipping off (a config that accumulates
+# gradients gets the recipe's error in that row rather than a silently smaller batch).
+IN_BWD_SUFFIX = "+in_bwd"
+IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
+
+__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in VARIANTS.items()) + """
+    any other dotted path, e.g. my.pkg.MyAdamW: run as optimizer=my.pkg.MyAdamW
+
+`--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd").
+"""
+
+
+def resolve_variants(spec: str, in_bwd: bool) -> List[tuple]:
+    """[(variant name, overrides)] for a comma-separated list of short names, full names or class paths."""
+    by_name = {v[0]: v for v in VARIANTS.values()}
+    out = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        if item == "all":
+            out += list(VARIANTS.values())
+        elif item in VARIANTS:
+            out.append(VARIANTS[item])
+        elif item in by_name:
+            out.append(by_name[item])
+        elif "." in item:
+            out.append((item, [f"optimizer={item}"]))
+        else:
+            raise SystemExit(f"error: unknown variant {item!r}; use one of {', '.join(VARIANTS)}, all, or a class path")
+    if in_bwd:
+        out = [v for base in out for v in (base, (base[0] + IN_BWD_SUFFIX, base[1] + IN_BWD_OVERRIDES))]
+    return out
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("_")
+
+
+def tune_executable() -> str:
+    exe = Path(sys.executable).with_name("tune")
+    return str(exe) if exe.exists() else "tune"
+
+
+def read_metrics(output_dir: Path) -> List[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(metrics: List[dict], skip_steps: int) -> dict:
+    """The per-variant numbers from a run's metrics records (see the module docstring)."""
+    if not metrics:
+        return {"peak_gib": None, "peak_kind": None, "tok_s": None, "opt_step_ms": None, "losses": [], "steps": 0}
+    last = metrics[-1]
+    if last.get("peak_memory_alloc_gib") is not None:
+        peak = max(m["peak_memory_alloc_gib"] for m in metrics)
+        kind = "gpu_alloc"
+    else:
+        peak = max((m.get("peak_rss_gib") or 0.0) for m in metrics) or None
+        kind = "cpu_rss"
+    # Steady steps: skip the first ones (compilation, allocator warm-up), but keep at least one.
+    steady = metrics[min(skip_steps, len(metrics) - 1):]
+    return {
+        "peak_gib": peak,
+        "peak_kind": kind,
+        "peak_reserved_gib": max((m.get("peak_memory_reserved_gib") or 0.0) for m in metrics) or None,
+        "tok_s": _median(m.get("tokens_per_second") for m in steady),
+        "opt_step_ms": _median(m.get("optimizer_step_ms") for m in steady),
+        "opt_state_gib": (last.get("optimizer_state_bytes") or 0) / 2**30 or None,
+        "losses": [m["loss"] for m in metrics],
+        "steps": len(metrics),
+    }
+
+
+def run_variant(name: str, overrides: List[str], args, passthrough: List[str], run_dir: Path, log_prefix: str) -> dict:
+    """Run the recipe once for a variant; return its record (error set on failure)."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = [tune_executable(), "run", RECIPE, "--config", args.config, f"output_dir={run_dir}", "epochs=1"]
+    if args.steps:
+        cmd.append(f"max_steps_per_epoch={args.steps}")
+    if not args.wandb:
+        cmd.append("metric_logger=null")
+    # The variant's keys last, so they win over the passthrough.
+    cmd += passthrough + overrides
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    log_path = run_dir / "run.log"
+    t_start = time.perf_counter()
+    t_setup_done, t_first_record = None, None
+    tail: List[str] = []
+    print(f"{log_prefix} start: {shlex.join(cmd)}", flush=True)
+    timed_out = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", bufsize=1)
+        timer = None
+        if args.timeout:
+            def kill():
+                nonlocal timed_out
+                timed_out = True
+                proc.kill()
+            timer = threading.Timer(args.timeout, kill)
+            timer.start()
+        for line in proc.stdout:  # text mode splits tqdm's \r updates into lines too
+            now = time.perf_counter()
+            log.write(line)
+            line = line.rstrip("\n")
+            if "epoch " in line and "it/s" in line or "s/it" in line:
+                continue  # tqdm bar updates: in the log file, not in the tail or the console
+            tail = (tail + [line])[-40:]
+            if t_setup_done is None and "Optimizer: " in line:
+                t_setup_done = now
+            m = re.search(r"\bstep (\d+) \| epoch \d+ \| loss (\S+)", line)
+            if m:
+                if t_first_record is None:
+                    t_first_record = now
+                if not args.quiet:
+                    print(f"{log_prefix}   step {m.group(1)} loss {float(m.group(2)):.4f}"
+                          f" ({now - t_start:.0f} s)", flush=True)
+        proc.wait()
+        if timer is not None:
+            timer.cancel()
+    wall = time.perf_counter() - t_start
+    metrics = read_metrics(run_dir)
+    record = {"variant": name, "overrides": overrides, "returncode": proc.returncode, "wall_s": wall,
+              "output_dir": str(run_dir), "error": None}
+    record.update(summarize(metrics, args.skip_steps))
+    record["first_step_s"] = (t_first_record - t_setup_done) if (t_setup_done and t_first_record) else None
+    expected = args.steps
+    if proc.returncode != 0 or timed_out or not metrics or (expected and len(metrics) < expected
+                                                            and args.log_every_one):
+        error_lines = [ln for ln in tail if ln.startswith("error:")]
+        error_lines = error_lines or [ln for ln in tail if re.match(r"^\w*(Error|Exception)\b", ln)]
+        if timed_out:
+            msg = f"timed out after {args.timeout:.0f} s"
+        elif error_lines:
+            msg = error_lines[-1]
+        elif proc.returncode != 0:
+            msg = f"exit status {proc.returncode}: " + (tail[-1] if tail else "")
+        else:
+            msg = f"logged {len(metrics)} of {expected} steps"
+        record["error"] = msg[:500]
+        record["log_tail"] = tail[-15:]
+    if not args.keep_checkpoints:
+        # The recipe always writes epoch_0/ (for Llama2-7B: 13.5 GB of weights + the optimizer state).
+        for ckpt in list(run_dir.glob("epoch_*")) + list(run_dir.glob("step_*")) + list(run_dir.glob(".tmp-*")):
+            shutil.rmtree(ckpt, ignore_errors=True)
+    status = f"FAILED: {record['error']}" if record["error"] else (
+        f"peak {_fmt(record['peak_gib'], 2)} GiB, {_fmt(record['tok_s'], 0)} tok/s, first step "
+        f"{_fmt(record['first_step_s'], 1)} s, opt step {_fmt(record['opt_step_ms'], 1)} ms, "
+        f"final loss {_fmt(record['losses'][-1], 4)}")
+    print(f"{log_prefix} done in {wall:.0f} s: {status}", flush=True)
+    return record
+
+
+def _fmt(v, digits: int) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def markdown_table(records: List[dict]) -> str:
+    base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r["error"]), None)
+    kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
+    mem = "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)"
+    lines = [f"| AdamW | {mem} | tokens/s | vs fused | first step s | opt step ms | state GiB | final loss | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["error"]:
+            lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | {r['error'].replace('|', '/')} |")
+            continue
+        rel = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and r["tok_s"] and base["tok_s"] else "-"
+        lines.append(
+            f"| {r['variant']} | {_fmt(r['peak_gib'], 2)} | {_fmt(r['tok_s'], 0)} | {rel} | {_fmt(r['first_step_s'], 1)} | "
+            f"{_fmt(r['opt_step_ms'], 1)} | {_fmt(r['opt_state_gib'], 2)} | {_fmt(r['losses'][-1], 4)} | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: List[dict], out_dir: Path, title: str) -> List[str]:
+    """compare_loss.png (loss per step, overlaid) and compare_memory_speed.png; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if not r["error"] and r["losses"]]
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in ok:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"],
+                linestyle="--" if r["variant"].endswith(IN_BWD_SUFFIX) else "-", linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"Loss per step: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(str(out_dir / "compare_loss.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in ok:
+        if r["tok_s"] is None or r["peak_gib"] is None:
+            continue
+        marker = "s" if r["variant"].endswith(IN_BWD_SUFFIX) else "o"
+        ax.scatter(r["peak_gib"], r["tok_s"], marker=marker)
+        ax.annotate(r["variant"], (r["peak_gib"], r["tok_s"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    kind = ok[0]["peak_kind"] if ok else "gpu_alloc"
+    ax.set_xlabel("peak memory, GiB (" + ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS") + ")")
+    ax.set_ylabel("tokens/s (median, steady steps)")
+    ax.set_title(f"Memory vs speed: {title} (square = optimizer in backward)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(str(out_dir / "compare_memory_speed.png"))
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def hardware() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return f"{torch.cuda.device_count()}x {p.name} ({p.total_memory / 2**30:.0f} GiB), {os.cpu_count()} CPU cores"
+    return f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def versions() -> Dict[str, Optional[str]]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "torchtune", "torchao", "bitsandbytes", "triton"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            try:  # a copied site folder (the device) may lack dist-info
+                out[pkg] = getattr(__import__(pkg), "__version__", None)
+            except Exception:
+                out[pkg] = None
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tiny.yaml", help="recipe config (default configs/tiny.yaml)")
+    parser.add_argument("--variants", default="all", help="comma-separated short names, full names or class paths")
+    parser.add_argument("--in-bwd", action="store_true", help="also run each variant with optimizer_in_bwd=True")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (max_steps_per_epoch)")
+    parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tok/s and opt-step medians")
+    parser.add_argument("--out-dir", default=None, help="folder for the table, plots and runs (default: beside --out)")
+    parser.add_argument("--out", default=None, help="JSON results file (default {out-dir}/compare.json)")
+    parser.add_argument("--runs-dir", default=None, help="where each variant's output_dir goes (default {out-dir}/runs)")
+    parser.add_argument("--merge", action="store_true", help="keep records in --out of variants not run now")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's epoch_0/ (deleted by default)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per variant before it is killed")
+    parser.add_argument("--wandb", action="store_true", help="keep the config's metric_logger (default: off)")
+    parser.add_argument("--title", default=None, help="plot title (default: the config name)")
+    parser.add_argument("--quiet", action="store_true", help="one line per variant instead of one per step")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
+    args = parser.parse_args(argv)
+    args.log_every_one = not any(o.startswith("log_every_n_steps=") for o in args.overrides)
+
+    if args.out is None and args.out_dir is None:
+        parser.error("give --out-dir DIR or --out FILE.json")
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.out).parent
+    out_path = Path(args.out) if args.out else out_dir / "compare.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path(args.runs_dir) if args.runs_dir else out_dir / "runs"
+    for o in args.overrides:
+        if not ("=" in o or o.startswith("~")):
+            parser.error(f"override {o!r} is not key=value or ~key")
+    variants = resolve_variants(args.variants, args.in_bwd)
+    if not (REPO_ROOT / args.config).is_file() and not Path(args.config).is_file():
+        parser.error(f"--config {args.config} does not exist")
+
+    command = shlex.join(["python", "bench/compare.py"] + (argv if argv is not None else sys.argv[1:]))
+    records = []
+    print(f"compare: {len(variants)} variant(s) on {args.config}, {args.steps} steps each; runs in {runs_dir}", flush=True)
+    for i, (name, overrides) in enumerate(variants, 1):
+        prefix = f"[{i}/{len(variants)} {name}]"
+        try:
+            rec = run_variant(name, overrides, args, list(args.overrides), runs_dir / slug(name), prefix)
+        except Exception as e:  # the harness itself failed for this variant: still a row, not a crash
+            rec = {"variant": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}", "losses": [],
+                   "peak_gib": None, "tok_s": None, "first_step_s": None, "opt_step_ms": None}
+            print(f"{prefix} FAILED: {rec['error']}", flush=True)
+        records.append(rec)
+
+    if args.merge and out_path.exists():
+        old = json.loads(out_path.read_text())
+        now = {r["variant"] for r in records}
+        kept = [r for r in old.get("records", []) if r["variant"] not in now]
+        order = [v[0] for v in VARIANTS.values()]
+        rank = lambda r: (order.index(r["variant"].replace(IN_BWD_SUFFIX, "")) if r["variant"].replace(  # noqa: E731
+            IN_BWD_SUFFIX, "") in order else len(order), r["variant"].endswith(IN_BWD_SUFFIX))
+        records = sorted(kept + records, key=rank)
+        commands = old.get("commands", [old.get("command")]) + [command]
+    else:
+        commands = [command]
+
+    title = args.title or Path(args.config).stem
+    result = {
+        "command": command,
+        "commands": commands,
+        "config": args.config,
+        "overrides": list(args.overrides),
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "hardware": hardware(),
+        "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "records": records,
+    }
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_table(records)
+    (out_dir / "compare.md").write_text(
+        f"{title}: {args.steps} steps per variant, {result['hardware']}, {result['date']}\n\n"
+        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + table)
+    plots = plot(records, out_dir, title)
+    print("\n" + table)
+    print(f"wrote {out_path}, {out_dir / 'compare.md'}, {', '.join(plots)}")
+    failed = [r["variant"] for r in records if r["error"]]
+    if failed:
+        print(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""bench/compare.py on the tiny config: the outputs have their structure and their numbers come from the runs."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+from conftest import DATA_DIR, FAST, REPO_ROOT, read_metrics, recipe_env
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import compare  # noqa: E402
+
+# Ours at 16 bits: its CPU (plain-PyTorch) step is the quickest of our formats.
+FUSED, OURS = "torch.optim.AdamW(fused=True)", "optimizers.AdamW"
+STEPS = 4
+BROKEN = "no_such_package.AdamW"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "bench/compare.py", "--config", "configs/tiny.yaml", "--variants", f"fused,ours16,{BROKEN}",
+           "--steps", str(STEPS), "--out-dir", str(out_dir), f"data_dir={DATA_DIR}",
+           *[o for o in FAST if not o.startswith("max_steps_per_epoch=")]]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    return proc, out_dir
+
+
+def test_compare_runs_and_reports(bench_run):
+    proc, out_dir = bench_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Progress while it runs: a start and a done line per variant, and step lines.
+    for name in (FUSED, OURS, BROKEN):
+        assert f"{name}] start:" in proc.stdout and f"{name}] done in" in proc.stdout
+    assert f"step {STEPS} loss" in proc.stdout
+
+    result = json.loads((out_dir / "compare.json").read_text())
+    for key in ("command", "hardware", "versions", "date", "records", "config", "steps"):
+        assert key in result
+    assert result["versions"]["torch"]
+    assert [r["variant"] for r in result["records"]] == [FUSED, OURS, BROKEN]
+
+
+@pytest.mark.parametrize("variant", [FUSED, OURS])
+def test_numbers_come_from_the_run(bench_run, variant):
+    _, out_dir = bench_run
+    rec = next(r for r in json.loads((out_dir / "compare.json").read_text())["records"] if r["variant"] == variant)
+    assert rec["error"] is None
+    metrics = read_metrics(out_dir / "runs" / compare.slug(variant))
+    assert len(metrics) == STEPS
+    assert rec["losses"] == [m["loss"] for m in metrics]
+    assert rec["peak_kind"] == "cpu_rss"
+    assert rec["peak_gib"] == max(m["peak_rss_gib"] for m in metrics)
+    assert rec["tok_s"] == statistics.median(m["tokens_per_second"] for m in metrics[2:])
+    assert rec["opt_step_ms"] == statistics.median(m["optimizer_step_ms"] for m in metrics[2:])
+    assert rec["opt_state_gib"] == metrics[-1]["optimizer_state_bytes"] / 2**30
+    assert 0 < rec["first_step_s"] < rec["wall_s"]
+    # The recipe's epoch checkpoint is deleted after the metrics are read (--keep-checkpoints keeps it).
+    assert not list((out_dir / "runs" / compare.slug(variant)).glob("epoch_*"))
+
+
+def test_broken_variant_is_a_failed_row(bench_run):
+    _, out_dir = bench_run
+    rec = next(r for r in json.loads((out_dir / "compare.json").read_text())["records"] if r["variant"] == BROKEN)
+    assert rec["returncode"] == 2
+    assert "cannot be imported" in rec["error"]
+    assert rec["losses"] == [] and rec["tok_s"] is None
+    table = (out_dir / "compare.md").read_text()
+    assert f"| {BROKEN} | - |" in table and "cannot be imported" in table
+    assert f"| {FUSED} |" in table and "| 1.00x |" in table
+
+
+def test_plots_written(bench_run):
+    _, out_dir = bench_run
+    for name in ("compare_loss.png", "compare_memory_speed.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_variant_names_and_in_bwd_overrides():
+    variants = compare.resolve_variants("fused,ours4,torchao.optim.AdamW8bit", in_bwd=True)
+    names = [v[0] for v in variants]
+    assert names == [FUSED, FUSED + "+in_bwd", "optimizers.AdamW4bit", "optimizers.AdamW4bit+in_bwd",
+                     "torchao.optim.AdamW8bit", "torchao.optim.AdamW8bit+in_bwd"]
+    assert variants[1][1] == ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "optimizer_in_bwd=True",
+                              "clip_grad_norm=null"]
+    assert len(compare.resolve_variants("all", in_bwd=False)) == len(compare.VARIANTS) == 10
+
+
+def test_summary_prefers_gpu_peak():
+    metrics = [{"loss": 3.0 - i, "tokens_per_second": 100.0 * (i + 1), "peak_memory_alloc_gib": 10.0 + i,
+                "peak_memory_reserved_gib": 12.0 + i, "optimizer_step_ms": None, "optimizer_state_bytes": 2**30}
+               for i in range(4)]
+    s = compare.summarize(metrics, skip_steps=2)
+    assert s["peak_kind"] == "gpu_alloc" and s["peak_gib"] == 13.0 and s["peak_reserved_gib"] == 15.0
+    assert s["tok_s"] == 350.0 and s["opt_step_ms"] is None and s["losses"] == [3.0, 2.0, 1.0, 0.0]
