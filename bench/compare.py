@@ -100,9 +100,14 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("_")
 
 
-def tune_executable() -> str:
+def recipe_launcher() -> List[str]:
+    """`tune run recipes/...py`, or, where torchtune is on PYTHONPATH without its `tune` script (the device
+    machine's copied site folder), `python -m recipes.full_finetune_single_device`, which parses the same args."""
     exe = Path(sys.executable).with_name("tune")
-    return str(exe) if exe.exists() else "tune"
+    tune = str(exe) if exe.exists() else shutil.which("tune")
+    if tune:
+        return [tune, "run", RECIPE]
+    return [sys.executable, "-m", RECIPE[:-3].replace("/", ".")]
 
 
 def read_metrics(output_dir: Path) -> List[dict]:
@@ -147,7 +152,7 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = [tune_executable(), "run", RECIPE, "--config", args.config, f"output_dir={run_dir}", "epochs=1"]
+    cmd = recipe_launcher() + ["--config", args.config, f"output_dir={run_dir}", "epochs=1"]
     if args.steps:
         cmd.append(f"max_steps_per_epoch={args.steps}")
     if not args.wandb:
@@ -160,7 +165,7 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
     t_setup_done, t_first_record = None, None
     tail: List[str] = []
     print(f"{log_prefix} start: {shlex.join(cmd)}", flush=True)
-    timed_out = False
+    timed_out = stopped = False
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", bufsize=1)
@@ -188,17 +193,27 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
                 if not args.quiet:
                     print(f"{log_prefix}   step {m.group(1)} loss {float(m.group(2)):.4f}"
                           f" ({now - t_start:.0f} s)", flush=True)
+                if args.steps and int(m.group(1)) == args.steps and not args.keep_checkpoints:
+                    # Every number is logged: stop the run before its end-of-epoch checkpoint (for Llama2-7B
+                    # about 40 GB and minutes of writing). The recipe prints the record before it appends it
+                    # to metrics.jsonl, so wait for the file first.
+                    deadline = time.perf_counter() + 30
+                    while len(read_metrics(run_dir)) < args.steps and time.perf_counter() < deadline:
+                        time.sleep(0.1)
+                    stopped = True
+                    proc.terminate()
         proc.wait()
         if timer is not None:
             timer.cancel()
     wall = time.perf_counter() - t_start
     metrics = read_metrics(run_dir)
     record = {"variant": name, "overrides": overrides, "returncode": proc.returncode, "wall_s": wall,
+              "stopped_before_checkpoint": stopped,
               "output_dir": str(run_dir), "error": None}
     record.update(summarize(metrics, args.skip_steps))
     record["first_step_s"] = (t_first_record - t_setup_done) if (t_setup_done and t_first_record) else None
     expected = args.steps
-    if proc.returncode != 0 or timed_out or not metrics or (expected and len(metrics) < expected
+    if (proc.returncode != 0 and not stopped) or timed_out or not metrics or (expected and len(metrics) < expected
                                                             and args.log_every_one):
         error_lines = [ln for ln in tail if ln.startswith("error:")]
         error_lines = error_lines or [ln for ln in tail if re.match(r"^\w*(Error|Exception)\b", ln)]
@@ -213,7 +228,7 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
         record["error"] = msg[:500]
         record["log_tail"] = tail[-15:]
     if not args.keep_checkpoints:
-        # The recipe always writes epoch_0/ (for Llama2-7B: 13.5 GB of weights + the optimizer state).
+        # Whatever checkpoint the recipe began (a run stopped early leaves a .tmp-* folder) or wrote.
         for ckpt in list(run_dir.glob("epoch_*")) + list(run_dir.glob("step_*")) + list(run_dir.glob(".tmp-*")):
             shutil.rmtree(ckpt, ignore_errors=True)
     status = f"FAILED: {record['error']}" if record["error"] else (
@@ -247,9 +262,13 @@ def markdown_table(records: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(records: List[dict], out_dir: Path, title: str) -> List[str]:
-    """compare_loss.png (loss per step, overlaid) and compare_memory_speed.png; returns the paths."""
-    import matplotlib
+def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") -> List[str]:
+    """{name}_loss.png (loss per step, overlaid) and {name}_memory_speed.png; returns the paths."""
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the device machine's image: plot here later with --replot FILE.json
+        print("matplotlib is not installed: no plots (make them elsewhere with --replot FILE.json)")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -266,7 +285,7 @@ def plot(records: List[dict], out_dir: Path, title: str) -> List[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(str(out_dir / "compare_loss.png"))
+    paths.append(str(out_dir / f"{name}_loss.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
@@ -281,12 +300,31 @@ def plot(records: List[dict], out_dir: Path, title: str) -> List[str]:
     ax.set_xlabel("peak memory, GiB (" + ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS") + ")")
     ax.set_ylabel("tokens/s (median, steady steps)")
     ax.set_title(f"Memory vs speed: {title} (square = optimizer in backward)")
+    ax.margins(0.2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    paths.append(str(out_dir / "compare_memory_speed.png"))
+    paths.append(str(out_dir / f"{name}_memory_speed.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     return paths
+
+
+def config_title(config: str) -> str:
+    """configs/llama2/7B_full.yaml -> llama2/7B_full"""
+    return re.sub(r"^(\./)?configs/", "", config).removesuffix(".yaml")
+
+
+def write_reports(result: dict, out_dir: Path, name: str, title: str) -> None:
+    """{name}.md (the table with its provenance) and the two plots, from a results dict."""
+    records = result["records"]
+    table = markdown_table(records)
+    commands = result.get("commands") or [result["command"]]
+    (out_dir / f"{name}.md").write_text(
+        f"{title}: {result['steps']} steps per variant, {result['hardware']}, {result['date']}\n\n"
+        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + table)
+    plots = plot(records, out_dir, title, name)
+    print("\n" + table)
+    print(f"wrote {out_dir / (name + '.md')}" + "".join(f", {p}" for p in plots))
 
 
 def hardware() -> str:
@@ -324,15 +362,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default=None, help="JSON results file (default {out-dir}/compare.json)")
     parser.add_argument("--runs-dir", default=None, help="where each variant's output_dir goes (default {out-dir}/runs)")
     parser.add_argument("--merge", action="store_true", help="keep records in --out of variants not run now")
-    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's epoch_0/ (deleted by default)")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="let each run write its epoch_0/ checkpoint and keep it (by default a run is stopped "
+                             "once its last step is logged, before the checkpoint)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per variant before it is killed")
     parser.add_argument("--wandb", action="store_true", help="keep the config's metric_logger (default: off)")
     parser.add_argument("--title", default=None, help="plot title (default: the config name)")
     parser.add_argument("--quiet", action="store_true", help="one line per variant instead of one per step")
+    parser.add_argument("--name", default="compare", help="file stem of the table and plots (default compare)")
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="run nothing: write the table and plots of an existing results JSON into --out-dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     args = parser.parse_args(argv)
     args.log_every_one = not any(o.startswith("log_every_n_steps=") for o in args.overrides)
 
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        out_dir = Path(args.out_dir or Path(args.replot).parent)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_reports(result, out_dir, args.name, args.title or config_title(result["config"]))
+        return 0
     if args.out is None and args.out_dir is None:
         parser.error("give --out-dir DIR or --out FILE.json")
     out_dir = Path(args.out_dir) if args.out_dir else Path(args.out).parent
@@ -371,7 +420,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         commands = [command]
 
-    title = args.title or Path(args.config).stem
+    title = args.title or config_title(args.config)
     result = {
         "command": command,
         "commands": commands,
@@ -385,13 +434,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "records": records,
     }
     out_path.write_text(json.dumps(result, indent=1) + "\n")
-    table = markdown_table(records)
-    (out_dir / "compare.md").write_text(
-        f"{title}: {args.steps} steps per variant, {result['hardware']}, {result['date']}\n\n"
-        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + table)
-    plots = plot(records, out_dir, title)
-    print("\n" + table)
-    print(f"wrote {out_path}, {out_dir / 'compare.md'}, {', '.join(plots)}")
+    write_reports(result, out_dir, args.name, title)
+    print(f"wrote {out_path}")
     failed = [r["variant"] for r in records if r["error"]]
     if failed:
         print(f"{len(failed)} variant(s) failed: {', '.join(failed)}")

@@ -122,7 +122,12 @@ def heldout_loss(ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_
             "heldout_response_tokens": response_count, "heldout_records": n_heldout}
 
 
-def plot(records: List[dict], path: Path, title: str) -> None:
+def moving_average(values: List[float], window: int) -> List[float]:
+    """Trailing mean over up to `window` steps (the per-step loss of a batch of 2 is noisy)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def plot(records: List[dict], path: Path, title: str, window: int = 5) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,9 +138,9 @@ def plot(records: List[dict], path: Path, title: str) -> None:
         if r.get("error") or not r.get("losses"):
             continue
         style = dict(color="black", linewidth=2.2) if r["reference"] else dict(linewidth=1.1)
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["label"], **style)
+        ax.plot(range(1, len(r["losses"]) + 1), moving_average(r["losses"], window), label=r["label"], **style)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (per step)")
+    ax.set_ylabel(f"training loss ({window}-step moving average)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -152,6 +157,10 @@ def plot(records: List[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_title(steps: int) -> str:
+    return f"Alpaca, Llama2 architecture 2 layers x 64, {steps} steps of batch 2 (CPU)"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(v[0] for v in PARITY_VARIANTS),
@@ -164,9 +173,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="bench/results/loss_parity.json")
     parser.add_argument("--plot", default="docs/loss_parity.png")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--replot", metavar="JSON", default=None, help="run nothing: redraw --plot from a results JSON")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run (after PARITY_OVERRIDES)")
     args = parser.parse_args(argv)
 
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        plot(result["records"], Path(args.plot), plot_title(result["steps"]))
+        print(f"wrote {args.plot}")
+        return 0
     keys = [k.strip() for k in args.variants.split(",") if k.strip()]
     chosen = [v for v in PARITY_VARIANTS if v[0] == "ref" or v[0] in keys]
     data_dir = Path(args.data_dir).resolve()
@@ -224,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    plot(records, Path(args.plot), f"Alpaca, Llama2-arch 2x64, {args.steps} steps, batch 2 (CPU)")
+    plot(records, Path(args.plot), plot_title(args.steps))
     print("\n| variant | weights | final train loss | held-out loss | gap vs ref |\n|---|---|---|---|---|")
     for r in records:
         if r["error"]:

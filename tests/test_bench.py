@@ -56,8 +56,11 @@ def test_numbers_come_from_the_run(bench_run, variant):
     assert rec["opt_step_ms"] == statistics.median(m["optimizer_step_ms"] for m in metrics[2:])
     assert rec["opt_state_gib"] == metrics[-1]["optimizer_state_bytes"] / 2**30
     assert 0 < rec["first_step_s"] < rec["wall_s"]
-    # The recipe's epoch checkpoint is deleted after the metrics are read (--keep-checkpoints keeps it).
-    assert not list((out_dir / "runs" / compare.slug(variant)).glob("epoch_*"))
+    # The run is stopped once its last step is logged, before the end-of-epoch checkpoint, and anything the
+    # recipe had begun writing is removed (--keep-checkpoints lets it finish and keeps it).
+    assert rec["stopped_before_checkpoint"]
+    run_dir = out_dir / "runs" / compare.slug(variant)
+    assert not list(run_dir.glob("epoch_*")) and not list(run_dir.glob(".tmp-*"))
 
 
 def test_broken_variant_is_a_failed_row(bench_run):
