@@ -1,13 +1,15 @@
 """Run a matrix of AdamW variants through the fine-tune recipe and compare them: table, plots, JSON.
 
-    python bench/compare.py --config configs/tiny.yaml --steps 20 --out-dir bench/results/tiny_cpu
+    python bench/compare.py --config configs/tiny.yaml --steps 20 --out-dir outputs/bench_tiny
     python bench/compare.py --config configs/llama2/7B_full.yaml --variants fused,bnb8,ao8,ours8 --in-bwd \\
-        --steps 20 --out bench/results/llama2_7b_h200.json checkpoint_dir=null tokenizer.path=...
+        --steps 15 --out bench/results/llama2_7b_h200.json checkpoint_dir=null tokenizer.path=...
+    (docs/benchmarks.md has the exact H200 commands)
 
 Each variant is one `tune run recipes/full_finetune_single_device.py --config CONFIG optimizer=... key=value ...`
-in a fresh subprocess (so peak memory, compile caches and allocator state never leak between variants). Anything
-after the flags that looks like `key=value` (or `~key`) is passed to every run, after the variant's own overrides
-are decided but before them on the command line is never needed: the variant's optimizer keys come last and win.
+in a fresh subprocess (so peak memory, compile caches and allocator state never leak between variants), or
+`python -m recipes.full_finetune_single_device ...` where there is no `tune` script. The `key=value` (or `~key`)
+arguments after the flags go to every run; the variant's own optimizer keys come after them and win. The run is
+stopped once its last step is logged, before the recipe's end-of-epoch checkpoint (--keep-checkpoints: not).
 
 Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and records:
 
@@ -72,12 +74,16 @@ IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
 __doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in VARIANTS.items()) + """
     any other dotted path, e.g. my.pkg.MyAdamW: run as optimizer=my.pkg.MyAdamW
 
-`--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd").
+`--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd");
+`--in-bwd-only` runs just those.
 """
 
 
-def resolve_variants(spec: str, in_bwd: bool) -> List[tuple]:
-    """[(variant name, overrides)] for a comma-separated list of short names, full names or class paths."""
+def resolve_variants(spec: str, in_bwd=False) -> List[tuple]:
+    """[(variant name, overrides)] for a comma-separated list of short names, full names or class paths.
+
+    in_bwd: False, True/"also" (each variant, then it with optimizer-in-backward) or "only" (just the latter).
+    """
     by_name = {v[0]: v for v in VARIANTS.values()}
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
@@ -91,7 +97,9 @@ def resolve_variants(spec: str, in_bwd: bool) -> List[tuple]:
             out.append((item, [f"optimizer={item}"]))
         else:
             raise SystemExit(f"error: unknown variant {item!r}; use one of {', '.join(VARIANTS)}, all, or a class path")
-    if in_bwd:
+    if in_bwd == "only":
+        out = [(base[0] + IN_BWD_SUFFIX, base[1] + IN_BWD_OVERRIDES) for base in out]
+    elif in_bwd:
         out = [v for base in out for v in (base, (base[0] + IN_BWD_SUFFIX, base[1] + IN_BWD_OVERRIDES))]
     return out
 
@@ -356,6 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--config", default="configs/tiny.yaml", help="recipe config (default configs/tiny.yaml)")
     parser.add_argument("--variants", default="all", help="comma-separated short names, full names or class paths")
     parser.add_argument("--in-bwd", action="store_true", help="also run each variant with optimizer_in_bwd=True")
+    parser.add_argument("--in-bwd-only", action="store_true", help="run only the optimizer_in_bwd=True versions")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (max_steps_per_epoch)")
     parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tok/s and opt-step medians")
     parser.add_argument("--out-dir", default=None, help="folder for the table, plots and runs (default: beside --out)")
@@ -391,7 +400,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for o in args.overrides:
         if not ("=" in o or o.startswith("~")):
             parser.error(f"override {o!r} is not key=value or ~key")
-    variants = resolve_variants(args.variants, args.in_bwd)
+    variants = resolve_variants(args.variants, "only" if args.in_bwd_only else args.in_bwd)
     if not (REPO_ROOT / args.config).is_file() and not Path(args.config).is_file():
         parser.error(f"--config {args.config} does not exist")
 

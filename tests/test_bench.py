@@ -89,6 +89,7 @@ def test_variant_names_and_in_bwd_overrides():
     assert variants[1][1] == ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "optimizer_in_bwd=True",
                               "clip_grad_norm=null"]
     assert len(compare.resolve_variants("all", in_bwd=False)) == len(compare.VARIANTS) == 10
+    assert [v[0] for v in compare.resolve_variants("bnb8", in_bwd="only")] == ["bitsandbytes.optim.AdamW8bit+in_bwd"]
 
 
 def test_summary_prefers_gpu_peak():
