@@ -167,6 +167,8 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     def setup(self, cfg: DictConfig) -> None:
         self._check_paths(cfg)
         self._cfg_optimizer = resolve_optimizer(cfg.optimizer)
+        if self._resume_dir is not None:
+            self._resume_state = self._read_resume_state()
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
@@ -260,7 +262,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         """
         sharded = {}
         for name, meta in model.state_dict().items():
-            full = full_sd.pop(name) if self._rank0 else torch.empty(meta.shape, dtype=meta.dtype)
+            full = full_sd.pop(name) if self._rank0 else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
             full = full.to(self._device, meta.dtype)
             sharded[name] = torch.nn.Parameter(
                 distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=0), requires_grad=True
@@ -316,8 +318,8 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         self._optimizers = [self._optimizer]
         utils.log_rank_zero(log, f"Optimizer: {path}")
 
-    def _load_resume_state(self, cfg: DictConfig) -> dict:
-        """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
+    def _read_resume_state(self) -> dict:
+        """recipe_state.pt (memory-mapped), checked against this run before anything is built."""
         state = torch.load(self._resume_dir / RECIPE_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
         saved = state["config"]
         if saved["optimizer"] != self._cfg_optimizer._component_:
@@ -336,6 +338,14 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         rank_file = self._resume_dir / RANK_STATE_FILE.format(rank=self._rank)
         if not rank_file.is_file() and layout == "per_rank":
             raise BadInput(f"resume_from_checkpoint={self._resume_dir} lacks {rank_file.name}")
+        return state
+
+    def _load_resume_state(self, cfg: DictConfig) -> dict:
+        """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
+        state = self._resume_state
+        saved, layout = state["config"], state.get("optimizer_layout", "full")
+        saved_world = saved.get("world_size", 1)
+        rank_file = self._resume_dir / RANK_STATE_FILE.format(rank=self._rank)
         if saved_world * saved["batch_size"] != self._world * self._batch_size:
             utils.log_rank_zero(log, f"the global batch ({self._world} ranks x batch_size={self._batch_size}) differs "
                                      f"from the checkpoint's ({saved_world} x {saved['batch_size']}): the data order "
