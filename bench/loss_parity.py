@@ -63,7 +63,13 @@ PARITY_VARIANTS = [
     ("ours16", "optimizers.AdamW", "bf16", compare.VARIANTS["ours16"][1]),
     ("bnb8", "bitsandbytes.optim.AdamW8bit", "bf16", compare.VARIANTS["bnb8"][1]),
     ("ao8", "torchao.optim.AdamW8bit", "bf16", compare.VARIANTS["ao8"][1]),
+    # Extras (not in the default list): what the gap owes to bf16 weights rather than to the state format.
+    ("ours8_fp32w", "optimizers.AdamW8bit", "fp32", compare.VARIANTS["ours8"][1]),
+    ("ours4_fp32w", "optimizers.AdamW4bit", "fp32", compare.VARIANTS["ours4"][1]),
+    ("ours8_sr", "optimizers.AdamW8bit", "bf16", compare.VARIANTS["ours8"][1] + ["optimizer.stochastic_round=True"]),
+    ("ours4_sr", "optimizers.AdamW4bit", "bf16", compare.VARIANTS["ours4"][1] + ["optimizer.stochastic_round=True"]),
 ]
+DEFAULT_KEYS = ["ref", "bf16", "ours8", "ours4", "oursfp8", "ours16", "bnb8", "ao8"]
 
 
 def overrides_value(overrides: List[str], key: str) -> Optional[str]:
@@ -157,13 +163,26 @@ def plot(records: List[dict], path: Path, title: str, window: int = 5) -> None:
     plt.close(fig)
 
 
+def markdown_table(records: List[dict]) -> str:
+    lines = ["| AdamW [weights] | final train loss | held-out loss | gap vs ref | held-out response-only loss | gap vs ref |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        if r["error"]:
+            lines.append(f"| {r['label']} | - | - | - | - | {r['error']} |")
+        else:
+            lines.append(f"| {r['label']} | {r['final_train_loss']:.4f} | {r['heldout_loss']:.4f} | "
+                         f"{100 * r['gap_vs_ref']:+.2f} % | {r['heldout_response_loss']:.4f} | "
+                         f"{100 * r['response_gap_vs_ref']:+.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_title(steps: int) -> str:
     return f"Alpaca, Llama2 architecture 2 layers x 64, {steps} steps of batch 2 (CPU)"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(v[0] for v in PARITY_VARIANTS),
+    parser.add_argument("--variants", default=",".join(DEFAULT_KEYS),
                         help="comma-separated keys: " + ", ".join(v[0] for v in PARITY_VARIANTS) + " (ref always runs)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--last-k", type=int, default=10, help="final_train_loss = mean of the last K steps")
@@ -173,6 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="bench/results/loss_parity.json")
     parser.add_argument("--plot", default="docs/loss_parity.png")
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--merge", action="store_true",
+                        help="add to the records in --out (re-running only the variants given; ref is reused)")
     parser.add_argument("--replot", metavar="JSON", default=None, help="run nothing: redraw --plot from a results JSON")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run (after PARITY_OVERRIDES)")
     args = parser.parse_args(argv)
@@ -180,10 +201,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.replot:
         result = json.loads(Path(args.replot).read_text())
         plot(result["records"], Path(args.plot), plot_title(result["steps"]))
+        print(markdown_table(result["records"]))
         print(f"wrote {args.plot}")
         return 0
     keys = [k.strip() for k in args.variants.split(",") if k.strip()]
-    chosen = [v for v in PARITY_VARIANTS if v[0] == "ref" or v[0] in keys]
+    unknown = set(keys) - {v[0] for v in PARITY_VARIANTS}
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
+    old = []
+    if args.merge and Path(args.out).exists():
+        # Keep the earlier records (the reference included: same seed, same data, a deterministic CPU run).
+        old = [r for r in json.loads(Path(args.out).read_text())["records"] if r["key"] not in keys]
+    have_ref = any(r["key"] == "ref" for r in old)
+    chosen = [v for v in PARITY_VARIANTS if (v[0] == "ref" and not have_ref) or (v[0] != "ref" and v[0] in keys)]
     data_dir = Path(args.data_dir).resolve()
     data_file = data_dir / "alpaca" / "alpaca_data.json"
     tokenizer_path = data_dir / "llama2_tokenizer" / "tokenizer.model"
@@ -194,7 +224,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs_dir = Path(args.runs_dir)
     records = []
     for i, (key, variant, dtype, opt_overrides) in enumerate(chosen, 1):
-        label = f"{variant} [{dtype}{', reference' if key == 'ref' else ''}]"
+        extra = "".join(f", {o.split('.')[-1]}" for o in opt_overrides if o.startswith("optimizer.stochastic"))
+        label = f"{variant} [{dtype}{extra}{', reference' if key == 'ref' else ''}]"
         prefix = f"[{i}/{len(chosen)} {label}]"
         run_dir = runs_dir / key
         rec = compare.run_variant(variant, [f"dtype={dtype}"] + opt_overrides, runner_args, base, run_dir, prefix)
@@ -214,6 +245,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(run_dir / "epoch_0", ignore_errors=True)
         records.append(out)
 
+    command = shlex.join(["python", "bench/loss_parity.py"] + (argv if argv is not None else sys.argv[1:]))
+    commands = (json.loads(Path(args.out).read_text()).get("commands", []) if old else []) + [command]
+    order = [v[0] for v in PARITY_VARIANTS]
+    records = sorted(old + records, key=lambda r: order.index(r["key"]))
     ref = records[0]
     for r in records:
         if r["heldout_loss"] is not None and ref["heldout_loss"] is not None:
@@ -222,7 +257,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["response_gap_vs_ref"] = ((r["heldout_response_loss"] - ref["heldout_response_loss"])
                                         / ref["heldout_response_loss"])
     result = {
-        "command": shlex.join(["python", "bench/loss_parity.py"] + (argv if argv is not None else sys.argv[1:])),
+        "command": command,
+        "commands": commands,
         "hardware": compare.hardware(),
         "versions": compare.versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -240,13 +276,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     plot(records, Path(args.plot), plot_title(args.steps))
-    print("\n| variant | weights | final train loss | held-out loss | gap vs ref |\n|---|---|---|---|---|")
-    for r in records:
-        if r["error"]:
-            print(f"| {r['variant']} | {r['dtype']} | - | - | {r['error']} |")
-        else:
-            print(f"| {r['variant']} | {r['dtype']} | {r['final_train_loss']:.4f} | {r['heldout_loss']:.4f} | "
-                  f"{100 * r['gap_vs_ref']:+.2f} % |")
+    print("\n" + markdown_table(records))
     print(f"wrote {args.out}, {args.plot}")
     return 0
 
