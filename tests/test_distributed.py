@@ -21,7 +21,7 @@ reference. What still differs:
   optimizers.AdamW 2e-7, 4-bit 7e-7, 8-bit 1.2e-6, FP8 7e-4 (FP8 on one device, batch 2 x 2 accumulation
   vs batch 4, already differs by 5e-5: the same sensitivity). RTOL_QUANT allows 1e-3, RTOL_FP8 3e-3.
 
-Runtime: 8 two-rank runs and one single-process run, about 210 s of CPU time: about 2 minutes on 2 idle cores
+Runtime: 8 two-rank runs and two single-process runs, about 230 s of CPU time: about 2 minutes on 2 idle cores
 (each run is mostly start-up), 4.5 minutes when other jobs share the cores.
 """
 
@@ -142,6 +142,16 @@ def test_resume_on_two_ranks_continues_with_the_same_losses(runs, tmp_path, opti
     # Same weights, optimizer shards, lr and data position: the same numbers as the uninterrupted run.
     assert resumed.losses == pytest.approx(full.losses[3:], rel=1e-6)
     assert [m["lr"] for m in resumed.metrics] == pytest.approx([m["lr"] for m in full.metrics[3:]])
+
+
+def test_full_torch_state_resumes_on_another_rank_count(runs, tmp_path):
+    """torch.optim's state is saved in full, so 2 ranks x batch 2 resume on 1 rank x batch 4 (same global batch)."""
+    full = runs("torch.optim.AdamW")
+    resumed = run_distributed(tmp_path / "out", "optimizer=torch.optim.AdamW", "batch_size=4",
+                              f"resume_from_checkpoint={full.output_dir / 'step_3'}", nproc=0)
+    assert resumed.ok, resumed.stderr[-4000:]
+    assert [m["step"] for m in resumed.metrics] == [4, 5, 6] and resumed.metrics[0]["world_size"] == 1
+    assert resumed.losses == pytest.approx(full.losses[3:], rel=RTOL_EXACT)
 
 
 def test_per_rank_state_refuses_another_rank_count(runs, tmp_path):
