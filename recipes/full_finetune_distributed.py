@@ -53,7 +53,6 @@ Not supported here (each refused before training with one line): ``optimizer_in_
 import json
 import os
 import random
-import resource
 import shutil
 import socket
 import sys

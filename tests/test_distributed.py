@@ -27,7 +27,6 @@ Runtime: 8 two-rank runs and two single-process runs, about 230 s of CPU time: a
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 
