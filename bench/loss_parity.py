@@ -133,7 +133,7 @@ def moving_average(values: List[float], window: int) -> List[float]:
     return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
 
 
-def plot(records: List[dict], path: Path, title: str, window: int = 5) -> None:
+def plot(records: List[dict], path: Path, title: str, window: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,13 +146,16 @@ def plot(records: List[dict], path: Path, title: str, window: int = 5) -> None:
         style = dict(color="black", linewidth=2.2) if r["reference"] else dict(linewidth=1.1)
         ax.plot(range(1, len(r["losses"]) + 1), moving_average(r["losses"], window), label=r["label"], **style)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"training loss ({window}-step moving average)")
+    ax.set_ylabel("training loss per step" + (f" ({window}-step moving average)" if window > 1 else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ok = [r for r in records if r.get("heldout_loss") is not None]
     ax2.barh([r["label"] for r in ok][::-1], [100 * r["gap_vs_ref"] for r in ok][::-1],
              color=["black" if r["reference"] else "tab:blue" for r in ok][::-1])
+    for i, r in enumerate(ok[::-1]):
+        ax2.annotate(f"{100 * r['gap_vs_ref']:+.1f} %", (max(100 * r["gap_vs_ref"], 0), i), fontsize=7,
+                     xytext=(3, -3), textcoords="offset points")
     for x in (-1, 1):
         ax2.axvline(x, color="red", linestyle=":", linewidth=1)
     ax2.set_xlabel("held-out loss gap vs fp32 reference, % (red: +-1 %)")
