@@ -249,7 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         records.append(out)
 
     command = shlex.join(["python", "bench/loss_parity.py"] + (argv if argv is not None else sys.argv[1:]))
-    commands = (json.loads(Path(args.out).read_text()).get("commands", []) if old else []) + [command]
+    previous = json.loads(Path(args.out).read_text()) if old else {}
+    commands = previous.get("commands", [previous["command"]] if previous else []) + [command]
     order = [v[0] for v in PARITY_VARIANTS]
     records = sorted(old + records, key=lambda r: order.index(r["key"]))
     ref = records[0]
@@ -260,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             r["response_gap_vs_ref"] = ((r["heldout_response_loss"] - ref["heldout_response_loss"])
                                         / ref["heldout_response_loss"])
     result = {
-        "command": command,
+        "command": " && ".join(commands),
         "commands": commands,
         "hardware": compare.hardware(),
         "versions": compare.versions(),
