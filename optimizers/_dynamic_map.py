@@ -83,6 +83,9 @@ def encode(x: torch.Tensor, inv_absmax: torch.Tensor, bits: int, signed: bool) -
         code = torch.where(x < 0, mag | (1 << E), mag)
         code = torch.where(mag == 0, 0, code)
         return torch.where(top & (x >= 0), 1 << E, code)
+    # A positive second moment never becomes 0: with m non-zero, v = 0 turns the update into lr * m / eps,
+    # thousands of times lr (seen in loss-parity runs as loss spikes on rarely updated embedding rows).
+    mag = torch.where((mag == 0) & (a > 0), 1, mag)
     return torch.where(top, (1 << bits) - 1, mag)
 
 
@@ -130,6 +133,7 @@ def encode_tl(x, inv_absmax, BITS: tl.constexpr, SIGNED: tl.constexpr):
         code = tl.where(mag == 0, 0, code)
         code = tl.where(top & (x >= 0), 1 << E, code)
     else:
+        mag = tl.where((mag == 0) & (a > 0), 1, mag)  # see encode(): a positive v never decodes to 0
         code = tl.where(top, (1 << BITS) - 1, mag)
     return code
 

@@ -2,7 +2,8 @@
 
 Bytes per parameter: 2 x (1 + 4/256) = 2.03, like 8-bit, but the code is a float: 3 mantissa bits at every
 magnitude instead of the dynamic map's finer top decade. Each block is scaled so its max maps to 448, e4m3's
-largest finite value; values under about 2^-9 of the block max round to zero (e4m3's smallest subnormal).
+largest finite value. First moments under about 2^-9/448 of the block max round to zero; second moments are floored
+at e4m3's smallest subnormal instead (a zero v under a non-zero m would blow the update up).
 """
 
 import torch
@@ -16,9 +17,17 @@ FP8_MAX = 448.0
 _FP8_MAX = tl.constexpr(FP8_MAX) if tl is not None else None  # Triton reads only constexpr globals
 
 
+# Smallest positive e4m3 value (a subnormal). Second moments are floored to it, never flushed to zero: with m
+# non-zero, v = 0 would make the update lr * m / eps (see _dynamic_map.encode).
+FP8_MIN = 2.0 ** -9
+_FP8_MIN = tl.constexpr(FP8_MIN) if tl is not None else None
+
+
 def quantize(x: torch.Tensor, signed: bool):
     absmax, inv = dm.inv_absmax(x)
     q = torch.clamp((x * inv[:, None]) * FP8_MAX, -FP8_MAX, FP8_MAX)
+    if not signed:
+        q = torch.where(q > 0, torch.clamp(q, min=FP8_MIN), q)
     return q.to(torch.float8_e4m3fn).view(torch.uint8), absmax
 
 
@@ -35,8 +44,10 @@ def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SI
 
 
 @jit
-def _encode(x, inv):
+def _encode(x, inv, SIGNED: tl.constexpr):
     q = tl.minimum(tl.maximum((x * inv) * _FP8_MAX, -_FP8_MAX), _FP8_MAX)
+    if not SIGNED:
+        q = tl.where(q > 0, tl.maximum(q, _FP8_MIN), q)
     return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
@@ -44,8 +55,8 @@ def _encode(x, inv):
 def _store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED: tl.constexpr):
     absmax, inv = dm.inv_absmax_tl(lo, hi)
     tl.store(scale + blk, absmax, mask=bmask)
-    tl.store(codes + off_lo, _encode(lo, inv[:, None]), mask=bmask[:, None])
-    tl.store(codes + off_hi, _encode(hi, inv[:, None]), mask=bmask[:, None])
+    tl.store(codes + off_lo, _encode(lo, inv[:, None], SIGNED), mask=bmask[:, None])
+    tl.store(codes + off_hi, _encode(hi, inv[:, None], SIGNED), mask=bmask[:, None])
 
 
 FORMAT = StateFormat(
