@@ -335,6 +335,18 @@ def write_reports(result: dict, out_dir: Path, name: str, title: str) -> None:
     print(f"wrote {out_dir / (name + '.md')}" + "".join(f", {p}" for p in plots))
 
 
+def code_version() -> str:
+    """The repository commit the runs used, with "+dirty" if recipes/ or optimizers/ had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "recipes", "optimizers"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def hardware() -> str:
     import torch
 
@@ -439,6 +451,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "skip_steps": args.skip_steps,
         "hardware": hardware(),
         "versions": versions(),
+        "code": code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "records": records,
     }

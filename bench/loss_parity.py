@@ -265,6 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "commands": commands,
         "hardware": compare.hardware(),
         "versions": compare.versions(),
+        "code": compare.code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "config": "configs/tiny.yaml",
         "overrides": base + [f"max_steps_per_epoch={args.steps}", "epochs=1", "metric_logger=null"],
