@@ -16,7 +16,10 @@ find "$OUT/site/torchao" -name '*.so' -delete
 mkdir -p "$OUT/site/bitsandbytes"
 (cd "$SITE/bitsandbytes" && find . -type f ! -name '*.so' -exec cp --parents {} "$OLDPWD/$OUT/site/bitsandbytes/" \;)
 cp "$SITE/bitsandbytes/libbitsandbytes_cuda130.so" "$OUT/site/bitsandbytes/"
-cp -r "$SITE"/torchtune-*.dist-info "$SITE"/torchao-*.dist-info "$SITE"/bitsandbytes-*.dist-info "$OUT/site/"
+# datasets reads the installed versions of its dependencies at import, so their dist-info must travel too
+for pkg in torchtune torchao bitsandbytes datasets dill multiprocess omegaconf torchdata; do
+  cp -r "$SITE"/${pkg}-*.dist-info "$OUT/site/"
+done
 find "$OUT" -name '__pycache__' -prune -exec rm -rf {} +
 DATA=${DATA_DIR:-../shared/data}
 xz -T2 -6 -c "$DATA/alpaca/alpaca_data.json" > "$OUT/data/alpaca_data.json.xz"
