@@ -43,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ from typing import Dict, List, Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_single_device.py"
+DIST_RECIPE = "recipes/full_finetune_distributed.py"
 
 # short name -> (variant name = the _component_ path, with torch's backend in brackets; overrides)
 VARIANTS: Dict[str, tuple] = {
@@ -108,14 +110,19 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("_")
 
 
-def recipe_launcher() -> List[str]:
+def recipe_launcher(nproc: int = 0) -> List[str]:
     """`tune run recipes/...py`, or, where torchtune is on PYTHONPATH without its `tune` script (the device
-    machine's copied site folder), `python -m recipes.full_finetune_single_device`, which parses the same args."""
+    machine's copied site folder), `python -m recipes.full_finetune_single_device`, which parses the same args.
+    With nproc >= 1: the distributed recipe on nproc processes (`tune run --nproc_per_node N`, or torchrun)."""
+    recipe = DIST_RECIPE if nproc else RECIPE
     exe = Path(sys.executable).with_name("tune")
     tune = str(exe) if exe.exists() else shutil.which("tune")
     if tune:
-        return [tune, "run", RECIPE]
-    return [sys.executable, "-m", RECIPE[:-3].replace("/", ".")]
+        return [tune, "run"] + (["--nproc_per_node", str(nproc)] if nproc else []) + [recipe]
+    module = recipe[:-3].replace("/", ".")
+    if nproc:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", module]
+    return [sys.executable, "-m", module]
 
 
 def read_metrics(output_dir: Path) -> List[dict]:
@@ -148,6 +155,10 @@ def summarize(metrics: List[dict], skip_steps: int) -> dict:
         "peak_kind": kind,
         "peak_reserved_gib": max((m.get("peak_memory_reserved_gib") or 0.0) for m in metrics) or None,
         "tok_s": _median(m.get("tokens_per_second") for m in steady),
+        # distributed runs (--nproc): throughput per GPU and each rank's peak
+        "tok_s_per_gpu": _median(m.get("tokens_per_second_per_gpu") for m in steady),
+        "peak_gib_per_rank": last.get("peak_memory_alloc_gib_per_rank") or last.get("peak_rss_gib_per_rank"),
+        "world_size": last.get("world_size"),
         "opt_step_ms": _median(m.get("optimizer_step_ms") for m in steady),
         "opt_state_gib": (last.get("optimizer_state_bytes") or 0) / 2**30 or None,
         "losses": [m["loss"] for m in metrics],
@@ -160,7 +171,7 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    cmd = recipe_launcher() + ["--config", args.config, f"output_dir={run_dir}", "epochs=1"]
+    cmd = recipe_launcher(getattr(args, "nproc", 0)) + ["--config", args.config, f"output_dir={run_dir}", "epochs=1"]
     if args.steps:
         cmd.append(f"max_steps_per_epoch={args.steps}")
     if not args.wandb:
@@ -289,7 +300,7 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
                 linestyle="--" if r["variant"].endswith(IN_BWD_SUFFIX) else "-", linewidth=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"Loss per step: {title}")
+    ax.set_title(textwrap.fill(f"Loss per step: {title}", 80), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -307,7 +318,7 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
     kind = ok[0]["peak_kind"] if ok else "gpu_alloc"
     ax.set_xlabel("peak memory, GiB (" + ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS") + ")")
     ax.set_ylabel("tokens/s (median, steady steps)")
-    ax.set_title(f"Memory vs speed: {title} (square = optimizer in backward)")
+    ax.set_title(textwrap.fill(f"Memory vs speed: {title} (square = optimizer in backward)", 80), fontsize=10)
     ax.margins(0.2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -378,6 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--in-bwd", action="store_true", help="also run each variant with optimizer_in_bwd=True")
     parser.add_argument("--in-bwd-only", action="store_true", help="run only the optimizer_in_bwd=True versions")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (max_steps_per_epoch)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="run the distributed recipe (FSDP2) on this many processes / GPUs instead")
     parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tok/s and opt-step medians")
     parser.add_argument("--out-dir", default=None, help="folder for the table, plots and runs (default: beside --out)")
     parser.add_argument("--out", default=None, help="JSON results file (default {out-dir}/compare.json)")

@@ -1,28 +1,42 @@
-"""The dynamic-exponent ("dynamic tree") code shared by the 8-bit format and the 4-bit first moment.
+"""The dynamic-exponent code shared by the 8-bit format and the 4-bit first moment.
 
-Values are normalised by the block's absolute maximum to [-1, 1]. With B bits and E = B - 1 decades, the
-codes cover 0, 1.0, and E decades [10^(i-E), 10^(i-E+1)] (i = 0..E-1) split into n_i equal cells, whose
-midpoints are the code values: n_i = 2^i for the signed map (plus a sign bit), 2^(i+1) for the unsigned one.
-These are exactly the values of bitsandbytes' ``create_dynamic_map`` (8-bit: 256 values; 4-bit signed: 16),
-so our quantization error matches theirs, but the code *numbering* is ours: it makes encoding arithmetic
-(E-1 compares and one floor) instead of a binary search over a sorted table, which keeps the kernel at
-memory speed. Decoding is one gather from a 2^B-entry table that stays in L1.
+Values are normalised by the block's absolute maximum to [-1, 1]. Like bitsandbytes' dynamic map, a code is a
+sign, a *level* (which power range the magnitude falls in) and a linear fraction inside that level, with more
+cells in the levels near the block max. With B bits there are E = B - 1 levels; level i = 0..E-1 covers
+[16^(i-E), 16^(i-E+1)) and is split into n_i equal cells whose midpoints are the code values: n_i = 2^i for the
+signed map (plus a sign bit), 2^(i+1) for the unsigned one. 0 and 1.0 are codes of both maps.
 
-Encoding rounds to the nearest value: the cell that contains |x|, except in a decade's lowest cell, where the
-top value of the decade below (or 0) can be nearer and one compare decides. Above 1 - 0.225/n_top a value
-becomes 1.0 (positive values only, as in bitsandbytes' map).
+Why levels of 16 (four octaves) and not bitsandbytes' decades of 10: with power-of-two levels the level and its
+scale come out of the float's exponent bits, so encoding is ~25 integer and float ops (no compare chain over the
+decade bounds, no exp2/log2) and decoding ~12 (no table gather, no division). With the decade map our 8-bit step
+was issue-bound on the H200 (254 SASS instructions per element; docs/optimizers.md). Accuracy, mean relative
+error of nearest-value encoding on |x| ~ U(0,1)^6 (bitsandbytes' 8-bit map in brackets), signed map:
+[0.1, 1) 1.35 % (1.26 %), [0.01, 0.1) 2.46 % (2.47 %), [1e-3, 1e-2) 4.65 % (4.76 %), [1e-4, 1e-3) 8.5 % (9.0 %);
+the unsigned map is about half of that, and the 8-bit maps reach down to 16^-7 = 3.7e-9 of the block max
+(bitsandbytes: 1e-7). So the same accuracy where it matters, a little more range.
 
-The plain-PyTorch and Triton encoders below do the same fp32 operations in the same order, so they agree
-code for code except where Triton fuses a multiply-add differently (rare; tests bound the mismatch rate).
+Code numbering: signed magnitude c in [2^i, 2^(i+1)) is level i, cell c - 2^i; unsigned c + 1 in [2^(i+1),
+2^(i+2)) is level i, cell c + 1 - 2^(i+1). Signed code 2^E (a "negative zero") is +1.0; unsigned 2^B - 1 is 1.0.
+
+Encoding rounds to the nearest value: the cell that contains |x|, except in a level's lowest cell, where the top
+value of the level below (or 0) can be nearer and one compare decides. Magnitudes below the lowest level become 0
+(first moment) or the smallest code (second moment: see ``encode``); above 1 - 15/(64 n_top) they become 1.0
+(positive values only, as in bitsandbytes' map). The plain-PyTorch and Triton encoders do the same fp32 operations
+in the same order and all but one multiply are exact, so they agree code for code; decoding agrees bit for bit
+with ``dynamic_map``'s table.
 """
 
 import torch
 
 from ._triton import jit, tl
 
+_R = 4  # octaves per level
+_LOW = 0.0625  # a level's lower end relative to its upper end (2^-R)
+_SPAN = 16.0 / 15.0  # 1 / (1 - 2^-R): cells per unit of (f - _LOW) * n
+
 
 def dynamic_map(bits: int, signed: bool) -> torch.Tensor:
-    """Code -> value table (fp32, 2^bits entries) in our code numbering."""
+    """Code -> value table (fp32, 2^bits entries) in our code numbering (the plain-PyTorch path decodes with it)."""
     E = bits - 1
     vals = []
     for c in range(1 << bits):
@@ -39,54 +53,48 @@ def dynamic_map(bits: int, signed: bool) -> torch.Tensor:
                 vals.append(0.0 if c == 0 else 1.0)
                 continue
             i = (c + 1).bit_length() - 2
-            n, k = 1 << (i + 1), c - ((1 << (i + 1)) - 1)
-        v = 10.0 ** (i - E + 1) * (0.1 + 0.9 * (k + 0.5) / n)
+            n, k = 1 << (i + 1), c + 1 - (1 << (i + 1))
+        # P + (15k + 7.5) * P / n with P = 16^(i-E): exact in float64, so the fp32 cast is the one rounding, the
+        # same one the kernel's fused multiply-add makes.
+        p = 2.0 ** (_R * (i - E))
+        v = p + (15 * k + 7.5) * (p / n)
         vals.append(-v if neg else v)
     return torch.tensor(vals, dtype=torch.float32)
 
 
-def _fp32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
-
-
 def _pow2(i: torch.Tensor) -> torch.Tensor:
-    """2^i for small integer i (int32 tensor), exactly, from the exponent bits."""
+    """2^i for integer i in the normal range (int32 tensor), exactly, from the exponent bits."""
     return ((i + 127) << 23).view(torch.float32)
 
 
 def encode(x: torch.Tensor, inv_absmax: torch.Tensor, bits: int, signed: bool) -> torch.Tensor:
-    """Plain-PyTorch encoder: x fp32 [nblk, k], inv_absmax fp32 [nblk, 1] -> int32 codes."""
+    """Plain-PyTorch encoder: x fp32 [nblk, k], inv_absmax fp32 [nblk, 1] -> int32 codes.
+
+    The level i comes from the exponent bits. With S = 16^(E-1-i) * n (a power of two), d = a * S - n/16 is
+    (f - 1/16) * n for f = a in level-i units, exactly (the product is a power-of-two scaling and the
+    subtraction is exact by Sterbenz), so the cell is floor(d * 16/15): one rounding in the whole chain.
+    """
     E = bits - 1
-    a = x.abs() * inv_absmax
-    # decade i: the number of decade bounds 10^(j-E), j = 1..E-1, that a reaches; inv_ub = 1 / 10^(i-E+1)
-    i = torch.zeros_like(a, dtype=torch.int32)
-    inv_ub = torch.full_like(a, 10.0 ** (E - 1))
-    for j in range(1, E):
-        up = a >= _fp32(10.0 ** (j - E))
-        i = i + up.to(torch.int32)
-        inv_ub = torch.where(up, _fp32(10.0 ** (E - 1 - j)), inv_ub)
-    n = _pow2(i if signed else i + 1)  # cells in the decade
-    rn = _pow2(-i if signed else -i - 1)  # 1 / n
-    f = a * inv_ub
-    k = torch.floor(((f - 0.1) * n) * _fp32(1.0 / 0.9))
-    k = torch.minimum(torch.clamp(k, min=0.0), n - 1.0)
-    mag = (n + k) if signed else (n - 1.0 + k)
-    # In a decade's lowest cell the nearest value may be the top of the decade below (or 0 below decade 0):
-    # in this decade's units that value is 0.1 - 0.09/n (or 0), so the midpoint is 0.1 + 0.18/n (or half the cell).
-    bottom = i == 0
-    low = (k == 0.0) & (f < torch.where(bottom, 0.05 + 0.225 * rn, 0.1 + 0.18 * rn))
-    mag = torch.where(low, torch.where(bottom, 0.0, mag - 1.0), mag)
-    n_top = float(1 << (E - 1)) if signed else float(1 << E)
-    top = a > _fp32(1.0 - 0.225 / n_top)
-    mag = mag.to(torch.int32)
+    xs = x * inv_absmax
+    a = xs.abs()
+    i = torch.clamp(((a.view(torch.int32) >> 23) - (127 - _R * E)) >> 2, min=0)  # below level 0: 0
+    lg_n = i if signed else i + 1
+    d = a * _pow2(_R * (E - 1) - 3 * i + (lg_n - i)) - _pow2(lg_n - _R)
+    n = 1 << lg_n
+    k = torch.minimum(torch.clamp(torch.floor(d * _SPAN).to(torch.int32), min=0), n - 1)
+    # In a level's lowest cell the top value of the level below (the previous code) can be nearer: the midpoint
+    # is at d = 105/512. Below level 0 of the signed map the previous code is 0 (exact midpoint there: 104/512).
+    low = (d < 105.0 / 512.0).to(torch.int32)
+    n_top = 1 << (E - 1) if signed else 1 << E
+    thr = 1.0 - 15.0 / (64 * n_top)  # nearer to 1.0 than to the top cell's midpoint
     if signed:
-        code = torch.where(x < 0, mag | (1 << E), mag)
-        code = torch.where(mag == 0, 0, code)
-        return torch.where(top & (x >= 0), 1 << E, code)
+        mag = n + k - low
+        code = torch.where(mag == 0, 0, mag | ((x.view(torch.int32) >> (31 - E)) & (1 << E)))
+        return torch.where(xs > thr, 1 << E, code)
     # A positive second moment never becomes 0: with m non-zero, v = 0 turns the update into lr * m / eps,
     # thousands of times lr (seen in loss-parity runs as loss spikes on rarely updated embedding rows).
-    mag = torch.where((mag == 0) & (a > 0), 1, mag)
-    return torch.where(top, (1 << bits) - 1, mag)
+    mag = torch.maximum(n - 1 + k - low, torch.clamp(a.view(torch.int32), max=1))
+    return torch.where(a > thr, (1 << bits) - 1, mag)
 
 
 @jit
@@ -96,69 +104,54 @@ def _pow2_tl(i):
 
 @jit
 def encode_tl(x, inv_absmax, BITS: tl.constexpr, SIGNED: tl.constexpr):
-    """Triton twin of ``encode``: x fp32 [NB, K], inv_absmax fp32 [NB, 1] -> int32 codes.
-
-    Measured on the H200: this compare chain beats finding the decade with log2/exp2 (8-bit step 80 vs 100 ms).
-    """
+    """Triton twin of ``encode`` (same operations): x fp32 [NB, K], inv_absmax fp32 [NB, 1] -> int32 codes."""
     E: tl.constexpr = BITS - 1
-    a = tl.abs(x) * inv_absmax
-    i = tl.zeros(a.shape, tl.int32)
-    inv_ub = tl.full(a.shape, 10.0 ** (E - 1), tl.float32)
-    for j in tl.static_range(1, E):
-        up = a >= 10.0 ** (j - E)
-        i = i + up.to(tl.int32)
-        inv_ub = tl.where(up, 10.0 ** (E - 1 - j), inv_ub)
+    xs = x * inv_absmax
+    a = tl.abs(xs)
+    i = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) - (127 - 4 * E)) >> 2, 0)
     if SIGNED:
-        n = _pow2_tl(i)
-        rn = _pow2_tl(-i)
-    else:
-        n = _pow2_tl(i + 1)
-        rn = _pow2_tl(-i - 1)
-    f = a * inv_ub
-    k = tl.floor(((f - 0.1) * n) * (1.0 / 0.9))
-    k = tl.minimum(tl.maximum(k, 0.0), n - 1.0)
-    if SIGNED:
-        mag = n + k
+        lg_n = i
         n_top: tl.constexpr = 1 << (E - 1)
     else:
-        mag = n - 1.0 + k
+        lg_n = i + 1
         n_top: tl.constexpr = 1 << E
-    bottom = i == 0
-    low = (k == 0.0) & (f < tl.where(bottom, 0.05 + 0.225 * rn, 0.1 + 0.18 * rn))
-    mag = tl.where(low, tl.where(bottom, 0.0, mag - 1.0), mag)
-    top = a > (1.0 - 0.225 / n_top)
-    mag = mag.to(tl.int32)
+    d = a * _pow2_tl(4 * (E - 1) - 3 * i + (lg_n - i)) - _pow2_tl(lg_n - 4)
+    n = 1 << lg_n
+    k = tl.minimum(tl.maximum(tl.floor(d * (16.0 / 15.0)).to(tl.int32), 0), n - 1)
+    low = (d < 105.0 / 512.0).to(tl.int32)
+    thr: tl.constexpr = 1.0 - 15.0 / (64 * n_top)
     if SIGNED:
-        code = tl.where(x < 0, mag | (1 << E), mag)
-        code = tl.where(mag == 0, 0, code)
-        code = tl.where(top & (x >= 0), 1 << E, code)
+        mag = n + k - low
+        code = tl.where(mag == 0, 0, mag | ((x.to(tl.int32, bitcast=True) >> (31 - E)) & (1 << E)))
+        code = tl.where(xs > thr, 1 << E, code)
     else:
-        mag = tl.where((mag == 0) & (a > 0), 1, mag)  # see encode(): a positive v never decodes to 0
-        code = tl.where(top, (1 << BITS) - 1, mag)
+        mag = tl.maximum(n - 1 + k - low, tl.minimum(a.to(tl.int32, bitcast=True), 1))  # see encode()
+        code = tl.where(a > thr, (1 << BITS) - 1, mag)
     return code
 
 
 @jit
 def decode_tl(c, BITS: tl.constexpr, SIGNED: tl.constexpr):
-    """Code (int32) -> map value, by arithmetic rather than a table gather.
+    """Code (int32) -> map value, by arithmetic: the level comes from the exponent bits of float(magnitude code),
+    and the powers of two are built from bits, so there is no table gather, division or transcendental.
 
-    The decade i and the cell k come from the exponent bits of float(code): our numbering puts decade i at
-    codes [2^i, 2^(i+1)) (signed magnitude) or [2^(i+1) - 1, 2^(i+2) - 1) (unsigned). On the H200 the per-element
-    gather from a 256-entry table cost ~22 ms of a 7B step; this costs a few integer ops and one exp2. Values
-    agree with ``dynamic_map`` to ~4e-7 relative (exp2 is approximate), far below a code step.
+    With n = 2^lg_n cells, q = 16^(i-E) / n and p = 16^(i-E): value = p + (15k + 7.5) q = q (15 mag' + 7.5) - 14 p,
+    where mag' = k + n is the float of the magnitude code (signed) or code + 1 (unsigned). The product is exact, so
+    the one rounding of the fused multiply-add gives ``dynamic_map``'s table value bit for bit.
     """
     E: tl.constexpr = BITS - 1
     if SIGNED:
         mag = c & ((1 << E) - 1)
         magf = mag.to(tl.float32)
-        n = (magf.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
-        i = (n.to(tl.int32, bitcast=True) >> 23) - 127
+        eb = magf.to(tl.int32, bitcast=True) >> 23  # 127 + lg_n, lg_n = i
+        p = ((4 * eb - (3 * 127 + 4 * E)) << 23).to(tl.float32, bitcast=True)
+        q = ((3 * eb - (2 * 127 + 4 * E)) << 23).to(tl.float32, bitcast=True)
     else:
         magf = (c + 1).to(tl.float32)
-        n = (magf.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
-        i = (n.to(tl.int32, bitcast=True) >> 23) - 128
-    k = magf - n
-    val = tl.exp2((i - (E - 1)).to(tl.float32) * 3.3219280948873622) * (0.1 + (0.9 * (k + 0.5)) / n)
+        eb = magf.to(tl.int32, bitcast=True) >> 23  # 127 + lg_n, lg_n = i + 1
+        p = ((4 * eb - (3 * 127 + 4 * E + 4)) << 23).to(tl.float32, bitcast=True)
+        q = ((3 * eb - (2 * 127 + 4 * E + 4)) << 23).to(tl.float32, bitcast=True)
+    val = (magf * 15.0 + 7.5) * q - 14.0 * p
     if SIGNED:
         val = tl.where(mag == 0, tl.where(c == (1 << E), 1.0, 0.0), tl.where(c > (1 << E), -val, val))
     else:
@@ -182,6 +175,6 @@ def inv_absmax(x: torch.Tensor):
 @jit
 def inv_absmax_tl(lo, hi):
     """Triton twin of ``inv_absmax`` over a block held as two halves [NB, K]."""
-    absmax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    absmax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1)
     inv = tl.where(absmax >= TINY_TL, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), absmax), 0.0)
     return absmax, inv

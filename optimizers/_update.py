@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ._triton import INSTALL_HINT, HAVE_TRITON, jit, tl, triton_usable
+from ._triton import INSTALL_HINT, HAVE_TRITON, INTERPRET, jit, tl, triton_usable
 
 # Largest finite fp32: |g| <= this is false for NaN and inf, so one compare checks both.
 _FP32_MAX = 3.4028234663852886e38
@@ -61,9 +61,16 @@ class StateFormat:
     quantize: Callable
     # dequantize(codes, scale, signed) -> [nblk, block] fp32
     dequantize: Callable
-    # Triton path: @triton.jit load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED)
-    # -> (lo, hi) fp32 [NB, block/2]; store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED)
+    # Triton path, three @triton.jit helpers (use ld/st/ldb/stb below for the optional masks):
+    #   load(codes, scale, lo, hi, rows, bmask) -> (raw_lo, raw_hi, s): the loads only, no arithmetic (the kernel
+    #     issues them a tile ahead); codes/scale point at the tile's first code and block scale, lo/hi are int32
+    #     element offsets [NB, block/2] inside the tile, rows = the tile's block indices [NB] (in the layout of a
+    #     reduction over axis 1), bmask None (full tile) or [NB];
+    #   decode(raw_lo, raw_hi, s, SIGNED) -> (lo, hi) fp32 [NB, block/2];
+    #   store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED): quantize and store.
+    # (Triton 3.6 cannot return None from a helper, hence ld/st for element masks and ldb/stb for block masks.)
     triton_load: Any
+    triton_decode: Any
     triton_store: Any
     # code -> value tables for the signed (first moment) and unsigned (second moment) maps, if the format has them
     qmap_signed: Optional[torch.Tensor] = None
@@ -72,11 +79,31 @@ class StateFormat:
     # Triton launch shape: blocks per program and warps, tuned on the H200 (bench/results/optimizer_sweep_h200.log)
     tile_blocks: int = 4
     num_warps: int = 4
+    programs_per_sm: int = 8
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton path: one kernel for all formats. LOAD/STORE are the format's jit helpers, passed as constexprs.
 # ---------------------------------------------------------------------------------------------------------
+
+
+if HAVE_TRITON and not INTERPRET:
+    from triton.language.extra import libdevice as _libdevice
+else:
+    _libdevice = None
+# On the GPU the update's division is div.approx (one reciprocal and one multiply, <= 2 ulp): the IEEE-style
+# division that `/` emits costs ~9 instructions per element, the largest single item of the 16-bit kernel. The
+# interpreter has no libdevice, so CI runs `/`; the tests' tolerances cover both (GPU tests run the fast one).
+_FAST_DIV = tl.constexpr(_libdevice is not None) if tl is not None else None
+_INTERP = tl.constexpr(INTERPRET) if tl is not None else None
+
+
+@jit
+def _fdiv(a, b):
+    if _FAST_DIV:
+        return _libdevice.fast_dividef(a, b)
+    else:
+        return a / b
 
 
 @jit
@@ -89,7 +116,7 @@ def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign
     m_new = b1 * m + (1.0 - b1) * g
     v_new = b2 * v + (1.0 - b2) * g * g
     denom = tl.sqrt(v_new) * inv_sqrt_bc2 + eps
-    x_new = x * (1.0 - lr * wd) - step_size * (m_new / denom)
+    x_new = x * (1.0 - lr * wd) - step_size * _fdiv(m_new, denom)
     m_new = tl.where(finite, m_new, m)
     v_new = tl.where(finite, v_new, v)
     x_new = tl.where(finite, x_new, x)
@@ -98,10 +125,10 @@ def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign
 
 @jit
 def round_to(x, ty: tl.constexpr):
-    """fp32 -> ``ty`` with round-to-nearest-even. For bf16 the rounding is spelled out in integer ops: the same
-    result as the GPU's cvt.rn, and also under TRITON_INTERPRET, whose bf16 conversion does not round to even
-    (CI would otherwise test a different function from the one the GPU runs). Inputs are finite here."""
-    if ty == tl.bfloat16:
+    """fp32 -> ``ty`` with round-to-nearest-even. On the GPU that is the hardware conversion. Under TRITON_INTERPRET
+    the bf16 conversion does not round to even, so there the rounding is spelled out in integer ops (bit-equal to
+    the GPU's cvt.rn; CI would otherwise test a different function from the one the GPU runs). Inputs are finite."""
+    if _INTERP and ty == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
@@ -110,51 +137,121 @@ def round_to(x, ty: tl.constexpr):
 
 
 @jit
-def _write_param(p_ptr, e_ptr, off, s_off, mask, x_new, seed, COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    out_ty = p_ptr.dtype.element_ty
-    if STOCHASTIC:
-        # Add 16 random low bits, then truncate to bf16: rounds up with probability equal to the dropped fraction.
-        r = tl.randint(seed, s_off + off).to(tl.uint32) & 0xFFFF
-        bits = (x_new.to(tl.uint32, bitcast=True) + r) & 0xFFFF0000
-        tl.store(p_ptr + off, bits.to(tl.float32, bitcast=True).to(out_ty), mask=mask)
+def ld(ptr, mask, other):
+    """``tl.load`` with an optional mask: full tiles pass ``mask=None`` and get unpredicated, vectorised loads."""
+    if mask is None:
+        return tl.load(ptr)
     else:
-        p_new = round_to(x_new, out_ty)
-        tl.store(p_ptr + off, p_new, mask=mask)
-        if COMPENSATE:
-            tl.store(e_ptr + s_off + off, (x_new - p_new.to(tl.float32)).to(e_ptr.dtype.element_ty), mask=mask)
+        return tl.load(ptr, mask=mask, other=other)
 
 
 @jit
-def _adamw_kernel(
-    ptr_tab,  # int64 [T, 2]: address of each param and of its grad (rebuilt every step)
-    meta_tab,  # int64 [T, 4]: numel, element offset of its state slice, index of its first tile, unused
-    hp_tab,  # fp32 [T, 8]: lr, weight_decay, beta1, beta2, eps, lr / bc1, 1 / sqrt(bc2), sign (-1 maximize)
-    tile_tab,  # int32 [n_tiles]: which tensor each tile belongs to
-    p0,  # the first param: only its pointer type is used, to type the addresses read from ptr_tab
-    g0,  # the first grad, likewise
-    m_codes, m_scale, v_codes, v_scale, qmap_m, qmap_v,
-    err_ptr,  # compensation buffer (same offsets as the states), or a dummy
-    nonfinite_ptr,  # int32 [1]: count of skipped non-finite gradient elements
-    seed,
-    BLOCK: tl.constexpr, NB: tl.constexpr,
-    LOAD: tl.constexpr, STORE: tl.constexpr,
-    COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    t = tl.load(tile_tab + tile).to(tl.int64)
-    numel = tl.load(meta_tab + t * 4)
-    s_off = tl.load(meta_tab + t * 4 + 1)
-    first = tl.load(meta_tab + t * 4 + 2)
+def st(ptr, val, mask):
+    """``tl.store`` with an optional mask (see ``ld``)."""
+    if mask is None:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@jit
+def ldb(ptr, bmask, other):
+    """``ld`` with a per-block mask [NB] (or None) broadcast over each block's elements [NB, K]."""
+    if bmask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=bmask[:, None], other=other)
+
+
+@jit
+def stb(ptr, val, bmask):
+    """``st`` with a per-block mask [NB] (or None), like ``ldb``."""
+    if bmask is None:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=bmask[:, None])
+
+
+@jit
+def st_scale(scale, lo, absmax, bmask, BLOCK: tl.constexpr):
+    """Store the per-block scales [NB] (a row reduction of the tile) at ``scale + block``.
+
+    Written as a masked [NB, BLOCK/2] store of the broadcast value, one element per block enabled: a plain [NB]
+    store makes Triton convert the reduction's layout to a 1-D one through shared memory, with two barriers per
+    tile, which stalls all warps of the program mid-update."""
+    first = (lo % BLOCK) == 0
+    if bmask is not None:
+        first = first & bmask[:, None]
+    tl.store(scale + lo // BLOCK, tl.broadcast_to(absmax[:, None], lo.shape), mask=first)
+
+
+@jit
+def _write_param(p_ptr, e_ptr, off, mask, x_new, seed, s_base, COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    out_ty = p_ptr.dtype.element_ty
+    if STOCHASTIC:
+        # Add 16 random low bits, then truncate to bf16: rounds up with probability equal to the dropped fraction.
+        r = tl.randint(seed, s_base + off).to(tl.uint32) & 0xFFFF  # counter: the element's place in the bucket
+        bits = (x_new.to(tl.uint32, bitcast=True) + r) & 0xFFFF0000
+        st(p_ptr + off, bits.to(tl.float32, bitcast=True).to(out_ty), mask)
+    else:
+        p_new = round_to(x_new, out_ty)
+        st(p_ptr + off, p_new, mask)
+        if COMPENSATE:
+            st(e_ptr + off, (x_new - p_new.to(tl.float32)).to(e_ptr.dtype.element_ty), mask)
+
+
+@jit
+def _find(j, t, cum_full):
+    """The tensor holding full tile j, searching forward from tensor t (a program's tiles only ever move forward, so
+    this walks each tensor boundary once): cum_full[t] <= j < cum_full[t + 1]. Returns (t, tile within tensor t)."""
+    while j >= tl.load(cum_full + t + 1):
+        t += 1
+    return t, j - tl.load(cum_full + t)
+
+
+@jit
+def _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tile k of tensor t -> (param and grad pointers at the tile start, the tile's element offset in the bucket's
+    state buffers, elements of the tensor from the tile start on)."""
+    t = t.to(tl.int64)
+    base = k.to(tl.int64) * TILE
+    numel = tl.load(meta_tab + t * 2)
+    s_off = tl.multiple_of(tl.load(meta_tab + t * 2 + 1), BLOCK)  # state slices start on block boundaries
     p_ptr = tl.load(ptr_tab + t * 2).to(p0.dtype)
     g_ptr = tl.load(ptr_tab + t * 2 + 1).to(g0.dtype)
     # Values read from tables carry no alignment facts, and without them Triton emits one load per element
-    # (measured: 4x slower). State slices start on block boundaries by construction; for the params we
-    # promise 16-element sizes and 16-byte addresses only when the host checked them (ALIGNED).
-    s_off = tl.multiple_of(s_off, BLOCK)
+    # (measured: 4x slower). For the params we promise 16-byte addresses only when the host checked them.
     if ALIGNED:
-        numel = tl.multiple_of(numel, 16)
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
+    return p_ptr + base, g_ptr + base, s_off + base, numel - base
+
+
+@jit
+def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
+           bmask, BLOCK: tl.constexpr, EPC: tl.constexpr, LOAD: tl.constexpr, COMPENSATE: tl.constexpr):
+    """Issue every load of one tile (raw: bf16 weights and grads, codes and scales); no arithmetic on them."""
+    p_lo = ld(p_ptr + lo, emask_lo, 0.0)
+    p_hi = ld(p_ptr + hi, emask_hi, 0.0)
+    g_lo = ld(g_ptr + lo, emask_lo, 0.0)
+    g_hi = ld(g_ptr + hi, emask_hi, 0.0)
+    if COMPENSATE:
+        e_lo = ld(err_ptr + s_base + lo, emask_lo, 0.0)
+        e_hi = ld(err_ptr + s_base + hi, emask_hi, 0.0)
+    else:
+        e_lo = p_lo
+        e_hi = p_hi
+    mc_lo, mc_hi, ms = LOAD(m_codes + s_base // EPC, m_scale + s_base // BLOCK, lo, hi, rows, bmask)
+    vc_lo, vc_hi, vs = LOAD(v_codes + s_base // EPC, v_scale + s_base // BLOCK, lo, hi, rows, bmask)
+    return p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs
+
+
+@jit
+def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr, err_ptr,
+                 m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, emask_lo, emask_hi, bmask, seed,
+                 BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
+                 COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Decode, update and store one fetched tile; returns its count of non-finite gradient elements."""
     lr = tl.load(hp_tab + t * 8)
     wd = tl.load(hp_tab + t * 8 + 1)
     b1 = tl.load(hp_tab + t * 8 + 2)
@@ -163,46 +260,94 @@ def _adamw_kernel(
     step_size = tl.load(hp_tab + t * 8 + 5)
     inv_sqrt_bc2 = tl.load(hp_tab + t * 8 + 6)
     sign = tl.load(hp_tab + t * 8 + 7)
+    m_lo, m_hi = DECODE(mc_lo, mc_hi, ms, True)
+    v_lo, v_hi = DECODE(vc_lo, vc_hi, vs, False)
+    x_lo, m_lo, v_lo, ok_lo = _adam_math(p_lo.to(tl.float32), g_lo.to(tl.float32), m_lo, v_lo,
+                                         e_lo.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
+                                         COMPENSATE)
+    x_hi, m_hi, v_hi, ok_hi = _adam_math(p_hi.to(tl.float32), g_hi.to(tl.float32), m_hi, v_hi,
+                                         e_hi.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
+                                         COMPENSATE)
+    STORE(m_codes + s_base // EPC, m_scale + s_base // BLOCK, lo, hi, rows, bmask, m_lo, m_hi, True)
+    STORE(v_codes + s_base // EPC, v_scale + s_base // BLOCK, lo, hi, rows, bmask, v_lo, v_hi, False)
+    e_ptr = err_ptr + s_base
+    _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
+    _write_param(p_ptr, e_ptr, hi, emask_hi, x_hi, seed, s_base, COMPENSATE, STOCHASTIC)
+    # Padding elements (masked off) read g = 0, which is finite, so they never count. Counted per element and
+    # summed once at the end of the kernel: a per-tile sum would need a cross-warp reduction (and barrier) per tile.
+    return (~ok_lo).to(tl.int32) + (~ok_hi).to(tl.int32)
 
-    # A tile is NB blocks; each block is handled as two halves (lo, hi) so that 4-bit formats can pack
-    # element j with element j + BLOCK/2 of the same block into one byte without shuffles.
-    base = (tile - first).to(tl.int64) * (NB * BLOCK)
-    rows = tl.arange(0, NB)
-    off_lo = base + rows[:, None] * BLOCK + tl.arange(0, BLOCK // 2)[None, :]  # within the tensor
-    off_hi = off_lo + BLOCK // 2
-    emask_lo = off_lo < numel
-    emask_hi = off_hi < numel
-    bmask = (base + rows * BLOCK) < numel  # blocks of this tensor (its padded slice)
-    blk = (s_off + base) // BLOCK + rows  # global block index, for per-block scales
-    soff_lo = s_off + off_lo  # offsets into the flat state buffers
-    soff_hi = s_off + off_hi
 
-    p_lo = tl.load(p_ptr + off_lo, mask=emask_lo, other=0.0).to(tl.float32)
-    p_hi = tl.load(p_ptr + off_hi, mask=emask_hi, other=0.0).to(tl.float32)
-    g_lo = tl.load(g_ptr + off_lo, mask=emask_lo, other=0.0).to(tl.float32)
-    g_hi = tl.load(g_ptr + off_hi, mask=emask_hi, other=0.0).to(tl.float32)
-    e_lo = p_lo
-    e_hi = p_hi
-    if COMPENSATE:
-        e_lo = tl.load(err_ptr + soff_lo, mask=emask_lo, other=0.0).to(tl.float32)
-        e_hi = tl.load(err_ptr + soff_hi, mask=emask_hi, other=0.0).to(tl.float32)
-    m_lo, m_hi = LOAD(m_codes, m_scale, qmap_m, soff_lo, soff_hi, blk, emask_lo, emask_hi, bmask, True)
-    v_lo, v_hi = LOAD(v_codes, v_scale, qmap_v, soff_lo, soff_hi, blk, emask_lo, emask_hi, bmask, False)
-
-    x_lo, m_lo, v_lo, ok_lo = _adam_math(p_lo, g_lo, m_lo, v_lo, e_lo, lr, wd, b1, b2, eps, step_size,
-                                         inv_sqrt_bc2, sign, COMPENSATE)
-    x_hi, m_hi, v_hi, ok_hi = _adam_math(p_hi, g_hi, m_hi, v_hi, e_hi, lr, wd, b1, b2, eps, step_size,
-                                         inv_sqrt_bc2, sign, COMPENSATE)
-
-    STORE(m_codes, m_scale, soff_lo, soff_hi, blk, emask_lo, emask_hi, bmask, m_lo, m_hi, True)
-    STORE(v_codes, v_scale, soff_lo, soff_hi, blk, emask_lo, emask_hi, bmask, v_lo, v_hi, False)
-    _write_param(p_ptr, err_ptr, off_lo, s_off, emask_lo, x_lo, seed, COMPENSATE, STOCHASTIC)
-    _write_param(p_ptr, err_ptr, off_hi, s_off, emask_hi, x_hi, seed, COMPENSATE, STOCHASTIC)
-
-    bad = tl.sum(tl.sum((emask_lo & ~ok_lo).to(tl.int32), axis=1), axis=0) + tl.sum(
-        tl.sum((emask_hi & ~ok_hi).to(tl.int32), axis=1), axis=0)
-    if bad > 0:  # rare: keeps the atomic off the hot path
-        tl.atomic_add(nonfinite_ptr, bad)
+@jit
+def _adamw_kernel(
+    ptr_tab,  # int64 [T, 2]: address of each param and of its grad (rebuilt every step)
+    meta_tab,  # int64 [T, 2]: numel, element offset of its state slice
+    hp_tab,  # fp32 [T, 8]: lr, weight_decay, beta1, beta2, eps, lr / bc1, 1 / sqrt(bc2), sign (-1 maximize)
+    cum_full, n_full,  # int64 [T + 1]: full tiles of the tensors before each one (a prefix sum); their total
+    tail_tab, n_tail,  # int32 [n_tail, 2]: (tensor, tile within it) of each tensor's partial last tile, if any
+    p0,  # the first param: only its pointer type is used, to type the addresses read from ptr_tab
+    g0,  # the first grad, likewise
+    m_codes, m_scale, v_codes, v_scale,
+    err_ptr,  # compensation buffer (same offsets as the states), or a dummy
+    nonfinite_ptr,  # int32 [1]: count of skipped non-finite gradient elements
+    seed,
+    BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr,
+    LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
+    COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Persistent: a grid of a few programs per SM; program i takes tiles i, i + G, i + 2G, ... of the full-tile
+    table, then of the tail table. Full tiles are software-pipelined: the next tile's loads are issued before
+    the current tile is decoded and updated, so every program keeps a tile of loads in flight while it computes
+    (one tile per program at a time left the SMs idle between the load and store phases)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    TILE: tl.constexpr = NB * BLOCK
+    # Offsets inside a tile are small int32s; the 64-bit tile start goes into the base pointers. A tile is NB
+    # blocks, each handled as two halves (lo, hi) so that 4-bit formats can pack element j with element
+    # j + BLOCK/2 of the same block into one byte without shuffles.
+    lo = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK // 2)[None, :]
+    hi = lo + BLOCK // 2
+    # Block index in the layout a row reduction produces (the per-block absmax): scales are loaded and stored in
+    # that layout, so no per-tile layout conversion (a shared-memory round trip and a barrier) is needed.
+    rows = tl.max(lo, axis=1) // BLOCK
+    bad = tl.zeros(lo.shape, tl.int32)
+    if pid < n_full:
+        t, k = _find(pid, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
+        p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+        p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
+            p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
+            BLOCK, EPC, LOAD, COMPENSATE)
+        for j in tl.range(pid, n_full, G, num_stages=1):
+            # Prefetch the next tile (the last iteration re-fetches its own tile; that costs one tile per program).
+            t2, k2 = _find(tl.minimum(j + G, n_full - 1), t, cum_full)
+            p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+            p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
+                p_ptr2, g_ptr2, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base2, lo, hi, rows, None, None,
+                None, BLOCK, EPC, LOAD, COMPENSATE)
+            bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr,
+                                err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, None, None,
+                                None, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
+            t, p_ptr, s_base = t2, p_ptr2, s_base2
+            p_lo, p_hi, g_lo, g_hi, e_lo, e_hi = p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2
+            mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2
+    # Each tensor's last, partial tile: element masks for the param and grad, block masks for the (padded) states.
+    for j in range(pid, n_tail, G):
+        t = tl.load(tail_tab + 2 * j)
+        p_ptr, g_ptr, s_base, rem = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE, BLOCK,
+                                            ALIGNED)
+        r = rem.to(tl.int32)
+        emask_lo = lo < r
+        emask_hi = hi < r
+        bmask = rows * BLOCK < r
+        p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
+            p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
+            bmask, BLOCK, EPC, LOAD, COMPENSATE)
+        bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr,
+                            err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, emask_lo,
+                            emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
+    n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
+    if n_bad > 0:  # rare: keeps the atomic off the hot path
+        tl.atomic_add(nonfinite_ptr, n_bad)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,8 +396,6 @@ class _Bucket:
         self.v_scale = zeros(nblk, torch.float32)
         self.err = zeros(total, params[0].dtype) if compensate else zeros(1, params[0].dtype)
         self.compensate = compensate
-        self.qmap_m = (fmt.qmap_signed if fmt.qmap_signed is not None else torch.zeros(1)).to(device)
-        self.qmap_v = (fmt.qmap_unsigned if fmt.qmap_unsigned is not None else torch.zeros(1)).to(device)
         self.plans: dict = {}
 
     def views(self, i: int) -> dict:
@@ -276,18 +419,32 @@ class _Bucket:
         key = (active, nb)
         if key not in self.plans:
             tile = nb * self.fmt.block_size
-            meta, tiles = [], []
-            first = 0
-            for j, i in enumerate(active):
-                n = self.numels[i]
-                nt = -(-n // tile)
-                meta.append([n, self.offsets[i], first, 0])
-                tiles.extend([j] * nt)
-                first += nt
-            meta_t = torch.tensor(meta, dtype=torch.int64, device=self.device)
-            tile_t = torch.tensor(tiles, dtype=torch.int32, device=self.device)
-            self.plans = {key: (meta_t, tile_t)}  # keep one: a changing active set is rare
+            numels = torch.tensor([self.numels[i] for i in active], dtype=torch.int64)
+            meta = torch.stack([numels, torch.tensor([self.offsets[i] for i in active], dtype=torch.int64)], 1)
+            n_full = numels // tile
+            tensors = torch.arange(len(active), dtype=torch.int32)
+            # Full tiles are found in the kernel from this prefix sum (a per-tile table would be ~50 MB for a 7B
+            # model: 6.6 M tiles); only the partial last tiles, at most one per tensor, are listed.
+            cum_full = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(n_full, 0)])
+            has_tail = numels % tile != 0
+            tail = torch.stack([tensors[has_tail], n_full[has_tail].to(torch.int32)], 1)
+            dev = self.device
+            # keep one plan: a changing active set is rare
+            self.plans = {key: (meta.to(dev), cum_full.to(dev), int(cum_full[-1]), tail.to(dev), len(tail))}
         return self.plans[key]
+
+
+_SM_COUNT: dict = {}
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    """Size of the persistent grid: ``per_sm`` programs per SM (on CPU, for the interpreter: a few, so that the
+    tests walk the loop over several tiles per program)."""
+    if device.type != "cuda":
+        return 3
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device] * per_sm
 
 
 class LowBitAdamW(Optimizer):
@@ -311,6 +468,7 @@ class LowBitAdamW(Optimizer):
         compensate: bool = False,
         tile_blocks: Optional[int] = None,
         num_warps: Optional[int] = None,
+        programs_per_sm: Optional[int] = None,
         _format: Optional[StateFormat] = None,
     ):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -339,6 +497,7 @@ class LowBitAdamW(Optimizer):
         self.compensate = bool(compensate)
         self.tile_blocks = tile_blocks  # Triton tuning knobs (bench/optimizer_step.py sweeps them); None = default
         self.num_warps = num_warps
+        self.programs_per_sm = programs_per_sm
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
                         state_format=self.format.name)
         super().__init__(params, defaults)
@@ -433,7 +592,7 @@ class LowBitAdamW(Optimizer):
 
     def _step_triton(self, b: _Bucket, active: tuple, rows: list) -> None:
         nb = self.tile_blocks or b.fmt.tile_blocks
-        meta, tiles = b.plan(active, nb)
+        meta, cum_full, n_full, tail, n_tail = b.plan(active, nb)
         grads = []
         ptrs = []
         locals_ = []
@@ -445,7 +604,7 @@ class LowBitAdamW(Optimizer):
             grads.append(g)  # keeps converted grads alive until the launch is queued
             locals_.append(p)
             ptrs.append([p.data_ptr(), g.data_ptr()])
-        if tiles.numel() == 0:  # every active shard on this rank is empty
+        if n_full + n_tail == 0:  # every active shard on this rank is empty
             return
         aligned = all(n % 16 == 0 for n in (b.numels[i] for i in active)) and all(
             a % 16 == 0 for pair in ptrs for a in pair)
@@ -453,11 +612,12 @@ class LowBitAdamW(Optimizer):
         ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(b.device, non_blocking=True)
         hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(b.device, non_blocking=True)
         fmt = b.fmt
-        _adamw_kernel[(tiles.numel(),)](
-            ptr_t, meta, hp_t, tiles, locals_[0], grads[0],
-            b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.qmap_m, b.qmap_v, b.err, self.nonfinite_count,
-            self._seed,
-            BLOCK=fmt.block_size, NB=nb, LOAD=fmt.triton_load, STORE=fmt.triton_store,
+        grid = max(1, min(max(n_full, n_tail), _programs(b.device, self.programs_per_sm or fmt.programs_per_sm)))
+        _adamw_kernel[(grid,)](
+            ptr_t, meta, hp_t, cum_full, n_full, tail, n_tail, locals_[0], grads[0],
+            b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.err, self.nonfinite_count, self._seed,
+            BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code,
+            LOAD=fmt.triton_load, DECODE=fmt.triton_decode, STORE=fmt.triton_store,
             COMPENSATE=b.compensate, STOCHASTIC=self.stochastic_round and b.params[0].dtype == torch.bfloat16,
             ALIGNED=aligned,
             num_warps=self.num_warps or fmt.num_warps,

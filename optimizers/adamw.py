@@ -7,7 +7,7 @@ format is also where every optimizer keeps tiny tensors (norm weights), whose st
 import torch
 
 from ._triton import jit, tl
-from ._update import LowBitAdamW, StateFormat, _set_fp32_format, round_to
+from ._update import LowBitAdamW, StateFormat, _set_fp32_format, ld, ldb, round_to, st, stb
 
 BLOCK = 256  # only the tiling and padding unit here: nothing is block-scaled
 
@@ -20,21 +20,26 @@ def _make(dtype: torch.dtype, name: str) -> StateFormat:
         return codes.float()
 
     return StateFormat(name=name, block_size=BLOCK, code_dtype=dtype, elems_per_code=1, scaled=False,
-                       quantize=quantize, dequantize=dequantize, triton_load=_load, triton_store=_store,
-                       bytes_per_element=torch.finfo(dtype).bits / 8)
+                       quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode,
+                       triton_store=_store, bytes_per_element=torch.finfo(dtype).bits / 8,
+                       tile_blocks=2, num_warps=1, programs_per_sm=16)
 
 
 @jit
-def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED: tl.constexpr):
-    lo = tl.load(codes + off_lo, mask=emask_lo, other=0.0).to(tl.float32)
-    hi = tl.load(codes + off_hi, mask=emask_hi, other=0.0).to(tl.float32)
-    return lo, hi
+def _load(codes, scale, lo, hi, rows, bmask):
+    # Block masks suffice: a state slice is padded to whole blocks, and its padding stays zero (g = p = 0 there).
+    return ldb(codes + lo, bmask, 0.0), ldb(codes + hi, bmask, 0.0), 0.0
 
 
 @jit
-def _store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED: tl.constexpr):
-    tl.store(codes + off_lo, round_to(lo, codes.dtype.element_ty), mask=emask_lo)
-    tl.store(codes + off_hi, round_to(hi, codes.dtype.element_ty), mask=emask_hi)
+def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+    return c_lo.to(tl.float32), c_hi.to(tl.float32)
+
+
+@jit
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: tl.constexpr):
+    stb(codes + lo, round_to(val_lo, codes.dtype.element_ty), bmask)
+    stb(codes + hi, round_to(val_hi, codes.dtype.element_ty), bmask)
 
 
 FORMAT_BF16 = _make(torch.bfloat16, "bf16")
@@ -54,7 +59,7 @@ class AdamW(LowBitAdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, state_dtype=torch.bfloat16, backend="auto", stochastic_round=False,
-                 compensate=False, tile_blocks=None, num_warps=None):
+                 compensate=False, tile_blocks=None, num_warps=None, programs_per_sm=None):
         # Spelled out (no **kwargs) so that inspect.signature shows exactly what this class accepts: the
         # recipe uses it to drop torch-only flags such as fused=True when the optimizer is swapped.
         names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -63,4 +68,4 @@ class AdamW(LowBitAdamW):
             raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32 ('bf16'/'fp32'), got {state_dtype!r}")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, backend=backend,
                          stochastic_round=stochastic_round, compensate=compensate, tile_blocks=tile_blocks,
-                         num_warps=num_warps, _format=FORMAT_BF16 if dtype == torch.bfloat16 else FORMAT_FP32)
+                         num_warps=num_warps, programs_per_sm=programs_per_sm, _format=FORMAT_BF16 if dtype == torch.bfloat16 else FORMAT_FP32)

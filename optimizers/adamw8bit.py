@@ -9,9 +9,10 @@ import torch
 
 from . import _dynamic_map as dm
 from ._triton import jit, tl
-from ._update import LowBitAdamW, StateFormat
+from ._update import LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 
 BLOCK = 256
+_BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
 _QMAP_SIGNED = dm.dynamic_map(8, signed=True)
 _QMAP_UNSIGNED = dm.dynamic_map(8, signed=False)
 
@@ -27,24 +28,27 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
 
 
 @jit
-def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED: tl.constexpr):
-    s = tl.load(scale + blk, mask=bmask, other=0.0)[:, None]
-    c_lo = tl.load(codes + off_lo, mask=bmask[:, None], other=0).to(tl.int32)
-    c_hi = tl.load(codes + off_hi, mask=bmask[:, None], other=0).to(tl.int32)
-    return dm.decode_tl(c_lo, 8, SIGNED) * s, dm.decode_tl(c_hi, 8, SIGNED) * s
+def _load(codes, scale, lo, hi, rows, bmask):
+    return ldb(codes + lo, bmask, 0), ldb(codes + hi, bmask, 0), ld(scale + rows, bmask, 0.0)
 
 
 @jit
-def _store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED: tl.constexpr):
-    absmax, inv = dm.inv_absmax_tl(lo, hi)
-    tl.store(scale + blk, absmax, mask=bmask)
-    tl.store(codes + off_lo, dm.encode_tl(lo, inv[:, None], 8, SIGNED).to(tl.uint8), mask=bmask[:, None])
-    tl.store(codes + off_hi, dm.encode_tl(hi, inv[:, None], 8, SIGNED).to(tl.uint8), mask=bmask[:, None])
+def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+    s = s[:, None]
+    return dm.decode_tl(c_lo.to(tl.int32), 8, SIGNED) * s, dm.decode_tl(c_hi.to(tl.int32), 8, SIGNED) * s
+
+
+@jit
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: tl.constexpr):
+    absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
+    st_scale(scale, lo, absmax, bmask, _BLOCK)
+    stb(codes + lo, dm.encode_tl(val_lo, inv[:, None], 8, SIGNED).to(tl.uint8), bmask)
+    stb(codes + hi, dm.encode_tl(val_hi, inv[:, None], 8, SIGNED).to(tl.uint8), bmask)
 
 
 FORMAT = StateFormat(
-    name="8bit", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_store=_store,
+    name="8bit.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
+    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
     qmap_signed=_QMAP_SIGNED, qmap_unsigned=_QMAP_UNSIGNED, bytes_per_element=1.0 + 4 / BLOCK,
 )
 

@@ -10,9 +10,10 @@ import torch
 
 from . import _dynamic_map as dm
 from ._triton import jit, tl
-from ._update import LowBitAdamW, StateFormat
+from ._update import LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 
 BLOCK = 256
+_BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
 FP8_MAX = 448.0
 _FP8_MAX = tl.constexpr(FP8_MAX) if tl is not None else None  # Triton reads only constexpr globals
 
@@ -36,11 +37,15 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
 
 
 @jit
-def _load(codes, scale, qmap, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, SIGNED: tl.constexpr):
-    s = (tl.load(scale + blk, mask=bmask, other=0.0) * (1.0 / _FP8_MAX))[:, None]
-    c_lo = tl.load(codes + off_lo, mask=bmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    c_hi = tl.load(codes + off_hi, mask=bmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-    return c_lo.to(tl.float32) * s, c_hi.to(tl.float32) * s
+def _load(codes, scale, lo, hi, rows, bmask):
+    return ldb(codes + lo, bmask, 0), ldb(codes + hi, bmask, 0), ld(scale + rows, bmask, 0.0)
+
+
+@jit
+def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+    s = (s * (1.0 / _FP8_MAX))[:, None]
+    return (c_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s,
+            c_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s)
 
 
 @jit
@@ -52,17 +57,17 @@ def _encode(x, inv, SIGNED: tl.constexpr):
 
 
 @jit
-def _store(codes, scale, off_lo, off_hi, blk, emask_lo, emask_hi, bmask, lo, hi, SIGNED: tl.constexpr):
-    absmax, inv = dm.inv_absmax_tl(lo, hi)
-    tl.store(scale + blk, absmax, mask=bmask)
-    tl.store(codes + off_lo, _encode(lo, inv[:, None], SIGNED), mask=bmask[:, None])
-    tl.store(codes + off_hi, _encode(hi, inv[:, None], SIGNED), mask=bmask[:, None])
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: tl.constexpr):
+    absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
+    st_scale(scale, lo, absmax, bmask, _BLOCK)
+    stb(codes + lo, _encode(val_lo, inv[:, None], SIGNED), bmask)
+    stb(codes + hi, _encode(val_hi, inv[:, None], SIGNED), bmask)
 
 
 FORMAT = StateFormat(
     name="fp8", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_store=_store,
-    bytes_per_element=1.0 + 4 / BLOCK, tile_blocks=8,
+    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
+    bytes_per_element=1.0 + 4 / BLOCK, tile_blocks=1, num_warps=1, programs_per_sm=16,
 )
 
 

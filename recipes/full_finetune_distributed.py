@@ -147,6 +147,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         if self._optimizer_in_bwd:
             raise BadInput("optimizer_in_bwd=True is not supported by the distributed recipe; set "
                            "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)")
+        if self._offload:
+            raise BadInput("optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
+                           "the optimizer state across GPUs instead: use the single-device recipe or another optimizer")
         _init_process_group(self._device)
         self._world, self._rank = dist.get_world_size(), dist.get_rank()
         self._rank0 = self._rank == 0

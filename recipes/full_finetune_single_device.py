@@ -34,6 +34,11 @@ Features (each behind the config key in brackets):
       ready and free that gradient, saving the memory of a full set of gradients. Needs
       ``gradient_accumulation_steps=1`` and ``clip_grad_norm=null`` (the recipe says so if not);
       grad_norm and optimizer_step_ms are then not logged.
+    - CPU offload of the optimizer [optimizer=torchao.optim.CPUOffloadOptimizer]: states and the step on
+      the CPU (``optimizer.optimizer_class`` names the CPU optimizer, default torch.optim.AdamW;
+      ``optimizer.offload_gradients=True`` also frees each GPU gradient once copied). Gradients are
+      copied out during backward, so like optimizer-in-backward it needs
+      ``gradient_accumulation_steps=1`` and ``clip_grad_norm=null``.
     - Checkpoints [save_every_n_steps, output_dir]: ``{output_dir}/step_{N}/`` every N optimizer
       steps and ``{output_dir}/epoch_{E}/`` at the end of each epoch, in Hugging Face format
       (config.json, model.safetensors, generation_config.json, tokenizer.model), with the resume
@@ -138,6 +143,13 @@ def resolve_optimizer(cfg_optimizer: DictConfig) -> DictConfig:
         ) from None
     if not callable(cls):
         raise BadInput(f"optimizer={path} is not a class or function; use a class path such as torch.optim.AdamW")
+    inner = cfg_optimizer.get("optimizer_class")
+    if isinstance(inner, str):
+        try:
+            _get_component_from_path(inner)
+        except Exception as e:
+            raise BadInput(f"optimizer.optimizer_class={inner} cannot be imported ({_first_line(e.__cause__ or e)}); "
+                           "use a class path such as torch.optim.AdamW") from None
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):  # builtins without a signature: let instantiate decide
@@ -193,8 +205,16 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
             for v in obj:
                 visit(v)
 
+    def inner(opt):
+        # Wrappers without their own state (torchao's CPUOffloadOptimizer: one CPU optimizer per parameter, plus
+        # an on-device one for small tensors) count their inner optimizers' states, wherever those live.
+        if hasattr(opt, "optim_dict"):
+            return list(opt.optim_dict.values()) + ([opt.d_opt] if getattr(opt, "d_opt", None) is not None else [])
+        return [opt]
+
     for opt in optimizers:
-        visit(dict(opt.state))
+        for o in inner(opt):
+            visit(dict(o.state))
     return total
 
 
@@ -319,6 +339,18 @@ class FullFinetuneRecipeSingleDevice:
                 f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={self._clip}): the global norm is only "
                 "known after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False"
             )
+
+        # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook),
+        # so the gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
+        self._offload = str(OmegaConf.select(cfg, "optimizer._component_") or "").endswith("CPUOffloadOptimizer")
+        if self._offload and (self._accum > 1 or self._clip is not None or self._optimizer_in_bwd):
+            raise BadInput(
+                f"optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward, so it cannot "
+                f"accumulate (gradient_accumulation_steps={self._accum}), clip (clip_grad_norm={self._clip}) or run "
+                f"in backward (optimizer_in_bwd={self._optimizer_in_bwd}); set gradient_accumulation_steps=1 "
+                "clip_grad_norm=null optimizer_in_bwd=False"
+            )
+        self._grads_final_in_backward = self._optimizer_in_bwd or self._offload
 
         self._seed = training.set_seed(seed=cfg.get("seed", 0))
         self._shuffle = bool(cfg.get("shuffle", True))
@@ -524,9 +556,14 @@ class FullFinetuneRecipeSingleDevice:
     def _setup_optimizer(self) -> None:
         path = self._cfg_optimizer._component_
 
+        cfg_opt, extra = self._cfg_optimizer, {}
+        if isinstance(cfg_opt.get("optimizer_class"), str):  # a wrapper's inner class (CPUOffloadOptimizer): import it
+            extra["optimizer_class"] = _get_component_from_path(cfg_opt.optimizer_class)
+            cfg_opt = OmegaConf.create({k: v for k, v in cfg_opt.items() if k != "optimizer_class"})
+
         def build(params):
             try:
-                return config.instantiate(self._cfg_optimizer, params)
+                return config.instantiate(cfg_opt, params, **extra)
             except (TypeError, ValueError) as e:
                 raise BadInput(f"optimizer={path} rejected its arguments ({_first_line(e)}); fix the optimizer.* keys") from None
 
@@ -658,9 +695,9 @@ class FullFinetuneRecipeSingleDevice:
             for batch in self._dataloader:
                 utils.batch_to_device(batch, self._device)
                 loss, ntok = self._loss_step(batch)
-                if self._optimizer_in_bwd:
-                    # Each parameter steps inside backward, so the gradient must already be the
-                    # mean over tokens (accumulation is off in this mode).
+                if self._grads_final_in_backward:
+                    # Each parameter steps (or its gradient leaves for the CPU) inside backward, so the
+                    # gradient must already be the mean over tokens (accumulation is off in this mode).
                     loss.backward()
                 else:
                     # Sum over tokens now, divide by all tokens of the step after the last micro-batch.
@@ -672,7 +709,14 @@ class FullFinetuneRecipeSingleDevice:
                     continue
 
                 grad_norm, opt_ms = None, None
-                if not self._optimizer_in_bwd:
+                if self._offload:
+                    self._sync()
+                    t_opt = time.perf_counter()
+                    self._optimizer.step()  # waits for the gradient copies, steps on the CPU, copies weights back
+                    self._sync()
+                    opt_ms = (time.perf_counter() - t_opt) * 1000
+                    self._optimizer.zero_grad(set_to_none=True)
+                elif not self._optimizer_in_bwd:
                     training.scale_grads(self._model, 1 / num_tokens)
                     if self._clip is not None:
                         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._clip)

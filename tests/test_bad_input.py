@@ -99,6 +99,13 @@ CASES = [
     ("in-bwd-with-clipping", lambda t: ["optimizer_in_bwd=True", "clip_grad_norm=1.0"],
      ["optimizer_in_bwd=True cannot clip gradients", "clip_grad_norm=null"]),
     ("bad-dtype", lambda t: ["dtype=fp16"], ["dtype='fp16' is not supported"]),
+    # torchao's CPU offload copies gradients out during backward: clipping afterwards would not reach them.
+    ("offload-with-clipping", lambda t: ["optimizer=torchao.optim.CPUOffloadOptimizer"],
+     ["optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward",
+      "clip_grad_norm=null"]),
+    ("offload-bad-inner-class", lambda t: ["optimizer=torchao.optim.CPUOffloadOptimizer", "clip_grad_norm=null",
+                                           "optimizer.optimizer_class=torch.optim.NoSuchAdam"],
+     ["optimizer.optimizer_class=torch.optim.NoSuchAdam cannot be imported", "torch.optim.AdamW"]),
 ]
 
 

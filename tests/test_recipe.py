@@ -163,6 +163,26 @@ def test_optimizer_in_backward_and_its_resume(tmp_path):
     assert resumed.losses == pytest.approx(full.losses[3:], rel=RTOL)
 
 
+def test_24gb_mode_in_miniature_resumes(tmp_path):
+    """configs/llama2/7B_full_24gb.yaml's mode on the tiny model: our 4-bit AdamW in backward, chunked loss (the tiny
+    config's), a checkpoint at step 3, and a resume from it that continues with the same losses."""
+    common = ["optimizer=optimizers.AdamW4bit", "optimizer_in_bwd=True", "clip_grad_norm=null", "save_every_n_steps=3"]
+    full = run_recipe(tmp_path / "full", *common)
+    assert full.ok, full.stderr[-3000:]
+    assert all(math.isfinite(x) for x in full.losses) and full.losses[-1] < full.losses[0]
+    resumed = run_recipe(tmp_path / "resumed", *common, f"resume_from_checkpoint={tmp_path / 'full' / 'step_3'}")
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
+    assert resumed.losses == pytest.approx(full.losses[3:], rel=RTOL)
+
+
+def test_plain_loss_gives_the_chunked_losses(recipe_runner):
+    # The tiny config uses the chunked loss (as the 7B configs do); the full-logits loss trains identically.
+    run = recipe_runner("loss=torch.nn.CrossEntropyLoss")
+    assert run.ok, run.stderr[-3000:]
+    assert run.losses == pytest.approx(TORCH_ADAMW_LOSSES, rel=RTOL)
+
+
 def test_gradient_accumulation_matches_the_big_batch(recipe_runner):
     # batch 1 x 2 micro-batches sees the same samples per step as batch 2, and the loss is
     # normalised over all tokens of the step, so the losses match the recorded batch-2 run.
