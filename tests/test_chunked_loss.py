@@ -22,8 +22,8 @@ def _model(seed):
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_chunked_loss_equals_plain_loss_and_gradient(chunks):
     torch.manual_seed(0)
-    tokens = torch.randint(0, 300, (3, 20))
-    labels = torch.randint(0, 300, (3, 20))
+    tokens = torch.randint(0, 300, (3, 24))
+    labels = torch.randint(0, 300, (3, 24))
     labels[0, :5] = IGNORE  # masked prompt tokens, as the Alpaca collator produces
     labels[2, -7:] = IGNORE  # padding
 
