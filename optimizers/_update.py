@@ -12,8 +12,9 @@ What lives here:
     reference the tests hold the kernel to, and the path on CPU.
   - the Triton path (``backend="triton"``): one multi-tensor kernel launch per bucket of parameters (same
     device, same dtype, same format) updates every parameter of the step. A table of per-tensor addresses and
-    hyper-parameters is uploaded each step; each program handles one tile of ``NB`` quantization blocks of one
-    tensor. No torch.compile, so the first step costs only Triton's compile (cached on disk afterwards).
+    hyper-parameters is uploaded each step; a persistent grid of programs walks the tiles (``NB`` quantization
+    blocks of one tensor each), loading the next tile while it updates the current one (``_adamw_kernel``). No
+    torch.compile, so the first step costs only Triton's compile (cached on disk afterwards).
 
 Layout: all states of a bucket live in flat buffers; each parameter owns a block-aligned slice, padded up to a
 whole block (padding stays exactly zero because its gradient and weight are read as zero). ``self.state[p]``
@@ -72,11 +73,9 @@ class StateFormat:
     triton_load: Any
     triton_decode: Any
     triton_store: Any
-    # code -> value tables for the signed (first moment) and unsigned (second moment) maps, if the format has them
-    qmap_signed: Optional[torch.Tensor] = None
-    qmap_unsigned: Optional[torch.Tensor] = None
     bytes_per_element: float = 1.0  # per moment, excluding scales; for docs and the benchmark
-    # Triton launch shape: blocks per program and warps, tuned on the H200 (bench/results/optimizer_sweep_h200.log)
+    # Triton launch shape: blocks per tile, warps per program, persistent programs per SM; tuned on the H200
+    # (bench/results/optimizer_sweep_h200.log)
     tile_blocks: int = 4
     num_warps: int = 4
     programs_per_sm: int = 8
@@ -251,7 +250,7 @@ def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc
                  m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, emask_lo, emask_hi, bmask, seed,
                  BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
                  COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Decode, update and store one fetched tile; returns its count of non-finite gradient elements."""
+    """Decode, update and store one fetched tile; returns 1 per element whose gradient was non-finite (skipped)."""
     lr = tl.load(hp_tab + t * 8)
     wd = tl.load(hp_tab + t * 8 + 1)
     b1 = tl.load(hp_tab + t * 8 + 2)
@@ -295,8 +294,8 @@ def _adamw_kernel(
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
     COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Persistent: a grid of a few programs per SM; program i takes tiles i, i + G, i + 2G, ... of the full-tile
-    table, then of the tail table. Full tiles are software-pipelined: the next tile's loads are issued before
+    """Persistent: a grid of a few programs per SM; program i takes full tiles i, i + G, i + 2G, ... (their tensors
+    found from ``cum_full``), then the same of the tail table. Full tiles are software-pipelined: the next tile's loads are issued before
     the current tile is decoded and updated, so every program keeps a tile of loads in flight while it computes
     (one tile per program at a time left the SMs idle between the load and store phases)."""
     pid = tl.program_id(0)

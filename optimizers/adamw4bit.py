@@ -125,14 +125,13 @@ def _store_linear_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: t
 FORMAT = StateFormat(
     name="4bit.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
-    qmap_signed=_QMAP_SIGNED, qmap_unsigned=_QMAP_DYNAMIC, bytes_per_element=0.5 + 4 / BLOCK,
+    bytes_per_element=0.5 + 4 / BLOCK,
     tile_blocks=8, num_warps=4,
 )
 FORMAT_LINEAR_V = StateFormat(
     name="4bit-linear-v.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize_linear_v, dequantize=dequantize_linear_v, triton_load=_load, triton_decode=_decode_linear_v,
-    triton_store=_store_linear_v, qmap_signed=_QMAP_SIGNED, qmap_unsigned=_QMAP_LINEAR,
-    bytes_per_element=0.5 + 4 / BLOCK, tile_blocks=8, num_warps=4,
+    triton_store=_store_linear_v, bytes_per_element=0.5 + 4 / BLOCK, tile_blocks=8, num_warps=4,
 )
 
 

@@ -49,7 +49,7 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: tl.constex
 FORMAT = StateFormat(
     name="8bit.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
     quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
-    qmap_signed=_QMAP_SIGNED, qmap_unsigned=_QMAP_UNSIGNED, bytes_per_element=1.0 + 4 / BLOCK,
+    bytes_per_element=1.0 + 4 / BLOCK,
 )
 
 

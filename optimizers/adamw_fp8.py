@@ -1,7 +1,7 @@
 """FP8 AdamW: both moments as float8 e4m3 (fn) with an fp32 scale per block of 256.
 
 Bytes per parameter: 2 x (1 + 4/256) = 2.03, like 8-bit, but the code is a float: 3 mantissa bits at every
-magnitude instead of the dynamic map's finer top decade. Each block is scaled so its max maps to 448, e4m3's
+magnitude instead of the dynamic map's finer top level. Each block is scaled so its max maps to 448, e4m3's
 largest finite value. First moments under about 2^-9/448 of the block max round to zero; second moments are floored
 at e4m3's smallest subnormal instead (a zero v under a non-zero m would blow the update up).
 """

@@ -39,8 +39,8 @@ SPECS = [
     Spec("AdamW-bf16", optimizers.AdamW, {}, tol_fp32=0.01, tol_bf16=0.04, exact_codes=False),
     Spec("AdamW-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04, exact_codes=False),
     Spec("AdamW8bit", optimizers.AdamW8bit, {}, tol_fp32=0.03, tol_bf16=0.05),
-    # 4-bit on this noise-dominated problem: each op's quantization error equals torchao's AdamW4bit
-    # (same maps, nearest rounding), but torchao leaves these odd-sized tensors unquantized; we quantize them.
+    # 4-bit on this noise-dominated problem: 3 bits of magnitude per moment leave a wide tolerance (torchao's
+    # AdamW4bit would pass it only because it leaves these odd-sized tensors unquantized; we quantize them).
     Spec("AdamW4bit", optimizers.AdamW4bit, {}, tol_fp32=0.25, tol_bf16=0.25),
     Spec("AdamW4bit-linear-v", optimizers.AdamW4bit, {"second_moment": "linear"}, tol_fp32=0.25, tol_bf16=0.25),
     Spec("AdamWFp8", optimizers.AdamWFp8, {}, tol_fp32=0.06, tol_bf16=0.08, exact_codes=False),
