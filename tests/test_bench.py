@@ -81,6 +81,13 @@ def test_plots_written(bench_run):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_nproc_launches_the_distributed_recipe():
+    single, dist = compare.recipe_launcher(), compare.recipe_launcher(2)
+    assert any("full_finetune_single_device" in a for a in single)
+    assert any("full_finetune_distributed" in a for a in dist) and not any("single_device" in a for a in dist)
+    assert dist[dist.index("--nproc_per_node") + 1] == "2"
+
+
 def test_variant_names_and_in_bwd_overrides():
     variants = compare.resolve_variants("fused,ours4,torchao.optim.AdamW8bit", in_bwd=True)
     names = [v[0] for v in variants]

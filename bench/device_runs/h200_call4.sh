@@ -7,7 +7,7 @@ tail -2 $OUT/gpu_tests.log
 mkdir -p /tmp/data/alpaca /tmp/data/llama2_tokenizer
 xz -dc .devsite/data/alpaca_data.json.xz > /tmp/data/alpaca/alpaca_data.json
 cp .devsite/data/tokenizer.model /tmp/data/llama2_tokenizer/
-cp .device_prev/llama2_7b_h200.json $OUT/llama2_7b_h200.json
+cp .device_prev/llama2_7b_h200.json $OUT/llama2_7b_h200.json  # call 3's results, carried (carry=[".devsite", ".device_prev"])
 COMMON=(--config configs/llama2/7B_full.yaml --runs-dir /tmp/bench_runs --merge --out $OUT/llama2_7b_h200.json --quiet
   --title "Llama2-7B (random init), batch 16 x 512 tokens, 1x H200")
 DATA=(data_dir=/tmp/data checkpoint_dir=null tokenizer.path=/tmp/data/llama2_tokenizer/tokenizer.model tokenizer.max_seq_len=512)
