@@ -30,9 +30,8 @@ import torch
 
 from ._triton import jit, tl
 
-_R = 4  # octaves per level
-_LOW = 0.0625  # a level's lower end relative to its upper end (2^-R)
-_SPAN = 16.0 / 15.0  # 1 / (1 - 2^-R): cells per unit of (f - _LOW) * n
+_R = 4  # octaves per level (the encoders divide by it with ">> 2")
+_SPAN = 16.0 / 15.0  # 1 / (1 - 2^-R): cells per unit of (f - 2^-R) * n, f = |x| in level units
 
 
 def dynamic_map(bits: int, signed: bool) -> torch.Tensor:
