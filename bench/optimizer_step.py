@@ -150,7 +150,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    print(f"\n| variant | step ms | device ms | first step s | state GiB |\n|---|---|---|---|---|")
+    print("\n| variant | step ms | device ms | first step s | state GiB |\n|---|---|---|---|---|")
     for r in records:
         if "error" in r:
             print(f"| {r['variant']} | failed: {r['error'][:60]} | | | |")

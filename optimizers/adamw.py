@@ -7,7 +7,7 @@ format is also where every optimizer keeps tiny tensors (norm weights), whose st
 import torch
 
 from ._triton import jit, tl
-from ._update import LowBitAdamW, StateFormat, _set_fp32_format, ld, ldb, round_to, st, stb
+from ._update import LowBitAdamW, StateFormat, _set_fp32_format, ldb, round_to, stb
 
 BLOCK = 256  # only the tiling and padding unit here: nothing is block-scaled
 

@@ -58,7 +58,6 @@ import socket
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -69,10 +68,7 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.data import DataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config, modules, training, utils
-from torchtune.data import padded_collate_sft
 from torchtune.models import convert_weights
 from tqdm import tqdm
 
@@ -174,29 +170,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
-        self._dataset = self._setup_dataset(cfg.dataset)
-        self._sampler = StatefulDistributedSampler(
-            self._dataset, num_replicas=self._world, rank=self._rank, shuffle=self._shuffle, seed=self._seed
-        )
-        self._dataloader = DataLoader(
-            self._dataset,
-            batch_size=self._batch_size,
-            sampler=self._sampler,
-            collate_fn=partial(
-                padded_collate_sft, padding_idx=self._tokenizer.pad_id, ignore_idx=self._loss_fn.ignore_index
-            ),
-            drop_last=True,
-            generator=torch.Generator().manual_seed(self._seed),
-        )
-        self._steps_per_epoch = len(self._dataloader) // self._accum
-        if self._max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self._max_steps_per_epoch)
-        if self._steps_per_epoch == 0:
-            raise BadInput(
-                f"the dataset has {len(self._dataset)} samples, fewer than one optimizer step needs "
-                f"(batch_size={self._batch_size} x {self._world} ranks x gradient_accumulation_steps={self._accum}); "
-                "lower batch_size"
-            )
+        self._setup_data(cfg.dataset, num_replicas=self._world, rank=self._rank)
 
         self._model = self._setup_model(cfg)
         self._setup_optimizer()

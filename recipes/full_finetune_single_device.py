@@ -367,15 +367,11 @@ class FullFinetuneRecipeSingleDevice:
     # setup: check every path, then build tokenizer, data, model, optimizer, schedule, loggers
     # ----------------------------------------------------------------------------------------
 
-    def setup(self, cfg: DictConfig) -> None:
-        self._check_paths(cfg)
-        self._cfg_optimizer = resolve_optimizer(cfg.optimizer)
-
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        self._dataset = self._setup_dataset(cfg.dataset)
+    def _setup_data(self, cfg_dataset: DictConfig, num_replicas: int, rank: int) -> None:
+        """Dataset, sampler (rank r of N reads samples r, r+N, ...), dataloader and the steps per epoch."""
+        self._dataset = self._setup_dataset(cfg_dataset)
         self._sampler = StatefulDistributedSampler(
-            self._dataset, num_replicas=1, rank=0, shuffle=self._shuffle, seed=self._seed
+            self._dataset, num_replicas=num_replicas, rank=rank, shuffle=self._shuffle, seed=self._seed
         )
         self._dataloader = DataLoader(
             self._dataset,
@@ -393,10 +389,19 @@ class FullFinetuneRecipeSingleDevice:
         if self._max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self._max_steps_per_epoch)
         if self._steps_per_epoch == 0:
+            ranks = f" x {num_replicas} ranks" if num_replicas > 1 else ""
             raise BadInput(
                 f"the dataset has {len(self._dataset)} samples, fewer than one optimizer step needs "
-                f"(batch_size={self._batch_size} x gradient_accumulation_steps={self._accum}); lower batch_size"
+                f"(batch_size={self._batch_size}{ranks} x gradient_accumulation_steps={self._accum}); lower batch_size"
             )
+
+    def setup(self, cfg: DictConfig) -> None:
+        self._check_paths(cfg)
+        self._cfg_optimizer = resolve_optimizer(cfg.optimizer)
+
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._loss_fn = config.instantiate(cfg.loss)
+        self._setup_data(cfg.dataset, num_replicas=1, rank=0)
 
         self._model = self._setup_model(cfg)
         self._setup_optimizer()
