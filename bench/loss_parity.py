@@ -72,7 +72,9 @@ PARITY_VARIANTS = [
     ("ours4_sr", "optimizers.AdamW4bit", "bf16", compare.VARIANTS["ours4"][1] + ["optimizer.stochastic_round=True"]),
     ("ours4_comp", "optimizers.AdamW4bit(compensate=True)", "bf16",
      compare.VARIANTS["ours4"][1] + ["optimizer.compensate=True"]),
-    # the 4-bit second moment on the paper's linear map instead of the dynamic one (optimizers/adamw4bit.py)
+    # the 4-bit second moment on the dynamic map (the default before 4bit.v3) and on the paper's linear map
+    ("ours4_dynv", "optimizers.AdamW4bit(second_moment=dynamic)", "bf16",
+     compare.VARIANTS["ours4"][1] + ["optimizer.second_moment=dynamic"]),
     ("ours4_linv", "optimizers.AdamW4bit(second_moment=linear)", "bf16",
      compare.VARIANTS["ours4"][1] + ["optimizer.second_moment=linear"]),
     ("ours4_linv_fp32w", "optimizers.AdamW4bit(second_moment=linear)", "fp32",

@@ -8,7 +8,7 @@ optimizer, time the first step (wall clock, includes Triton / torch.compile comp
 then time ``--steps`` steps with CUDA events and report the median (``step_ms``: the GPU idles while the host
 prepares each step, so the host's share counts) and again with the GPU kept busy before each step (``device_ms``:
 the step's device time alone, as in training, where the host prepares the step while backward still runs on the
-GPU). State bytes are the growth of
+GPU; ``host_ms``: the host's time to queue the step, meanwhile). State bytes are the growth of
 ``torch.cuda.memory_allocated`` across the first step, i.e. what the optimizer really allocated.
 
 Variants that fail (missing library, error) are recorded with their error instead of stopping the run.
@@ -94,18 +94,21 @@ def time_variant(name, shapes, steps, warmup, device):
         times.append(a.elapsed_time(b))
     # The same steps with the GPU kept busy (a ~10 ms sleep kernel) while the host prepares the step, as it is
     # after backward in training: the events then bracket the step's device work alone, not the host's.
-    busy = []
+    busy, host = [], []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(20_000_000)
         a.record()
-        opt.step()
+        h = time.perf_counter()
+        opt.step()  # returns once the step is queued: the host's own time (the GPU is still asleep)
+        host.append((time.perf_counter() - h) * 1e3)
         b.record()
         b.synchronize()
         busy.append(a.elapsed_time(b))
     finite = all(bool(torch.isfinite(p).all()) for p in params[:3])
     rec = dict(variant=name, step_ms=statistics.median(times), step_ms_min=min(times),
-               device_ms=statistics.median(busy), first_step_s=first, state_gib=state / 2**30, finite_after=finite)
+               device_ms=statistics.median(busy), host_ms=statistics.median(host), first_step_s=first,
+               state_gib=state / 2**30, finite_after=finite)
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
@@ -150,12 +153,13 @@ def main(argv=None):
             torch.cuda.empty_cache()
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    print("\n| variant | step ms | device ms | first step s | state GiB |\n|---|---|---|---|---|")
+    print("\n| variant | step ms | device ms | host ms | first step s | state GiB |\n|---|---|---|---|---|---|")
     for r in records:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:60]} | | | |")
+            print(f"| {r['variant']} | failed: {r['error'][:60]} | | | | |")
         else:
-            print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['device_ms']:.1f} | {r['first_step_s']:.1f} | "
+            print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['device_ms']:.1f} | {r['host_ms']:.1f} | "
+                  f"{r['first_step_s']:.1f} | "
                   f"{r['state_gib']:.2f} |")
     if args.out:
         import triton

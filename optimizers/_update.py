@@ -68,7 +68,8 @@ class StateFormat:
     #     element offsets [NB, block/2] inside the tile, rows = the tile's block indices [NB] (in the layout of a
     #     reduction over axis 1), bmask None (full tile) or [NB];
     #   decode(raw_lo, raw_hi, s, SIGNED) -> (lo, hi) fp32 [NB, block/2];
-    #   store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED): quantize and store.
+    #   store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED): quantize and store
+    #     val (root = sqrt(val) for the second moment, already computed by the update; = val for the first).
     # (Triton 3.6 cannot return None from a helper, hence ld/st for element masks and ldb/stb for block masks.)
     triton_load: Any
     triton_decode: Any
@@ -107,19 +108,18 @@ def _fdiv(a, b):
 
 @jit
 def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign, COMPENSATE: tl.constexpr):
+    """Returns (x_new, m_new, v_new, sqrt(v_new), finite). A non-finite g makes m_new, v_new, x_new NaN or inf;
+    the selects put the old values back (one select each; the gradient itself needs none)."""
     finite = tl.abs(g) <= _FP32_MAX_TL
-    g = tl.where(finite, g * sign, 0.0)
     x = p
     if COMPENSATE:
         x = p + e
-    m_new = b1 * m + (1.0 - b1) * g
-    v_new = b2 * v + (1.0 - b2) * g * g
-    denom = tl.sqrt(v_new) * inv_sqrt_bc2 + eps
-    x_new = x * (1.0 - lr * wd) - step_size * _fdiv(m_new, denom)
-    m_new = tl.where(finite, m_new, m)
-    v_new = tl.where(finite, v_new, v)
-    x_new = tl.where(finite, x_new, x)
-    return x_new, m_new, v_new, finite
+    m_new = tl.where(finite, b1 * m + ((1.0 - b1) * sign) * g, m)  # sign: -1 to maximize (g * g needs none)
+    v_new = tl.where(finite, b2 * v + ((1.0 - b2) * g) * g, v)
+    root = tl.sqrt(v_new)  # formats that store sqrt(v) reuse it (adamw8bit.py)
+    denom = root * inv_sqrt_bc2 + eps
+    x_new = tl.where(finite, x * (1.0 - lr * wd) - step_size * _fdiv(m_new, denom), x)
+    return x_new, m_new, v_new, root, finite
 
 
 @jit
@@ -200,6 +200,20 @@ def _write_param(p_ptr, e_ptr, off, mask, x_new, seed, s_base, COMPENSATE: tl.co
 
 
 @jit
+def _udiv(x, d: tl.constexpr):
+    """x // d for x >= 0 and d a power of two: a shift (signed // needs a round-towards-zero fix-up)."""
+    return (x.to(tl.uint64) // d).to(tl.int64)
+
+
+@jit
+def _hparams(hp_tab, hp_idx, t):
+    """Tensor t's hyper-parameters: its row of hp_tab (rows are shared by the tensors of a group and step)."""
+    hp = hp_tab + tl.load(hp_idx + t) * 8
+    return (tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4), tl.load(hp + 5),
+            tl.load(hp + 6), tl.load(hp + 7))
+
+
+@jit
 def _find(j, t, cum_full):
     """The tensor holding full tile j, searching forward from tensor t (a program's tiles only ever move forward, so
     this walks each tensor boundary once): cum_full[t] <= j < cum_full[t + 1]. Returns (t, tile within tensor t)."""
@@ -240,35 +254,32 @@ def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo
     else:
         e_lo = p_lo
         e_hi = p_hi
-    mc_lo, mc_hi, ms = LOAD(m_codes + s_base // EPC, m_scale + s_base // BLOCK, lo, hi, rows, bmask)
-    vc_lo, vc_hi, vs = LOAD(v_codes + s_base // EPC, v_scale + s_base // BLOCK, lo, hi, rows, bmask)
+    c_off = _udiv(s_base, EPC)
+    b_off = _udiv(s_base, BLOCK)
+    mc_lo, mc_hi, ms = LOAD(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask)
+    vc_lo, vc_hi, vs = LOAD(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask)
     return p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs
 
 
 @jit
-def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr, err_ptr,
-                 m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, emask_lo, emask_hi, bmask, seed,
+def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
+                 m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
+                 lo, hi, rows, emask_lo, emask_hi, bmask, seed,
                  BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
                  COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Decode, update and store one fetched tile; returns 1 per element whose gradient was non-finite (skipped)."""
-    lr = tl.load(hp_tab + t * 8)
-    wd = tl.load(hp_tab + t * 8 + 1)
-    b1 = tl.load(hp_tab + t * 8 + 2)
-    b2 = tl.load(hp_tab + t * 8 + 3)
-    eps = tl.load(hp_tab + t * 8 + 4)
-    step_size = tl.load(hp_tab + t * 8 + 5)
-    inv_sqrt_bc2 = tl.load(hp_tab + t * 8 + 6)
-    sign = tl.load(hp_tab + t * 8 + 7)
     m_lo, m_hi = DECODE(mc_lo, mc_hi, ms, True)
     v_lo, v_hi = DECODE(vc_lo, vc_hi, vs, False)
-    x_lo, m_lo, v_lo, ok_lo = _adam_math(p_lo.to(tl.float32), g_lo.to(tl.float32), m_lo, v_lo,
-                                         e_lo.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
-                                         COMPENSATE)
-    x_hi, m_hi, v_hi, ok_hi = _adam_math(p_hi.to(tl.float32), g_hi.to(tl.float32), m_hi, v_hi,
-                                         e_hi.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
-                                         COMPENSATE)
-    STORE(m_codes + s_base // EPC, m_scale + s_base // BLOCK, lo, hi, rows, bmask, m_lo, m_hi, True)
-    STORE(v_codes + s_base // EPC, v_scale + s_base // BLOCK, lo, hi, rows, bmask, v_lo, v_hi, False)
+    x_lo, m_lo, v_lo, r_lo, ok_lo = _adam_math(p_lo.to(tl.float32), g_lo.to(tl.float32), m_lo, v_lo,
+                                               e_lo.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
+                                               sign, COMPENSATE)
+    x_hi, m_hi, v_hi, r_hi, ok_hi = _adam_math(p_hi.to(tl.float32), g_hi.to(tl.float32), m_hi, v_hi,
+                                               e_hi.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
+                                               sign, COMPENSATE)
+    c_off = _udiv(s_base, EPC)
+    b_off = _udiv(s_base, BLOCK)
+    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, m_lo, m_hi, True)
+    STORE(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask, v_lo, v_hi, r_lo, r_hi, False)
     e_ptr = err_ptr + s_base
     _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
     _write_param(p_ptr, e_ptr, hi, emask_hi, x_hi, seed, s_base, COMPENSATE, STOCHASTIC)
@@ -281,7 +292,8 @@ def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc
 def _adamw_kernel(
     ptr_tab,  # int64 [T, 2]: address of each param and of its grad (rebuilt every step)
     meta_tab,  # int64 [T, 2]: numel, element offset of its state slice
-    hp_tab,  # fp32 [T, 8]: lr, weight_decay, beta1, beta2, eps, lr / bc1, 1 / sqrt(bc2), sign (-1 maximize)
+    hp_tab,  # fp32 [R, 8]: lr, weight_decay, beta1, beta2, eps, lr / bc1, 1 / sqrt(bc2), sign (-1 maximize)
+    hp_idx,  # int32 [T]: each tensor's row of hp_tab (one row per param group and step count, usually 1-2 rows)
     cum_full, n_full,  # int64 [T + 1]: full tiles of the tensors before each one (a prefix sum); their total
     tail_tab, n_tail,  # int32 [n_tail, 2]: (tensor, tile within it) of each tensor's partial last tile, if any
     p0,  # the first param: only its pointer type is used, to type the addresses read from ptr_tab
@@ -294,10 +306,11 @@ def _adamw_kernel(
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
     COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Persistent: a grid of a few programs per SM; program i takes full tiles i, i + G, i + 2G, ... (their tensors
-    found from ``cum_full``), then the same of the tail table. Full tiles are software-pipelined: the next tile's loads are issued before
-    the current tile is decoded and updated, so every program keeps a tile of loads in flight while it computes
-    (one tile per program at a time left the SMs idle between the load and store phases)."""
+    """Persistent: a grid of a few programs per SM; program i takes a contiguous run of full tiles (the tensor of
+    the first found from ``cum_full``), then tail tiles i, i + G, ... of the tail table. Full tiles are
+    software-pipelined: the next tile's loads are issued before the current tile is decoded and updated, so every
+    program keeps a tile of loads in flight while it computes (one tile per program at a time left the SMs idle
+    between the load and store phases)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     TILE: tl.constexpr = NB * BLOCK
@@ -310,23 +323,44 @@ def _adamw_kernel(
     # that layout, so no per-tile layout conversion (a shared-memory round trip and a barrier) is needed.
     rows = tl.max(lo, axis=1) // BLOCK
     bad = tl.zeros(lo.shape, tl.int32)
-    if pid < n_full:
-        t, k = _find(pid, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
+    # Full tiles: program i takes a contiguous run of them, so consecutive tiles are almost always of the same
+    # tensor and the next tile's addresses are this one's plus a tile; the tensor's table entries (addresses, state
+    # offset, hyper-parameters) are read only where a run crosses into the next tensor. (A grid-stride walk read
+    # them for every tile: ~100 of the ~190 per-thread instructions a tile cost besides its elements' own.)
+    per = tl.cdiv(n_full, G)
+    j0 = pid * per
+    j1 = tl.minimum(j0 + per, n_full)
+    if j0 < j1:
+        t, k = _find(j0, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
+        end = tl.load(cum_full + t + 1)
         p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t)
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
             BLOCK, EPC, LOAD, COMPENSATE)
-        for j in tl.range(pid, n_full, G, num_stages=1):
-            # Prefetch the next tile (the last iteration re-fetches its own tile; that costs one tile per program).
-            t2, k2 = _find(tl.minimum(j + G, n_full - 1), t, cum_full)
-            p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+        for j in tl.range(j0, j1, 1, num_stages=1):
+            # Prefetch the next tile. After the last full tile of all, the last one is fetched again (one wasted
+            # tile per program, as is the first tile of the next program's run that ends each run).
+            if j + 1 < end:
+                t2 = t
+                end2 = end
+                p_ptr2 = p_ptr + TILE
+                g_ptr2 = g_ptr + TILE
+                s_base2 = s_base + TILE
+            else:
+                t2, k2 = _find(tl.minimum(j + 1, n_full - 1), t, cum_full)
+                end2 = tl.load(cum_full + t2 + 1)
+                p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
             p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
                 p_ptr2, g_ptr2, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base2, lo, hi, rows, None, None,
                 None, BLOCK, EPC, LOAD, COMPENSATE)
-            bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr,
-                                err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, None, None,
-                                None, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
-            t, p_ptr, s_base = t2, p_ptr2, s_base2
+            bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
+                                err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size,
+                                inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC, DECODE, STORE,
+                                COMPENSATE, STOCHASTIC)
+            if t2 != t:
+                lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2)
+            t, end, p_ptr, g_ptr, s_base = t2, end2, p_ptr2, g_ptr2, s_base2
             p_lo, p_hi, g_lo, g_hi, e_lo, e_hi = p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2
             mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2
     # Each tensor's last, partial tile: element masks for the param and grad, block masks for the (padded) states.
@@ -341,9 +375,11 @@ def _adamw_kernel(
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
             bmask, BLOCK, EPC, LOAD, COMPENSATE)
-        bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, t, p_ptr,
-                            err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, hp_tab, lo, hi, rows, emask_lo,
-                            emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
+        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t)
+        bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
+                            m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
+                            sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE,
+                            STOCHASTIC)
     n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
     if n_bad > 0:  # rare: keeps the atomic off the hot path
         tl.atomic_add(nonfinite_ptr, n_bad)
@@ -395,7 +431,14 @@ class _Bucket:
         self.v_scale = zeros(nblk, torch.float32)
         self.err = zeros(total, params[0].dtype) if compensate else zeros(1, params[0].dtype)
         self.compensate = compensate
-        self.plans: dict = {}
+        self._plan_key = None
+        self._plan: Optional[_Plan] = None
+        # Every param's step count in one CPU tensor: optimizer.state[p]["step"] is a 0-dim view of its entry, so
+        # a step bumps them all in one op and reads them back in one .tolist().
+        self.step_all = torch.zeros(len(params), dtype=torch.float32)
+        self.group_of: list = []  # each param's param-group index (set by LowBitAdamW._init_state)
+        # DTensor parameters (FSDP2) are updated through their local shards; plain ones skip the lookup
+        self.sharded = any(hasattr(p, "to_local") for p in params)
 
     def views(self, i: int) -> dict:
         """Per-parameter views of the flat buffers, as stored in ``optimizer.state[p]``."""
@@ -413,10 +456,10 @@ class _Bucket:
             out["error"] = self.err[lo: lo + nblk * B].view(nblk, B)
         return out
 
-    def plan(self, active: tuple, nb: int):
+    def plan(self, active: tuple, nb: int) -> "_Plan":
         """Device tables for one set of active tensors (cached: normally every step has the same set)."""
         key = (active, nb)
-        if key not in self.plans:
+        if self._plan_key != key:
             tile = nb * self.fmt.block_size
             numels = torch.tensor([self.numels[i] for i in active], dtype=torch.int64)
             meta = torch.stack([numels, torch.tensor([self.offsets[i] for i in active], dtype=torch.int64)], 1)
@@ -429,8 +472,18 @@ class _Bucket:
             tail = torch.stack([tensors[has_tail], n_full[has_tail].to(torch.int32)], 1)
             dev = self.device
             # keep one plan: a changing active set is rare
-            self.plans = {key: (meta.to(dev), cum_full.to(dev), int(cum_full[-1]), tail.to(dev), len(tail))}
-        return self.plans[key]
+            self._plan = _Plan(meta.to(dev), cum_full.to(dev), int(cum_full[-1]), tail.to(dev), len(tail))
+            self._plan_key = key
+        return self._plan
+
+
+class _Plan:
+    """A bucket's launch tables for one active set, plus the last uploaded addresses and row indices."""
+
+    def __init__(self, meta, cum_full, n_full, tail, n_tail):
+        self.meta, self.cum_full, self.n_full, self.tail, self.n_tail = meta, cum_full, n_full, tail, n_tail
+        self.ptrs = self.ptr_t = self.idx = self.idx_t = None
+        self.aligned = False
 
 
 _SM_COUNT: dict = {}
@@ -527,19 +580,14 @@ class LowBitAdamW(Optimizer):
             b = _Bucket(fmt, params, device, compensate)
             for i, p in enumerate(params):
                 st = self.state[p]
-                st["step"] = torch.tensor(0.0)
+                st["step"] = b.step_all[i]
                 st.update(b.views(i))
             self._buckets.append(b)
         dev = _local(self.param_groups[0]["params"][0]).device
         self.nonfinite_count = torch.zeros(1, dtype=torch.int32, device=dev)
-
-    def _hparams(self) -> dict:
-        """id(param) -> (group, hyper-parameters) for this step."""
-        out = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                out[id(p)] = group
-        return out
+        group_index = {id(p): k for k, group in enumerate(self.param_groups) for p in group["params"]}
+        for b in self._buckets:
+            b.group_of = [group_index[id(p)] for p in b.params]
 
     # -- step --------------------------------------------------------------------------------------------
 
@@ -551,33 +599,42 @@ class LowBitAdamW(Optimizer):
                 loss = closure()
         if self._buckets is None:
             self._init_state()
-        group_of = self._hparams()
         self._seed += 1
+        # Host work is per step and per parameter (291 tensors for Llama2-7B), on the critical path whenever the
+        # GPU waits for it: keep it to list walks. The step counts are bumped and read in one op each, and the
+        # hyper-parameter rows are built once per distinct (group, step count), normally once per step.
         for b in self._buckets:
-            active = tuple(i for i, p in enumerate(b.params) if p.grad is not None)
+            params = b.params
+            active = tuple(i for i, p in enumerate(params) if p.grad is not None)
             if not active:
                 continue
-            rows = []
+            if len(active) == len(params):
+                b.step_all += 1
+            else:
+                b.step_all[list(active)] += 1
+            steps = b.step_all.tolist()
+            rows, row_of, idx = [], {}, []
             for i in active:
-                p = b.params[i]
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                st = self.state[p]
-                st["step"] += 1
-                t = float(st["step"])
-                g = group_of[id(p)]
-                b1, b2 = (float(x) for x in g["betas"])
-                lr = float(g["lr"])
-                bc1 = 1.0 - b1 ** t
-                bc2 = 1.0 - b2 ** t
-                rows.append([lr, float(g["weight_decay"]), b1, b2, float(g["eps"]), lr / bc1,
-                             1.0 / math.sqrt(bc2), -1.0 if g["maximize"] else 1.0])
+                key = (b.group_of[i], steps[i])
+                r = row_of.get(key)
+                if r is None:
+                    r = row_of[key] = len(rows)
+                    rows.append(self._hp_row(*key))
+                idx.append(r)
             if self._use_triton(b.device):
-                self._step_triton(b, active, rows)
+                self._step_triton(b, active, rows, idx)
             else:
                 for j, i in enumerate(active):
-                    self._step_torch(b, i, rows[j])
+                    self._step_torch(b, i, rows[idx[j]])
         return loss
+
+    def _hp_row(self, group_index: int, t: int) -> list:
+        """The kernel's fp32 hyper-parameter row for a param group at step count t (see ``_adamw_kernel``)."""
+        g = self.param_groups[group_index]
+        b1, b2 = (float(x) for x in g["betas"])
+        lr = float(g["lr"])
+        return [lr, float(g["weight_decay"]), b1, b2, float(g["eps"]), lr / (1.0 - b1 ** t),
+                1.0 / math.sqrt(1.0 - b2 ** t), -1.0 if g["maximize"] else 1.0]
 
     def _use_triton(self, device: torch.device) -> bool:
         if self.backend == "torch":
@@ -589,40 +646,50 @@ class LowBitAdamW(Optimizer):
                 f"with TRITON_INTERPRET=1 set before import, for tests). Use backend='torch' or 'auto'.")
         return usable if self.backend == "triton" else device.type == "cuda" and usable
 
-    def _step_triton(self, b: _Bucket, active: tuple, rows: list) -> None:
+    def _step_triton(self, b: _Bucket, active: tuple, rows: list, idx: list) -> None:
         nb = self.tile_blocks or b.fmt.tile_blocks
         if b.device.type == "cpu" and not self.tile_blocks:
             # Under TRITON_INTERPRET (tests) every op costs Python overhead, whatever the tile's size: bigger tiles
             # mean fewer loop iterations. NB is a constexpr of the same code, so the logic tested is unchanged.
             nb = max(nb, 2048 // b.fmt.block_size)
-        meta, cum_full, n_full, tail, n_tail = b.plan(active, nb)
-        grads = []
-        ptrs = []
-        locals_ = []
-        for i in active:
-            p = _local(b.params[i])
-            g = _local(b.params[i].grad)
-            if g.dtype != p.dtype or not g.is_contiguous():
-                g = g.to(dtype=p.dtype, memory_format=torch.contiguous_format)
-            grads.append(g)  # keeps converted grads alive until the launch is queued
-            locals_.append(p)
-            ptrs.append([p.data_ptr(), g.data_ptr()])
-        if n_full + n_tail == 0:  # every active shard on this rank is empty
+        plan = b.plan(active, nb)
+        if plan.n_full + plan.n_tail == 0:  # every active shard on this rank is empty
             return
-        aligned = all(n % 16 == 0 for n in (b.numels[i] for i in active)) and all(
-            a % 16 == 0 for pair in ptrs for a in pair)
-        pin = b.device.type == "cuda"
-        ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(b.device, non_blocking=True)
-        hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(b.device, non_blocking=True)
+        params = [b.params[i] for i in active]
+        grads = [p.grad for p in params]
+        if b.sharded:
+            params = [_local(p) for p in params]
+            grads = [_local(g) for g in grads]
+        ptrs = []
+        for j, (p, g) in enumerate(zip(params, grads)):
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if g.dtype != p.dtype or not g.is_contiguous():
+                g = grads[j] = g.to(dtype=p.dtype, memory_format=torch.contiguous_format)  # alive until launch
+            ptrs += (p.data_ptr(), g.data_ptr())
+        dev = b.device
+        pin = dev.type == "cuda"
+        # Uploads only when something changed: the addresses normally repeat (the caching allocator hands
+        # torchtune's freshly allocated grads the same blocks), the row indices always do.
+        if ptrs != plan.ptrs:
+            plan.ptrs = ptrs
+            plan.ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
+            plan.aligned = all(b.numels[i] % 16 == 0 for i in active) and all(a % 16 == 0 for a in ptrs)
+        if idx != plan.idx:
+            plan.idx = idx
+            plan.idx_t = torch.tensor(idx, dtype=torch.int32, pin_memory=pin).to(dev, non_blocking=True)
+        hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(dev, non_blocking=True)
         fmt = b.fmt
-        grid = max(1, min(max(n_full, n_tail), _programs(b.device, self.programs_per_sm or fmt.programs_per_sm)))
+        grid = max(1, min(max(plan.n_full, plan.n_tail),
+                          _programs(dev, self.programs_per_sm or fmt.programs_per_sm)))
         _adamw_kernel[(grid,)](
-            ptr_t, meta, hp_t, cum_full, n_full, tail, n_tail, locals_[0], grads[0],
-            b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.err, self.nonfinite_count, self._seed,
+            plan.ptr_t, plan.meta, hp_t, plan.idx_t, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
+            params[0], grads[0], b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.err, self.nonfinite_count,
+            self._seed,
             BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code,
             LOAD=fmt.triton_load, DECODE=fmt.triton_decode, STORE=fmt.triton_store,
             COMPENSATE=b.compensate, STOCHASTIC=self.stochastic_round and b.params[0].dtype == torch.bfloat16,
-            ALIGNED=aligned,
+            ALIGNED=plan.aligned,
             num_warps=self.num_warps or fmt.num_warps,
         )
 
@@ -630,6 +697,8 @@ class LowBitAdamW(Optimizer):
         """The reference path: same math as the kernel, one parameter at a time, in plain PyTorch."""
         st = self.state[b.params[i]]
         p, grad = _local(b.params[i]), _local(b.params[i].grad)
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         # fp32 scalars, like the kernel's table, so that both paths round the same way
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = torch.tensor(hp, dtype=torch.float32,
                                                                            device=p.device).unbind()
@@ -643,19 +712,16 @@ class LowBitAdamW(Optimizer):
 
         g = padded(grad)
         finite = g.abs() <= _FP32_MAX
-        g = torch.where(finite, g * sign, 0.0)
         x = padded(p)
         if b.compensate:
             x = x + st["error"].float()
         m = fmt.dequantize(st["exp_avg"], st.get("exp_avg_scale"), True)
         v = fmt.dequantize(st["exp_avg_sq"], st.get("exp_avg_sq_scale"), False)
-        m_new = b1 * m + (1.0 - b1) * g
-        v_new = b2 * v + (1.0 - b2) * g * g
+        # the kernel's operations in the kernel's order (see _adam_math)
+        m_new = torch.where(finite, b1 * m + ((1.0 - b1) * sign) * g, m)
+        v_new = torch.where(finite, b2 * v + ((1.0 - b2) * g) * g, v)
         denom = v_new.sqrt() * inv_sqrt_bc2 + eps
-        x_new = x * (1.0 - lr * wd) - step_size * (m_new / denom)
-        m_new = torch.where(finite, m_new, m)
-        v_new = torch.where(finite, v_new, v)
-        x_new = torch.where(finite, x_new, x)
+        x_new = torch.where(finite, x * (1.0 - lr * wd) - step_size * (m_new / denom), x)
         bad = int((~finite).sum())  # padding is finite (zero), so this counts real elements only
         if bad:
             self.nonfinite_count += bad
@@ -710,8 +776,8 @@ class LowBitAdamW(Optimizer):
                 if key not in st or not isinstance(val, torch.Tensor):
                     raise ValueError(f"unexpected optimizer state entry {key!r} for a parameter of shape "
                                      f"{tuple(p.shape)}; was it saved with other options (compensate=...)?")
-                if key == "step":
-                    st["step"] = val.detach().to("cpu", torch.float32).clone().reshape(())
+                if key == "step":  # into the bucket's step tensor, of which st["step"] is a view
+                    st["step"].copy_(val.detach().to("cpu", torch.float32).reshape(()))
                     continue
                 if val.shape != st[key].shape or val.dtype != st[key].dtype:
                     raise ValueError(f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)}: saved "

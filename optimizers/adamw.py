@@ -37,7 +37,7 @@ def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
 
 
 @jit
-def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, SIGNED: tl.constexpr):
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED: tl.constexpr):
     stb(codes + lo, round_to(val_lo, codes.dtype.element_ty), bmask)
     stb(codes + hi, round_to(val_hi, codes.dtype.element_ty), bmask)
 
