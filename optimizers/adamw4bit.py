@@ -180,13 +180,13 @@ FORMAT_DYNAMIC_V = StateFormat(
     name="4bit.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
     bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=2, num_warps=1, programs_per_sm=16,
+    tile_blocks=4, num_warps=1, programs_per_sm=16,
 )
 FORMAT_LINEAR_V = StateFormat(
     name="4bit-linear-v.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize_linear_v, dequantize=dequantize_linear_v, triton_load=_load, triton_decode=_decode_linear_v,
     triton_store=_store_linear_v, bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=2, num_warps=1, programs_per_sm=16,
+    tile_blocks=4, num_warps=1, programs_per_sm=16,
 )
 
 _ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP) if tl is not None else None
@@ -236,7 +236,7 @@ FORMAT = StateFormat(
     name="4bit.v3", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
     quantize=quantize_root_v, dequantize=dequantize_root_v, triton_load=_load, triton_decode=_decode_root_v,
     triton_store=_store_root_v, bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=2, num_warps=1, programs_per_sm=16,
+    tile_blocks=4, num_warps=1, programs_per_sm=16,
 )
 
 

