@@ -264,6 +264,11 @@ def _fmt(v, digits: int) -> str:
     return f"{v:,.{digits}f}"
 
 
+
+def _final_loss(r: dict):
+    """The last step's loss; a record kept without per-step losses carries only ``final_loss``."""
+    return r["losses"][-1] if r.get("losses") else r.get("final_loss")
+
 def markdown_table(records: List[dict]) -> str:
     base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r["error"]), None)
     kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
@@ -277,7 +282,7 @@ def markdown_table(records: List[dict]) -> str:
         rel = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and r["tok_s"] and base["tok_s"] else "-"
         lines.append(
             f"| {r['variant']} | {_fmt(r['peak_gib'], 2)} | {_fmt(r['tok_s'], 0)} | {rel} | {_fmt(r['first_step_s'], 1)} | "
-            f"{_fmt(r['opt_step_ms'], 1)} | {_fmt(r['opt_state_gib'], 2)} | {_fmt(r['losses'][-1], 4)} | |")
+            f"{_fmt(r['opt_step_ms'], 1)} | {_fmt(r['opt_state_gib'], 2)} | {_fmt(_final_loss(r), 4)} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -292,10 +297,12 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in records if not r["error"] and r["losses"]]
+    ok = [r for r in records if not r["error"]]
     paths = []
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in ok:
+        if not r.get("losses"):  # a record kept from a summary line has no per-step losses
+            continue
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"],
                 linestyle="--" if r["variant"].endswith(IN_BWD_SUFFIX) else "-", linewidth=1.2)
     ax.set_xlabel("optimizer step")
@@ -310,7 +317,7 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in ok:
-        if r["tok_s"] is None or r["peak_gib"] is None:
+        if r.get("tok_s") is None or r.get("peak_gib") is None:
             continue
         marker = "s" if r["variant"].endswith(IN_BWD_SUFFIX) else "o"
         ax.scatter(r["peak_gib"], r["tok_s"], marker=marker)

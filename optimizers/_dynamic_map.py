@@ -1,4 +1,8 @@
-"""The dynamic-exponent code shared by the 8-bit format and the 4-bit first moment.
+"""The dynamic-exponent code of the 4-bit first moment (and of ``AdamW4bit(second_moment="dynamic")``).
+
+The 8-bit format used it until 8bit.v3, which codes both moments as floats read off the fp32 bits (``adamw8bit.py``:
+~5 instructions per value instead of this map's ~25 to encode and ~12 to decode). The code stays general in its
+number of bits; the tests check it at 4 and 8.
 
 Values are normalised by the block's absolute maximum to [-1, 1]. Like bitsandbytes' dynamic map, a code is a
 sign, a *level* (which power range the magnitude falls in) and a linear fraction inside that level, with more
@@ -9,7 +13,7 @@ signed map (plus a sign bit), 2^(i+1) for the unsigned one. 0 and 1.0 are codes 
 Why levels of 16 (four octaves) and not bitsandbytes' decades of 10: with power-of-two levels the level and its
 scale come out of the float's exponent bits, so encoding is ~25 integer and float ops (no compare chain over the
 decade bounds, no exp2/log2) and decoding ~12 (no table gather, no division). With the decade map our 8-bit step
-was issue-bound on the H200 (254 SASS instructions per element; docs/optimizers.md). Accuracy, mean relative
+was issue-bound on the H200 (254 SASS instructions per element). Accuracy, mean relative
 error of nearest-value encoding on |x| ~ U(0,1)^6 (bitsandbytes' 8-bit map in brackets), signed map:
 [0.1, 1) 1.35 % (1.26 %), [0.01, 0.1) 2.46 % (2.47 %), [1e-3, 1e-2) 4.65 % (4.76 %), [1e-4, 1e-3) 8.5 % (9.0 %);
 the unsigned map is about half of that, and the 8-bit maps reach down to 16^-7 = 3.7e-9 of the block max
