@@ -106,3 +106,22 @@ def test_summary_prefers_gpu_peak():
     s = compare.summarize(metrics, skip_steps=2)
     assert s["peak_kind"] == "gpu_alloc" and s["peak_gib"] == 13.0 and s["peak_reserved_gib"] == 15.0
     assert s["tok_s"] == 350.0 and s["opt_step_ms"] is None and s["losses"] == [3.0, 2.0, 1.0, 0.0]
+
+
+def test_replot_keeps_a_record_without_per_step_losses(bench_run, tmp_path):
+    # A record kept from a runner's summary line (no per-step losses, only final_loss) still gets its table row and
+    # its memory/speed point; the loss plot skips it.
+    _, out_dir = bench_run
+    result = json.loads((out_dir / "compare.json").read_text())
+    kept = dict(next(r for r in result["records"] if r["variant"] == FUSED), variant=FUSED + "+in_bwd", losses=None,
+                final_loss=1.2345, opt_step_ms=None)
+    result["records"].append(kept)
+    path = tmp_path / "kept.json"
+    path.write_text(json.dumps(result))
+    proc = subprocess.run([sys.executable, "bench/compare.py", "--replot", str(path), "--out-dir", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in (tmp_path / "compare.md").read_text().splitlines()
+               if line.startswith(f"| {FUSED}+in_bwd |"))
+    assert "1.2345" in row
+    assert (tmp_path / "compare_memory_speed.png").read_bytes()[:4] == b"\x89PNG"
