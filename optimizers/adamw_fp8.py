@@ -78,12 +78,6 @@ def encode_e4m3_tl(x, inv):
 
 
 @jit
-def decode_e4m3_tl(c, s):
-    """uint8 codes [NB, K], block scales s [NB] -> fp32 values."""
-    return c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (s * _INV_FP8_MAX)[:, None]
-
-
-@jit
 def load_words(codes, scale, lo, hi, rows, bmask):
     """The codes of a tile as int32 words, 4 codes each ([NB, BLOCK/8] per half), and the block scales.
 
