@@ -302,7 +302,7 @@ def _adamw_kernel(
     err_ptr,  # compensation buffer (same offsets as the states), or a dummy
     nonfinite_ptr,  # int32 [1]: count of skipped non-finite gradient elements
     seed,
-    BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr,
+    BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr, RUN: tl.constexpr,
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
     COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
@@ -323,32 +323,38 @@ def _adamw_kernel(
     # that layout, so no per-tile layout conversion (a shared-memory round trip and a barrier) is needed.
     rows = tl.max(lo, axis=1) // BLOCK
     bad = tl.zeros(lo.shape, tl.int32)
-    # Full tiles: program i takes a contiguous run of them, so consecutive tiles are almost always of the same
-    # tensor and the next tile's addresses are this one's plus a tile; the tensor's table entries (addresses, state
-    # offset, hyper-parameters) are read only where a run crosses into the next tensor. (A grid-stride walk read
-    # them for every tile: ~100 of the ~190 per-thread instructions a tile cost besides its elements' own.)
-    per = tl.cdiv(n_full, G)
-    j0 = pid * per
-    j1 = tl.minimum(j0 + per, n_full)
-    if j0 < j1:
-        t, k = _find(j0, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
+    # Full tiles, in chunks of RUN consecutive tiles: program i takes chunks i, i + G, i + 2G, ... Inside a chunk
+    # the tiles are almost always of one tensor, so the next tile's addresses are this one's plus a tile and the
+    # tensor's table entries (addresses, state offset, hyper-parameters) are read only at a chunk's start or where
+    # it crosses into the next tensor (reading them for every tile cost ~100 of the ~190 per-thread instructions a
+    # tile needed besides its elements' own). Chunks rather than one long run per program keep all programs
+    # streaming through nearby addresses at any moment (DRAM pages), as a plain grid-stride walk does.
+    n_chunks = tl.cdiv(n_full, RUN)
+    if pid < n_chunks:
+        n_mine = tl.cdiv(n_chunks - pid, G)
+        last = pid + (n_mine - 1) * G
+        n_tiles = (n_mine - 1) * RUN + tl.minimum(RUN, n_full - last * RUN)
+        j = pid * RUN
+        t, k = _find(j, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
         end = tl.load(cum_full + t + 1)
         p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t)
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
             BLOCK, EPC, LOAD, COMPENSATE)
-        for j in tl.range(j0, j1, 1, num_stages=1):
-            # Prefetch the next tile. After the last full tile of all, the last one is fetched again (one wasted
-            # tile per program, as is the first tile of the next program's run that ends each run).
-            if j + 1 < end:
+        for q in tl.range(0, n_tiles, 1, num_stages=1):
+            # Prefetch the next tile: the next of this chunk, or the first of this program's next chunk; after its
+            # last tile a program fetches that tile again (one wasted tile per program).
+            in_chunk = (q + 1) % RUN != 0
+            jn = tl.where(q + 1 >= n_tiles, j, tl.where(in_chunk, j + 1, j + 1 + (G - 1) * RUN))
+            if in_chunk & (q + 1 < n_tiles) & (j + 1 < end):
                 t2 = t
                 end2 = end
                 p_ptr2 = p_ptr + TILE
                 g_ptr2 = g_ptr + TILE
                 s_base2 = s_base + TILE
             else:
-                t2, k2 = _find(tl.minimum(j + 1, n_full - 1), t, cum_full)
+                t2, k2 = _find(jn, t, cum_full)
                 end2 = tl.load(cum_full + t2 + 1)
                 p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
             p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
@@ -360,7 +366,7 @@ def _adamw_kernel(
                                 COMPENSATE, STOCHASTIC)
             if t2 != t:
                 lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2)
-            t, end, p_ptr, g_ptr, s_base = t2, end2, p_ptr2, g_ptr2, s_base2
+            j, t, end, p_ptr, g_ptr, s_base = jn, t2, end2, p_ptr2, g_ptr2, s_base2
             p_lo, p_hi, g_lo, g_hi, e_lo, e_hi = p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2
             mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2
     # Each tensor's last, partial tile: element masks for the param and grad, block masks for the (padded) states.
@@ -485,6 +491,10 @@ class _Plan:
         self.ptrs = self.ptr_t = self.idx = self.idx_t = None
         self.aligned = False
 
+
+# Tiles per chunk of the kernel's walk (see _adamw_kernel): long enough to amortise a table lookup, short enough
+# that all programs stay in nearby addresses.
+_RUN = 8
 
 _SM_COUNT: dict = {}
 
@@ -686,7 +696,7 @@ class LowBitAdamW(Optimizer):
             plan.ptr_t, plan.meta, hp_t, plan.idx_t, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
             params[0], grads[0], b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.err, self.nonfinite_count,
             self._seed,
-            BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code,
+            BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code, RUN=_RUN,
             LOAD=fmt.triton_load, DECODE=fmt.triton_decode, STORE=fmt.triton_store,
             COMPENSATE=b.compensate, STOCHASTIC=self.stochastic_round and b.params[0].dtype == torch.bfloat16,
             ALIGNED=plan.aligned,
