@@ -306,11 +306,11 @@ def _adamw_kernel(
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
     COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Persistent: a grid of a few programs per SM; program i takes a contiguous run of full tiles (the tensor of
-    the first found from ``cum_full``), then tail tiles i, i + G, ... of the tail table. Full tiles are
-    software-pipelined: the next tile's loads are issued before the current tile is decoded and updated, so every
-    program keeps a tile of loads in flight while it computes (one tile per program at a time left the SMs idle
-    between the load and store phases)."""
+    """Persistent: a grid of a few programs per SM; program i takes chunks i, i + G, ... of RUN consecutive full
+    tiles (each chunk's tensor found from ``cum_full``), then tail tiles i, i + G, ... of the tail table. Full
+    tiles are software-pipelined: the next tile's loads are issued before the current tile is decoded and updated,
+    so every program keeps a tile of loads in flight while it computes (one tile per program at a time left the SMs
+    idle between the load and store phases)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     TILE: tl.constexpr = NB * BLOCK
