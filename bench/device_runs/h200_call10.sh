@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call 10 (nvidia-h200), session 3: a short launch-shape check of 8-bit / FP8 with two blocks per tile (fewer
-# instructions per element, fewer resident programs), then the whole Llama2-7B matrix in one call with the final
-# kernels: every variant, then optimizer-in-backward for fused / ours 8-bit / ours 4-bit. Results under $OUT.
+# instructions per element, fewer resident programs), then the whole Llama2-7B matrix in one call with this session's
+# formats (the kernel then walked one contiguous run of tiles per program; call 13 changed the walk order): every
+# variant, then optimizer-in-backward for fused / ours 8-bit / ours 4-bit. Results under $OUT.
 export PYTHONPATH=$PWD:$PWD/.devsite/site PYTHONUNBUFFERED=1
 V=("optimizers.AdamW8bit" "optimizers.AdamW8bit(tile_blocks=2,programs_per_sm=12)" "optimizers.AdamW8bit(programs_per_sm=20)"
    "optimizers.AdamWFp8" "optimizers.AdamWFp8(tile_blocks=2,programs_per_sm=12)" "optimizers.AdamWFp8(programs_per_sm=20)"
