@@ -156,12 +156,18 @@ def _encode_linear_tl(x, inv):
 
 
 @jit
+def _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi):
+    """Pack element j's code (low nibble) with element j + 64's (high nibble) into byte j of each block, and store."""
+    stb(codes + (lo - rows[:, None] * _HALF), (c_lo | (c_hi << 4)).to(tl.uint8), bmask)
+
+
+@jit
 def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED: tl.constexpr):
     absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
     c_lo = dm.encode_tl(val_lo, inv[:, None], 4, SIGNED)
     c_hi = dm.encode_tl(val_hi, inv[:, None], 4, SIGNED)
-    stb(codes + (lo - rows[:, None] * _HALF), (c_lo | (c_hi << 4)).to(tl.uint8), bmask)
+    _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi)
 
 
 @jit
@@ -173,21 +179,20 @@ def _store_linear_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, 
         st_scale(scale, lo, absmax, bmask, _BLOCK)
         c_lo = _encode_linear_tl(val_lo, inv[:, None])
         c_hi = _encode_linear_tl(val_hi, inv[:, None])
-        stb(codes + (lo - rows[:, None] * _HALF), (c_lo | (c_hi << 4)).to(tl.uint8), bmask)
+        _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi)
 
 
-FORMAT_DYNAMIC_V = StateFormat(
-    name="4bit.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
-    bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=4, num_warps=1, programs_per_sm=16,
-)
-FORMAT_LINEAR_V = StateFormat(
-    name="4bit-linear-v.v2", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
-    quantize=quantize_linear_v, dequantize=dequantize_linear_v, triton_load=_load, triton_decode=_decode_linear_v,
-    triton_store=_store_linear_v, bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=4, num_warps=1, programs_per_sm=16,
-)
+def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
+    """The three 4-bit formats differ only in their second moment's code."""
+    return StateFormat(name=name, block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
+                       quantize=quantize_fn, dequantize=dequantize_fn, triton_load=_load, triton_decode=decode,
+                       triton_store=store, bytes_per_element=0.5 + 4 / BLOCK,
+                       tile_blocks=4, num_warps=1, programs_per_sm=16)
+
+
+FORMAT_DYNAMIC_V = _format("4bit.v2", quantize, dequantize, _decode, _store)
+FORMAT_LINEAR_V = _format("4bit-linear-v.v2", quantize_linear_v, dequantize_linear_v, _decode_linear_v,
+                          _store_linear_v)
 
 _ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP) if tl is not None else None
 _ROOT_TOP = tl.constexpr(ROOT_TOP) if tl is not None else None
@@ -228,16 +233,10 @@ def _store_root_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, ro
         umax, inv = dm.inv_absmax_tl(root_lo, root_hi)
         st_scale(scale, lo, umax, bmask, _BLOCK)
         k = (inv * _ROOT_TOP)[:, None]
-        c = _encode_root_tl(root_lo, k) | (_encode_root_tl(root_hi, k) << 4)
-        stb(codes + (lo - rows[:, None] * _HALF), c.to(tl.uint8), bmask)
+        _store_nibbles(codes, lo, rows, bmask, _encode_root_tl(root_lo, k), _encode_root_tl(root_hi, k))
 
 
-FORMAT = StateFormat(
-    name="4bit.v3", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
-    quantize=quantize_root_v, dequantize=dequantize_root_v, triton_load=_load, triton_decode=_decode_root_v,
-    triton_store=_store_root_v, bytes_per_element=0.5 + 4 / BLOCK,
-    tile_blocks=4, num_warps=1, programs_per_sm=16,
-)
+FORMAT = _format("4bit.v3", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
 
 
 class AdamW4bit(LowBitAdamW):
