@@ -149,15 +149,22 @@ FORMATS = {
 }
 
 
+# Formats whose second moment is stored as u = sqrt(v): (relative error of u, smallest code as a fraction of umax).
+# 8bit: 4 mantissa bits (<= 1/32), floor 2^-15 / 1.9375; 4bit: 1 mantissa bit (<= 20 %), floor 2^-7 / 1.5.
+ROOT_V = {"8bit": (1 / 32, 2.0 ** -15 / adamw8bit.U_TOP), "4bit": (0.2, 2.0 ** -7 / adamw4bit.ROOT_TOP)}
+
+
+def _root_v_rel(fmt):
+    """Relative error bound of v = u^2 for a ROOT_V format."""
+    return (1 + ROOT_V[fmt][0]) ** 2 - 1
+
+
 def _bound(fmt, signed, x, absmax):
     """Largest allowed |dequant - x| per element."""
     a = x.abs() / absmax[:, None].clamp_min(1e-38)
-    if fmt == "8bit" and not signed:  # u = sqrt(v) to 4 mantissa bits (<= 1/32), floored at 2^-15 / 1.9375 of umax
-        floor = 2.0 ** -15 / adamw8bit.U_TOP
-        rel = torch.maximum(a * ((1 + 1 / 32) ** 2 - 1), torch.full_like(a, floor * floor)) * 1.01
-    elif fmt == "4bit" and not signed:  # u = sqrt(v) to 1 mantissa bit (<= 20 %), floored at 2^-7 / 1.5 of umax
-        floor = 2.0 ** -7 / adamw4bit.ROOT_TOP
-        rel = torch.maximum(a * (1.2 ** 2 - 1), torch.full_like(a, floor * floor)) * 1.01
+    if fmt in ROOT_V and not signed:
+        floor = ROOT_V[fmt][1]
+        rel = torch.maximum(a * _root_v_rel(fmt), torch.full_like(a, floor * floor)) * 1.01
     elif fmt in ("4bit", "4bit-dynamic-v") or (fmt == "4bit-linear-v" and signed):
         bits = 4
         E = bits - 1
@@ -200,8 +207,8 @@ def test_quantize_error_bounds(fmt, signed, kind):
     codes, scale = quant(x, signed)
     y = dequant(codes, scale, signed)
     assert torch.isfinite(y).all()
-    if kind == "denormal" and fmt in ("8bit", "4bit") and not signed:  # v is stored as sqrt(v), a normal float here
-        assert ((y - x).abs() <= ((1 + 1 / 32) ** 2 - 1 if fmt == "8bit" else 1.2 ** 2 - 1) * 1.01 * x + 1e-44).all()
+    if kind == "denormal" and fmt in ROOT_V and not signed:  # v is stored as sqrt(v), a normal float here
+        assert ((y - x).abs() <= _root_v_rel(fmt) * 1.01 * x + 1e-44).all()
         return
     if kind == "denormal":  # below the smallest normal fp32 the block is stored as zero codes
         # (the 4-bit second-moment map has no zero: its smallest code decodes to 1/16 of that tiny max)
