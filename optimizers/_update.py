@@ -67,19 +67,23 @@ class StateFormat:
     #     issues them a tile ahead); codes/scale point at the tile's first code and block scale, lo/hi are int32
     #     element offsets [NB, block/2] inside the tile, rows = the tile's block indices [NB] (in the layout of a
     #     reduction over axis 1), bmask None (full tile) or [NB];
-    #   decode(raw_lo, raw_hi, s, SIGNED) -> (lo, hi) fp32 [NB, block/2];
-    #   store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED): quantize and store
+    #   decode(raw_lo, raw_hi, s, lut, SIGNED) -> (lo, hi) fp32 [NB, block/2];
+    #   store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED): quantize and store
     #     val (root = sqrt(val) for the second moment, already computed by the update; = val for the first).
+    #   lut points at the format's ``table`` on the device (for table-coded formats; else a dummy).
     # (Triton 3.6 cannot return None from a helper, hence ld/st for element masks and ldb/stb for block masks.)
     triton_load: Any
     triton_decode: Any
     triton_store: Any
     bytes_per_element: float = 1.0  # per moment, excluding scales; for docs and the benchmark
+    # int32 lookup table(s) the Triton helpers read through ``lut`` (copied to each bucket's device once)
+    table: Optional[torch.Tensor] = None
     # Triton launch shape: blocks per tile, warps per program, persistent programs per SM; tuned on the H200
     # (bench/results/optimizer_sweep_h200.log)
     tile_blocks: int = 4
     num_warps: int = 4
     programs_per_sm: int = 8
+    max_registers: Optional[int] = None  # per thread (Triton's maxnreg), to fit more programs per SM
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,8 +112,8 @@ def _fdiv(a, b):
 
 @jit
 def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign, COMPENSATE: tl.constexpr):
-    """Returns (x_new, m_new, v_new, sqrt(v_new), finite). A non-finite g makes m_new, v_new, x_new NaN or inf;
-    the selects put the old values back (one select each; the gradient itself needs none)."""
+    """Returns (x_new, m_new, v_new, sqrt(v_new)). A non-finite g makes m_new, v_new, x_new NaN or inf; the selects
+    put the old values back (one select each, mostly folded into predicated multiply-adds)."""
     finite = tl.abs(g) <= _FP32_MAX_TL
     x = p
     if COMPENSATE:
@@ -119,7 +123,12 @@ def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign
     root = tl.sqrt(v_new)  # formats that store sqrt(v) reuse it (adamw8bit.py)
     denom = root * inv_sqrt_bc2 + eps
     x_new = tl.where(finite, x * (1.0 - lr * wd) - step_size * _fdiv(m_new, denom), x)
-    return x_new, m_new, v_new, root, finite
+    return x_new, m_new, v_new, root
+
+
+@jit
+def _nanmax(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @jit
@@ -206,11 +215,22 @@ def _udiv(x, d: tl.constexpr):
 
 
 @jit
-def _hparams(hp_tab, hp_idx, t):
-    """Tensor t's hyper-parameters: its row of hp_tab (rows are shared by the tensors of a group and step)."""
-    hp = hp_tab + tl.load(hp_idx + t) * 8
-    return (tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4), tl.load(hp + 5),
-            tl.load(hp + 6), tl.load(hp + 7))
+def _f32(x):
+    return tl.full((), x, tl.float32)
+
+
+@jit
+def _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW: tl.constexpr):
+    """Tensor t's hyper-parameters: its row of hp_tab (rows are shared by the tensors of a group and step), or with
+    ONE_ROW (one group, one step count: the usual case) the row hp0 passed as kernel arguments."""
+    if ONE_ROW:
+        # As fp32 scalars: the interpreter (CI) would keep Python floats and do their arithmetic in float64
+        lr, wd, b1, b2, eps, ss, isb, sign = hp0
+        return (_f32(lr), _f32(wd), _f32(b1), _f32(b2), _f32(eps), _f32(ss), _f32(isb), _f32(sign))
+    else:
+        hp = hp_tab + tl.load(hp_idx + t) * 8
+        return (tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4), tl.load(hp + 5),
+                tl.load(hp + 6), tl.load(hp + 7))
 
 
 @jit
@@ -241,16 +261,40 @@ def _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE: tl.constexpr, BLOCK: tl.const
 
 
 @jit
+def _ld_param(ptr, off, emask, HI: tl.constexpr, BLOCK: tl.constexpr):
+    """A half tile (HI: the upper halves of its blocks) of weights or grads. bf16 full tiles come as int32 words of
+    two values ([NB, BLOCK/4]), turned into fp32 by ``_to_f32`` with one shift or one and per value: Triton's bf16
+    -> fp32 conversion of a packed pair spends a byte permute and a multiply on the upper value."""
+    if (emask is None) and (ptr.dtype.element_ty == tl.bfloat16):
+        NB: tl.constexpr = off.shape[0]
+        K: tl.constexpr = BLOCK // 4
+        w = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, K)[None, :] + HI * K
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + w)
+    else:
+        return ld(ptr + off, emask, 0.0)
+
+
+@jit
+def _to_f32(x):
+    """fp32 of a loaded half tile (see ``_ld_param``)."""
+    if x.dtype == tl.int32:  # bf16 pairs: element 2i is the low half of word i
+        f = tl.join((x << 16).to(tl.float32, bitcast=True), (x & -65536).to(tl.float32, bitcast=True))
+        return tl.reshape(f, (x.shape[0], 2 * x.shape[1]))
+    else:
+        return x.to(tl.float32)
+
+
+@jit
 def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
            bmask, BLOCK: tl.constexpr, EPC: tl.constexpr, LOAD: tl.constexpr, COMPENSATE: tl.constexpr):
     """Issue every load of one tile (raw: bf16 weights and grads, codes and scales); no arithmetic on them."""
-    p_lo = ld(p_ptr + lo, emask_lo, 0.0)
-    p_hi = ld(p_ptr + hi, emask_hi, 0.0)
-    g_lo = ld(g_ptr + lo, emask_lo, 0.0)
-    g_hi = ld(g_ptr + hi, emask_hi, 0.0)
+    p_lo = _ld_param(p_ptr, lo, emask_lo, 0, BLOCK)
+    p_hi = _ld_param(p_ptr, hi, emask_hi, 1, BLOCK)
+    g_lo = _ld_param(g_ptr, lo, emask_lo, 0, BLOCK)
+    g_hi = _ld_param(g_ptr, hi, emask_hi, 1, BLOCK)
     if COMPENSATE:
-        e_lo = ld(err_ptr + s_base + lo, emask_lo, 0.0)
-        e_hi = ld(err_ptr + s_base + hi, emask_hi, 0.0)
+        e_lo = _ld_param(err_ptr + s_base, lo, emask_lo, 0, BLOCK)
+        e_hi = _ld_param(err_ptr + s_base, hi, emask_hi, 1, BLOCK)
     else:
         e_lo = p_lo
         e_hi = p_hi
@@ -263,29 +307,61 @@ def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo
 
 @jit
 def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
-                 m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
+                 m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
                  lo, hi, rows, emask_lo, emask_hi, bmask, seed,
                  BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
                  COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Decode, update and store one fetched tile; returns 1 per element whose gradient was non-finite (skipped)."""
-    m_lo, m_hi = DECODE(mc_lo, mc_hi, ms, True)
-    v_lo, v_hi = DECODE(vc_lo, vc_hi, vs, False)
-    x_lo, m_lo, v_lo, r_lo, ok_lo = _adam_math(p_lo.to(tl.float32), g_lo.to(tl.float32), m_lo, v_lo,
-                                               e_lo.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
-                                               sign, COMPENSATE)
-    x_hi, m_hi, v_hi, r_hi, ok_hi = _adam_math(p_hi.to(tl.float32), g_hi.to(tl.float32), m_hi, v_hi,
-                                               e_hi.to(tl.float32), lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
-                                               sign, COMPENSATE)
+    """Decode, update and store one fetched tile. Returns max(|g|) of the lo/hi element pairs, NaN where either g
+    is NaN: the kernel folds it into a running max, its only trace of non-finite gradients in the hot loop (see
+    ``_count_nonfinite``)."""
+    g_lo = _to_f32(g_lo)
+    g_hi = _to_f32(g_hi)
+    m_lo, m_hi = DECODE(mc_lo, mc_hi, ms, lut, True)
+    v_lo, v_hi = DECODE(vc_lo, vc_hi, vs, lut, False)
+    x_lo, m_lo, v_lo, r_lo = _adam_math(_to_f32(p_lo), g_lo, m_lo, v_lo, _to_f32(e_lo), lr, wd, b1, b2, eps,
+                                        step_size, inv_sqrt_bc2, sign, COMPENSATE)
+    x_hi, m_hi, v_hi, r_hi = _adam_math(_to_f32(p_hi), g_hi, m_hi, v_hi, _to_f32(e_hi), lr, wd, b1, b2, eps,
+                                        step_size, inv_sqrt_bc2, sign, COMPENSATE)
     c_off = _udiv(s_base, EPC)
     b_off = _udiv(s_base, BLOCK)
-    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, m_lo, m_hi, True)
-    STORE(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask, v_lo, v_hi, r_lo, r_hi, False)
+    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, m_lo, m_hi, lut, True)
+    STORE(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask, v_lo, v_hi, r_lo, r_hi, lut, False)
     e_ptr = err_ptr + s_base
     _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
     _write_param(p_ptr, e_ptr, hi, emask_hi, x_hi, seed, s_base, COMPENSATE, STOCHASTIC)
-    # Padding elements (masked off) read g = 0, which is finite, so they never count. Counted per element and
-    # summed once at the end of the kernel: a per-tile sum would need a cross-warp reduction (and barrier) per tile.
-    return (~ok_lo).to(tl.int32) + (~ok_hi).to(tl.int32)
+    return tl.maximum(tl.abs(g_lo), tl.abs(g_hi), propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _nonfinite(g):
+    """How many elements of g are NaN or +-inf."""
+    return tl.sum(tl.sum((~(tl.abs(g.to(tl.float32)) <= _FP32_MAX_TL)).to(tl.int32), axis=1), axis=0)
+
+
+@jit
+def _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab, p0, g0, lo, hi,
+                     TILE: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr, ALIGNED: tl.constexpr):
+    """Non-finite gradient elements of this program's tiles, by walking them again (reading only the gradients).
+
+    Counting in the update itself cost ~5 instructions per element (an integer per element, and the non-finite
+    flags no longer fit the predicate registers: spilled to general ones and back), a quarter of the 4-bit step's
+    instructions; a running max of |g| that keeps NaN costs 1. Only programs that saw a non-finite gradient come
+    here, so the second read of their share of the gradients happens only on steps with NaN or inf."""
+    n = pid * 0
+    t = pid * 0  # the tiles only move forward, as in the kernel's walk
+    for c in range(pid, tl.cdiv(n_full, RUN), G):
+        for j in range(c * RUN, tl.minimum(c * RUN + RUN, n_full)):
+            t, k = _find(j, t, cum_full)
+            p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+            n += _nonfinite(tl.load(g_ptr + lo)) + _nonfinite(tl.load(g_ptr + hi))
+    for j in range(pid, n_tail, G):
+        t = tl.load(tail_tab + 2 * j)
+        p_ptr, g_ptr, s_base, rem = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE,
+                                            BLOCK, ALIGNED)
+        r = rem.to(tl.int32)
+        n += _nonfinite(tl.load(g_ptr + lo, mask=lo < r, other=0.0)) + _nonfinite(tl.load(g_ptr + hi, mask=hi < r,
+                                                                                          other=0.0))
+    return n
 
 
 @jit
@@ -294,17 +370,19 @@ def _adamw_kernel(
     meta_tab,  # int64 [T, 2]: numel, element offset of its state slice
     hp_tab,  # fp32 [R, 8]: lr, weight_decay, beta1, beta2, eps, lr / bc1, 1 / sqrt(bc2), sign (-1 maximize)
     hp_idx,  # int32 [T]: each tensor's row of hp_tab (one row per param group and step count, usually 1-2 rows)
+    lr0, wd0, b10, b20, eps0, ss0, isb0, sign0,  # with ONE_ROW: the one row, as arguments (no table upload)
     cum_full, n_full,  # int64 [T + 1]: full tiles of the tensors before each one (a prefix sum); their total
     tail_tab, n_tail,  # int32 [n_tail, 2]: (tensor, tile within it) of each tensor's partial last tile, if any
     p0,  # the first param: only its pointer type is used, to type the addresses read from ptr_tab
     g0,  # the first grad, likewise
     m_codes, m_scale, v_codes, v_scale,
+    lut,  # int32: the format's lookup table (StateFormat.table), or a dummy
     err_ptr,  # compensation buffer (same offsets as the states), or a dummy
     nonfinite_ptr,  # int32 [1]: count of skipped non-finite gradient elements
     seed,
     BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr, RUN: tl.constexpr,
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
-    COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+    COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     """Persistent: a grid of a few programs per SM; program i takes chunks i, i + G, ... of RUN consecutive full
     tiles (each chunk's tensor found from ``cum_full``), then tail tiles i, i + G, ... of the tail table. Full
@@ -313,6 +391,7 @@ def _adamw_kernel(
     idle between the load and store phases)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    hp0 = (lr0, wd0, b10, b20, eps0, ss0, isb0, sign0)
     TILE: tl.constexpr = NB * BLOCK
     # Offsets inside a tile are small int32s; the 64-bit tile start goes into the base pointers. A tile is NB
     # blocks, each handled as two halves (lo, hi) so that 4-bit formats can pack element j with element
@@ -322,7 +401,7 @@ def _adamw_kernel(
     # Block index in the layout a row reduction produces (the per-block absmax): scales are loaded and stored in
     # that layout, so no per-tile layout conversion (a shared-memory round trip and a barrier) is needed.
     rows = tl.max(lo, axis=1) // BLOCK
-    bad = tl.zeros(lo.shape, tl.int32)
+    seen = tl.zeros(lo.shape, tl.float32)  # running max of |g|, NaN once a NaN was seen
     # Full tiles, in chunks of RUN consecutive tiles: program i takes chunks i, i + G, i + 2G, ... Inside a chunk
     # the tiles are almost always of one tensor, so the next tile's addresses are this one's plus a tile and the
     # tensor's table entries (addresses, state offset, hyper-parameters) are read only at a chunk's start or where
@@ -338,7 +417,7 @@ def _adamw_kernel(
         t, k = _find(j, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
         end = tl.load(cum_full + t + 1)
         p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
-        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t)
+        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
             BLOCK, EPC, LOAD, COMPENSATE)
@@ -360,12 +439,13 @@ def _adamw_kernel(
             p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
                 p_ptr2, g_ptr2, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base2, lo, hi, rows, None, None,
                 None, BLOCK, EPC, LOAD, COMPENSATE)
-            bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
-                                err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size,
-                                inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC, DECODE, STORE,
-                                COMPENSATE, STOCHASTIC)
+            g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
+                                 err_ptr, m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps,
+                                 step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC, DECODE,
+                                 STORE, COMPENSATE, STOCHASTIC)
+            seen = _nanmax(seen, g_abs)
             if t2 != t:
-                lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2)
+                lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2, hp0, ONE_ROW)
             j, t, end, p_ptr, g_ptr, s_base = jn, t2, end2, p_ptr2, g_ptr2, s_base2
             p_lo, p_hi, g_lo, g_hi, e_lo, e_hi = p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2
             mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2
@@ -381,14 +461,16 @@ def _adamw_kernel(
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
             bmask, BLOCK, EPC, LOAD, COMPENSATE)
-        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t)
-        bad += _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
-                            m_codes, m_scale, v_codes, v_scale, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2,
-                            sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE, COMPENSATE,
-                            STOCHASTIC)
-    n_bad = tl.sum(tl.sum(bad, axis=1), axis=0)
-    if n_bad > 0:  # rare: keeps the atomic off the hot path
-        tl.atomic_add(nonfinite_ptr, n_bad)
+        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
+        g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
+                             m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size,
+                             inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE,
+                             COMPENSATE, STOCHASTIC)
+        seen = _nanmax(seen, g_abs)
+    smax = tl.reduce(seen, None, _nanmax)
+    if (smax > _FP32_MAX_TL) | (smax != smax):  # rare: a non-finite gradient in this program's tiles
+        tl.atomic_add(nonfinite_ptr, _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab,
+                                                      p0, g0, lo, hi, TILE, BLOCK, RUN, ALIGNED))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -411,6 +493,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def _no_4g_crossing(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of ``table`` that does not straddle a 4 GiB address boundary: the kernel's table gathers add
+    their offsets to the low 32 bits of the address only (one instruction instead of two; adamw4bit.py). Of two
+    back-to-back copies at most one can contain the boundary (a table is far smaller than 4 GiB)."""
+    n = table.numel()
+    buf = torch.empty(2 * n, dtype=table.dtype, device=device)
+    start = buf.data_ptr()
+    crosses = (start & 0xFFFFFFFF) + n * table.element_size() > 1 << 32
+    out = buf[n:] if crosses else buf[:n]
+    out.copy_(table)
+    return out
 
 
 class _Bucket:
@@ -436,6 +531,7 @@ class _Bucket:
         self.m_scale = zeros(nblk, torch.float32)
         self.v_scale = zeros(nblk, torch.float32)
         self.err = zeros(total, params[0].dtype) if compensate else zeros(1, params[0].dtype)
+        self.lut = _no_4g_crossing(fmt.table, device) if fmt.table is not None else zeros(1, torch.int32)
         self.compensate = compensate
         self._plan_key = None
         self._plan: Optional[_Plan] = None
@@ -443,6 +539,8 @@ class _Bucket:
         # a step bumps them all in one op and reads them back in one .tolist().
         self.step_all = torch.zeros(len(params), dtype=torch.float32)
         self.group_of: list = []  # each param's param-group index (set by LowBitAdamW._init_state)
+        self.one_group = True  # all of them in one group (likewise)
+        self.all_active = tuple(range(len(params)))
         # DTensor parameters (FSDP2) are updated through their local shards; plain ones skip the lookup
         self.sharded = any(hasattr(p, "to_local") for p in params)
 
@@ -598,6 +696,7 @@ class LowBitAdamW(Optimizer):
         group_index = {id(p): k for k, group in enumerate(self.param_groups) for p in group["params"]}
         for b in self._buckets:
             b.group_of = [group_index[id(p)] for p in b.params]
+            b.one_group = len(set(b.group_of)) == 1
 
     # -- step --------------------------------------------------------------------------------------------
 
@@ -611,31 +710,37 @@ class LowBitAdamW(Optimizer):
             self._init_state()
         self._seed += 1
         # Host work is per step and per parameter (291 tensors for Llama2-7B), on the critical path whenever the
-        # GPU waits for it: keep it to list walks. The step counts are bumped and read in one op each, and the
-        # hyper-parameter rows are built once per distinct (group, step count), normally once per step.
+        # GPU waits for it (1-2 ms of an 18 ms step on the H200's host): keep it to list walks. The step counts are
+        # bumped and read in one op each; in the usual case (all grads present, one param group, one step count)
+        # the one hyper-parameter row goes to the kernel as arguments, with no table upload.
         for b in self._buckets:
-            params = b.params
-            active = tuple(i for i, p in enumerate(params) if p.grad is not None)
-            if not active:
-                continue
-            if len(active) == len(params):
+            grads = [p.grad for p in b.params]
+            if all(g is not None for g in grads):
+                active = b.all_active
                 b.step_all += 1
             else:
+                active = tuple(i for i, g in enumerate(grads) if g is not None)
+                if not active:
+                    continue
                 b.step_all[list(active)] += 1
+                grads = [grads[i] for i in active]
             steps = b.step_all.tolist()
-            rows, row_of, idx = [], {}, []
-            for i in active:
-                key = (b.group_of[i], steps[i])
-                r = row_of.get(key)
-                if r is None:
-                    r = row_of[key] = len(rows)
-                    rows.append(self._hp_row(*key))
-                idx.append(r)
+            if b.one_group and len(active) == len(steps) and min(steps) == max(steps):
+                rows, idx = [self._hp_row(b.group_of[0], steps[0])], None
+            else:
+                rows, row_of, idx = [], {}, []
+                for i in active:
+                    key = (b.group_of[i], steps[i])
+                    r = row_of.get(key)
+                    if r is None:
+                        r = row_of[key] = len(rows)
+                        rows.append(self._hp_row(*key))
+                    idx.append(r)
             if self._use_triton(b.device):
-                self._step_triton(b, active, rows, idx)
+                self._step_triton(b, active, grads, rows, idx)
             else:
                 for j, i in enumerate(active):
-                    self._step_torch(b, i, rows[idx[j]])
+                    self._step_torch(b, i, rows[idx[j] if idx is not None else 0])
         return loss
 
     def _hp_row(self, group_index: int, t: int) -> list:
@@ -656,7 +761,8 @@ class LowBitAdamW(Optimizer):
                 f"with TRITON_INTERPRET=1 set before import, for tests). Use backend='torch' or 'auto'.")
         return usable if self.backend == "triton" else device.type == "cuda" and usable
 
-    def _step_triton(self, b: _Bucket, active: tuple, rows: list, idx: list) -> None:
+    def _step_triton(self, b: _Bucket, active: tuple, grads: list, rows: list, idx: Optional[list]) -> None:
+        """Launch the kernel for the active params of a bucket (grads: theirs); idx None: one hyper-parameter row."""
         nb = self.tile_blocks or b.fmt.tile_blocks
         if b.device.type == "cpu" and not self.tile_blocks:
             # Under TRITON_INTERPRET (tests) every op costs Python overhead, whatever the tile's size: bigger tiles
@@ -665,18 +771,22 @@ class LowBitAdamW(Optimizer):
         plan = b.plan(active, nb)
         if plan.n_full + plan.n_tail == 0:  # every active shard on this rank is empty
             return
-        params = [b.params[i] for i in active]
-        grads = [p.grad for p in params]
+        params = b.params if len(active) == len(b.params) else [b.params[i] for i in active]
         if b.sharded:
             params = [_local(p) for p in params]
             grads = [_local(g) for g in grads]
-        ptrs = []
-        for j, (p, g) in enumerate(zip(params, grads)):
-            if g.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if g.dtype != p.dtype or not g.is_contiguous():
-                g = grads[j] = g.to(dtype=p.dtype, memory_format=torch.contiguous_format)  # alive until launch
-            ptrs += (p.data_ptr(), g.data_ptr())
+        # One pass that only reads; the rare grad that needs fixing is fixed in a second one.
+        dt = params[0].dtype  # a bucket has one dtype
+        odd = [j for j, g in enumerate(grads) if g.dtype != dt or g.is_sparse or not g.is_contiguous()]
+        if odd:
+            grads = list(grads)
+            for j in odd:
+                if grads[j].is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                grads[j] = grads[j].to(dtype=dt, memory_format=torch.contiguous_format)  # alive until the launch
+        ptrs = [0] * (2 * len(grads))
+        ptrs[0::2] = [p.data_ptr() for p in params]
+        ptrs[1::2] = [g.data_ptr() for g in grads]
         dev = b.device
         pin = dev.type == "cuda"
         # Uploads only when something changed: the addresses normally repeat (the caching allocator hands
@@ -685,22 +795,27 @@ class LowBitAdamW(Optimizer):
             plan.ptrs = ptrs
             plan.ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
             plan.aligned = all(b.numels[i] % 16 == 0 for i in active) and all(a % 16 == 0 for a in ptrs)
-        if idx != plan.idx:
-            plan.idx = idx
-            plan.idx_t = torch.tensor(idx, dtype=torch.int32, pin_memory=pin).to(dev, non_blocking=True)
-        hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(dev, non_blocking=True)
+        if idx is None:
+            hp0, hp_t, idx_t = rows[0], plan.meta, plan.meta  # (unread table arguments)
+        else:
+            if idx != plan.idx:
+                plan.idx = idx
+                plan.idx_t = torch.tensor(idx, dtype=torch.int32, pin_memory=pin).to(dev, non_blocking=True)
+            hp0, idx_t = rows[0], plan.idx_t
+            hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(dev, non_blocking=True)
         fmt = b.fmt
         grid = max(1, min(max(plan.n_full, plan.n_tail),
                           _programs(dev, self.programs_per_sm or fmt.programs_per_sm)))
         _adamw_kernel[(grid,)](
-            plan.ptr_t, plan.meta, hp_t, plan.idx_t, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
-            params[0], grads[0], b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.err, self.nonfinite_count,
+            plan.ptr_t, plan.meta, hp_t, idx_t, *hp0, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
+            params[0], grads[0], b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.lut, b.err, self.nonfinite_count,
             self._seed,
             BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code, RUN=_RUN,
             LOAD=fmt.triton_load, DECODE=fmt.triton_decode, STORE=fmt.triton_store,
             COMPENSATE=b.compensate, STOCHASTIC=self.stochastic_round and b.params[0].dtype == torch.bfloat16,
-            ALIGNED=plan.aligned,
+            ALIGNED=plan.aligned, ONE_ROW=idx is None,
             num_warps=self.num_warps or fmt.num_warps,
+            **({"maxnreg": fmt.max_registers} if fmt.max_registers and dev.type == "cuda" else {}),
         )
 
     def _step_torch(self, b: _Bucket, i: int, hp: list) -> None:

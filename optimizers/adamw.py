@@ -32,12 +32,12 @@ def _load(codes, scale, lo, hi, rows, bmask):
 
 
 @jit
-def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+def _decode(c_lo, c_hi, s, lut, SIGNED: tl.constexpr):
     return c_lo.to(tl.float32), c_hi.to(tl.float32)
 
 
 @jit
-def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED: tl.constexpr):
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     stb(codes + lo, round_to(val_lo, codes.dtype.element_ty), bmask)
     stb(codes + hi, round_to(val_hi, codes.dtype.element_ty), bmask)
 

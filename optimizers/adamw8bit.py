@@ -31,16 +31,14 @@ U_TOP = 31.0 / 16.0  # value of the largest code (e = 15, f = 15) in units of th
 U_FLOOR_BITS = (127 - 15) << 23  # fp32 bits of 2^-15, code 0
 _U_TOP = tl.constexpr(U_TOP) if tl is not None else None
 _U_DEC = tl.constexpr(1.0 / U_TOP) if tl is not None else None
-_U_FLOOR = tl.constexpr(2.0 ** -15) if tl is not None else None
 _U_FLOOR_BITS = tl.constexpr(U_FLOOR_BITS) if tl is not None else None
 
 
 def encode_root(u: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """u = sqrt(v) >= 0 [nblk, k], inv = 1/umax [nblk, 1] -> int32 codes 0..255, nearest value (ties up): adding
     half a code's step to the fp32 bits and shifting out the low 19 is rounding to 4 mantissa bits, carries into the
-    exponent included."""
-    z = torch.clamp(u * (inv * U_TOP), min=2.0 ** -15)
-    return (z.view(torch.int32) - (U_FLOOR_BITS - (1 << 18))) >> 19
+    exponent included. Below the smallest code: code 0 (clamped as an integer: one fused add-and-max on the GPU)."""
+    return torch.clamp((u * (inv * U_TOP)).view(torch.int32) - (U_FLOOR_BITS - (1 << 18)), min=0) >> 19
 
 
 def decode_root(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,12 +77,12 @@ def _decode_root_tl(w, s):
 
 @jit
 def _encode_root_tl(u, inv):
-    z = tl.maximum(u * (inv * _U_TOP), _U_FLOOR)
-    return ((z.to(tl.int32, bitcast=True) - (_U_FLOOR_BITS - (1 << 18))) >> 19).to(tl.uint8)
+    t = (u * (inv * _U_TOP)).to(tl.int32, bitcast=True) - (_U_FLOOR_BITS - (1 << 18))
+    return (tl.maximum(t, 0) >> 19).to(tl.uint8)
 
 
 @jit
-def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+def _decode(c_lo, c_hi, s, lut, SIGNED: tl.constexpr):
     if SIGNED:
         return f8.decode_e4m3_words(c_lo, s), f8.decode_e4m3_words(c_hi, s)
     else:
@@ -92,7 +90,7 @@ def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
 
 
 @jit
-def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED: tl.constexpr):
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     if SIGNED:
         absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
         st_scale(scale, lo, absmax, bmask, _BLOCK)

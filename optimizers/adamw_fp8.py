@@ -123,12 +123,12 @@ def decode_e4m3_words(w, s):
 
 
 @jit
-def _decode(c_lo, c_hi, s, SIGNED: tl.constexpr):
+def _decode(c_lo, c_hi, s, lut, SIGNED: tl.constexpr):
     return decode_e4m3_words(c_lo, s), decode_e4m3_words(c_hi, s)
 
 
 @jit
-def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, SIGNED: tl.constexpr):
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
     if SIGNED:

@@ -346,27 +346,33 @@ def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
         assert abs(float(got) - exact) < 2e-4, (float(got), exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
-def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend):
-    init, grads = _problem(4, "cpu", torch.float32)
+def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend, dtype):
+    """NaN / inf gradient elements in a full tile and in a tensor's partial last tile (the kernel counts them in a
+    second pass over the gradients of the programs that saw one; bf16 takes the word-loaded path)."""
+    init, grads = _problem(4, "cpu", dtype)
     params, opt = _run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, **spec.kwargs), init, grads, steps=2)
     before = [p.detach().clone() for p in params]
     states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     gs = grads(params, 2)
     bad = gs[0].view(-1)
-    bad[[0, 5, 77]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    idx = [0, 5, 77, bad.numel() - 1]
+    bad[idx] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=dtype)
+    gs[3].view(-1)[-2] = float("inf")  # and one in another tensor
     for p, g in zip(params, gs):
         p.grad = g
     opt.step()
-    assert int(opt.nonfinite_count) == 3
+    assert int(opt.nonfinite_count) == 5
     for p in params:
         assert torch.isfinite(p).all()
         for key, val in opt.state[p].items():
             assert torch.isfinite(val.float()).all(), key
     flat, old = params[0].detach().view(-1), before[0].view(-1)
-    assert torch.equal(flat[[0, 5, 77]], old[[0, 5, 77]])  # skipped elements keep their weight
+    assert torch.equal(flat[idx], old[idx])  # skipped elements keep their weight
     assert (flat[1:5] != old[1:5]).all()  # finite neighbours were updated
+    assert params[3].detach().view(-1)[-2] == before[3].view(-1)[-2]
     # and the skipped elements kept their moments (decoded values equal the old ones)
     fmt = opt._buckets[0].fmt if opt._buckets[0].params[0] is params[0] else None
     if fmt is not None:
@@ -375,7 +381,12 @@ def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend):
                                True).view(-1)
         # the block scale may change, so compare within the format's resolution (4-bit: a few codes per decade)
         atol = 0.12 * float(m_new.abs().max()) if fmt.name.startswith("4bit") else 1e-3
-        torch.testing.assert_close(m_new[[0, 5, 77]], m_old[[0, 5, 77]], rtol=0.15, atol=atol)
+        torch.testing.assert_close(m_new[idx], m_old[idx], rtol=0.15, atol=atol)
+    opt.zero_grad()
+    for p, g in zip(params, grads(params, 3)):
+        p.grad = g
+    opt.step()
+    assert int(opt.nonfinite_count) == 5  # a clean step adds nothing
 
 
 def test_small_tensors_keep_fp32_states_and_state_bytes_are_counted():
