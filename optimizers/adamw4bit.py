@@ -71,7 +71,7 @@ def _unpack(codes: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
 # and signed codes grow by one across each (sign bit 8 | magnitude), except from 0 to the smallest negative code
 # (9): so the threshold between 0 and the smallest value is put at a bin edge, 2^-10 of the block max (the
 # midpoint, 0.00104, would be 7 % higher). The entry's low bits also shift its threshold by <= 15 fp32 ulps:
-# nearest rounding up to 2^-19 relative. 10 KB of tables: the GPU serves them from L1.
+# nearest rounding up to 2^-19 relative. 8 KB of table (the part in use: a few cache lines), served from L1.
 _M_ZERO_BELOW = 2.0 ** -10
 
 
@@ -84,8 +84,7 @@ def _bits_f32(b: int) -> float:
 
 
 def _m_table(qmap: torch.Tensor) -> torch.Tensor:
-    """int32 [2048 + 512]: the encoder's entries (see above), then the decoder's: for each byte value B, the fp32
-    bits of the values of its low and its high nibble (see ``_decode_m_tl``)."""
+    """int32 [2048 + 16]: the encoder's entries (see above), then the decoder's values (fp32 bits)."""
     vals = [float(v) for v in qmap]
     words = []
     for neg in (0, 1):
@@ -107,7 +106,7 @@ def _m_table(qmap: torch.Tensor) -> torch.Tensor:
                 w = (_f32_bits(inner[0]) & ~15) | base
                 assert code_at(_bits_f32(w + 1)) == base + 1, (lo, base)  # the "+ 1" of the encoder
             words.append(w | (neg << 31))
-    words += [_f32_bits(vals[x]) for byte in range(256) for x in (byte & 15, byte >> 4)]
+    words += [_f32_bits(v) for v in vals]
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
@@ -217,39 +216,15 @@ def _gather(lut, idx):
 
 @jit
 def _decode_m_tl(words, s, lut):
-    """The first moment: codes -> table values times the block scale. Byte j of a block holds the codes of
-    elements j and j + 64, and the decoder's table has an entry per byte value with both values (256 x 2 fp32):
-    one 8-byte gather decodes two elements (a byte picked out of the word by one prmt, its address by one mad). On
-    the H200 that beat a 16-entry table gathered per element (17.7 vs 18.1 ms a 7B step), whose lines are fewer."""
+    """The first moment: codes -> table values times the block scale, one gather per element from the 16 values (64
+    bytes: one cache line). A table of byte pairs (256 x 2 values, one gather per two elements) took fewer
+    instructions but was slower on the H200 (16.1 vs 15.8-16.0 ms device a 7B step): its 2 KB spread each warp's
+    gathers over up to 16 cache lines, and the L1's line throughput, shared with the encoder's gathers, is what
+    limited the 4-bit step by then."""
     s = s[:, None]
-    if _INTERP:
-        dec = lut + _M_DEC_TL
-        b = interleave4(words & 255, (words >> 8) & 255, (words >> 16) & 255, (words >> 24) & 255)
-        return (tl.load(dec + 2 * b).to(tl.float32, bitcast=True) * s,
-                tl.load(dec + 2 * b + 1).to(tl.float32, bitcast=True) * s)
-    else:
-        d = (lut + _M_DEC_TL).to(tl.int64)
-        x0, x1, x2, x3, y0, y1, y2, y3 = tl.inline_asm_elementwise(
-            """{ .reg .u64 a0, a1, a2, a3; .reg .b32 i0, i1, i2, i3;
-            prmt.b32 i0, $8, 0, 0x4440;
-            prmt.b32 i1, $8, 0, 0x4441;
-            prmt.b32 i2, $8, 0, 0x4442;
-            prmt.b32 i3, $8, 0, 0x4443;
-            mad.lo.u32 i0, i0, 8, $9;
-            mad.lo.u32 i1, i1, 8, $9;
-            mad.lo.u32 i2, i2, 8, $9;
-            mad.lo.u32 i3, i3, 8, $9;
-            mov.b64 a0, {i0, $10};
-            mov.b64 a1, {i1, $10};
-            mov.b64 a2, {i2, $10};
-            mov.b64 a3, {i3, $10};
-            ld.global.nc.v2.b32 {$0, $4}, [a0];
-            ld.global.nc.v2.b32 {$1, $5}, [a1];
-            ld.global.nc.v2.b32 {$2, $6}, [a2];
-            ld.global.nc.v2.b32 {$3, $7}, [a3]; }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, (d & 0xFFFFFFFF).to(tl.int32), (d >> 32).to(tl.int32)],
-            dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-        return interleave4(x0, x1, x2, x3) * s, interleave4(y0, y1, y2, y3) * s
+    dec = lut + _M_DEC_TL
+    c_lo, c_hi = _nibbles(words)
+    return _gather(dec, c_lo).to(tl.float32, bitcast=True) * s, _gather(dec, c_hi).to(tl.float32, bitcast=True) * s
 
 
 @jit
