@@ -346,9 +346,14 @@ def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
         assert abs(float(got) - exact) < 2e-4, (float(got), exact)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+# every spec and path with fp32 weights; bf16 weights (the kernel's word-loaded path, shared by all formats) for two
+NONFINITE_CASES = ([pytest.param(s, b, torch.float32, id=f"{i}-{b}-fp32") for s, i in zip(SPECS, SPEC_IDS)
+                    for b in ("torch", "triton")]
+                   + [pytest.param(s, "triton", torch.bfloat16, id=f"{i}-triton-bf16") for s, i in zip(SPECS, SPEC_IDS)
+                      if i in ("AdamW8bit", "AdamW4bit")])
+
+
+@pytest.mark.parametrize("spec,backend,dtype", NONFINITE_CASES)
 def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend, dtype):
     """NaN / inf gradient elements in a full tile and in a tensor's partial last tile (the kernel counts them in a
     second pass over the gradients of the programs that saw one; bf16 takes the word-loaded path)."""
@@ -477,7 +482,8 @@ def test_rarely_updated_rows_do_not_explode(spec, backend):
     p = torch.nn.Parameter(torch.randn(128, 64) * 0.02)
     start = p.detach().clone()
     opt = spec.cls([p], lr=1e-3, weight_decay=0.0, backend=backend, **spec.kwargs)
-    for step in range(30):
+    steps = 12  # an exploding update (lr * m / eps) shows at the first step after step 0
+    for step in range(steps):
         g = torch.zeros(128, 64)
         g[0] = torch.randn(64)
         if step == 0:
@@ -485,4 +491,4 @@ def test_rarely_updated_rows_do_not_explode(spec, backend):
         p.grad = g
         opt.step()
     moved = (p.detach() - start)[1].abs().max().item()
-    assert moved < 30 * 1e-3 * 1.5, f"rare row moved {moved:.3g} in 30 steps at lr 1e-3"
+    assert moved < steps * 1e-3 * 1.5, f"rare row moved {moved:.3g} in {steps} steps at lr 1e-3"
