@@ -11,8 +11,9 @@ What lives here:
   - the plain-PyTorch path (``backend="torch"``): one parameter at a time, readable, runs anywhere. It is the
     reference the tests hold the kernel to, and the path on CPU.
   - the Triton path (``backend="triton"``): one multi-tensor kernel launch per bucket of parameters (same
-    device, same dtype, same format) updates every parameter of the step. A table of per-tensor addresses and
-    hyper-parameters is uploaded each step; a persistent grid of programs walks the tiles (``NB`` quantization
+    device, same dtype, same format) updates every parameter of the step. A table of per-tensor addresses is
+    uploaded when an address changed, the hyper-parameters go as kernel arguments (or, with several param groups or
+    step counts, as a small table); a persistent grid of programs walks the tiles (``NB`` quantization
     blocks of one tensor each), loading the next tile while it updates the current one (``_adamw_kernel``). No
     torch.compile, so the first step costs only Triton's compile (cached on disk afterwards).
 
@@ -441,8 +442,8 @@ def _adamw_kernel(
                 None, BLOCK, EPC, LOAD, COMPENSATE)
             g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
                                  err_ptr, m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps,
-                                 step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC, DECODE,
-                                 STORE, COMPENSATE, STOCHASTIC)
+                                 step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC,
+                                 DECODE, STORE, COMPENSATE, STOCHASTIC)
             seen = _nanmax(seen, g_abs)
             if t2 != t:
                 lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2, hp0, ONE_ROW)
@@ -464,8 +465,8 @@ def _adamw_kernel(
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
                              m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size,
-                             inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE, STORE,
-                             COMPENSATE, STOCHASTIC)
+                             inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE,
+                             STORE, COMPENSATE, STOCHASTIC)
         seen = _nanmax(seen, g_abs)
     smax = tl.reduce(seen, None, _nanmax)
     if (smax > _FP32_MAX_TL) | (smax != smax):  # rare: a non-finite gradient in this program's tiles
