@@ -39,7 +39,7 @@ from ._update import _INTERP, LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 BLOCK = 128
 _BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
 _HALF = tl.constexpr(BLOCK // 2) if tl is not None else None  # Triton reads only constexpr globals
-_M_DEC_TL = tl.constexpr(2048) if tl is not None else None
+_M_DEC_TL = tl.constexpr(2048) if tl is not None else None  # offset of the decoder's values in the table
 _QMAP_SIGNED = dm.dynamic_map(4, signed=True)
 _QMAP_DYNAMIC = dm.dynamic_map(4, signed=False)
 _QMAP_LINEAR = (torch.arange(16, dtype=torch.float32) + 1.0) / 16.0
@@ -63,7 +63,7 @@ def _unpack(codes: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
 
 # First moment: table-coded. The code -> value map is the signed 4-bit dynamic map (_QMAP_SIGNED); what the table
 # buys is the encoder. Computing the nearest of 16 irregular values costs ~25 instructions per element and its
-# decoder ~12 (37 of the 89 per element the 4-bit kernel needed); a lookup costs ~4 and ~3. The encoder's table
+# decoder ~12 (37 of the 89 per element the 4-bit kernel needed); the lookups cost ~8 and ~4. The encoder's table
 # is indexed by the top 11 bits of the normalised value x / absmax (sign, exponent, 2 mantissa bits: quarter
 # octaves), and each entry holds the code at the bottom of its bin and the one threshold (midpoint between two
 # map values) inside the bin, if any: code = entry's low 4 bits + (bits(x) > entry), comparing the fp32 bits as
@@ -112,7 +112,6 @@ def _m_table(qmap: torch.Tensor) -> torch.Tensor:
 
 _M_TABLE = _m_table(_QMAP_SIGNED)
 _M_ENC = _M_TABLE[:2048]
-_M_DEC = 2048  # offset of the decoder's values in the table
 
 
 def encode_m(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:

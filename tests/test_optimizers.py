@@ -252,6 +252,29 @@ def test_dynamic_map_encoder_rounds_to_nearest(bits, signed):
         assert ((y * x) >= 0).all()
 
 
+def test_4bit_first_moment_table_encoder_rounds_to_nearest():
+    """The 4-bit first moment's table encoder (adamw4bit.encode_m, which the kernel's gathers match code for code in
+    test_triton_matches_torch_path): every map value encodes to its own code; random values over 12 decades, both
+    signs, get the nearest map value of their sign (0 included), except that the threshold between 0 and the
+    smallest value sits at 2^-10 of the block max instead of the midpoint, and thresholds may move by 16 fp32 ulps."""
+    qmap = adamw4bit._QMAP_SIGNED
+    codes = adamw4bit.encode_m(qmap[None, :].clone(), torch.ones(1, 1))
+    assert torch.equal(qmap[codes.view(-1).long()], qmap)
+    g = torch.Generator().manual_seed(7)
+    a = 10.0 ** (-12 * torch.rand(1, 50000, generator=g))
+    x = a * (torch.randint(0, 2, a.shape, generator=g) * 2 - 1)
+    x[0, :4] = torch.tensor([1.0, -1.0, 2.0 ** -10, -(2.0 ** -10)])
+    y = qmap[adamw4bit.encode_m(x, torch.ones(1, 1)).long()].view(-1)
+    x = x.view(-1)
+    same_sign = (qmap[None, :] * torch.sign(x)[:, None] >= 0)
+    best = torch.where(same_sign, (qmap[None, :] - x[:, None]).abs(), float("inf")).amin(1)
+    err = (y - x).abs()
+    near_zero = (x.abs() >= 2.0 ** -10) & (x.abs() < 0.00104)  # rounds away from 0 by design
+    assert ((err <= best + 2.0 ** -19 * x.abs()) | near_zero).all()
+    assert ((y * x) >= 0).all() and (y[near_zero] != 0).all()
+    assert y[0] == 1.0 and y[1] == float(qmap[15])  # the negative side's largest value is -0.883 (map as bnb's)
+
+
 # -------------------------------------------------------------------------------------------------------
 # checkpoints, groups, rounding, non-finite gradients, options
 # -------------------------------------------------------------------------------------------------------
