@@ -797,18 +797,18 @@ class LowBitAdamW(Optimizer):
             plan.ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
             plan.aligned = all(b.numels[i] % 16 == 0 for i in active) and all(a % 16 == 0 for a in ptrs)
         if idx is None:
-            hp0, hp_t, idx_t = rows[0], plan.meta, plan.meta  # (unread table arguments)
+            hp_t = idx_t = plan.meta  # (unread table arguments)
         else:
             if idx != plan.idx:
                 plan.idx = idx
                 plan.idx_t = torch.tensor(idx, dtype=torch.int32, pin_memory=pin).to(dev, non_blocking=True)
-            hp0, idx_t = rows[0], plan.idx_t
+            idx_t = plan.idx_t
             hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=pin).to(dev, non_blocking=True)
         fmt = b.fmt
         grid = max(1, min(max(plan.n_full, plan.n_tail),
                           _programs(dev, self.programs_per_sm or fmt.programs_per_sm)))
         _adamw_kernel[(grid,)](
-            plan.ptr_t, plan.meta, hp_t, idx_t, *hp0, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
+            plan.ptr_t, plan.meta, hp_t, idx_t, *rows[0], plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
             params[0], grads[0], b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.lut, b.err, self.nonfinite_count,
             self._seed,
             BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code, RUN=_RUN,

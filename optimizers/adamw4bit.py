@@ -255,7 +255,7 @@ def _decode_linear_v(byte, unused, s, lut, SIGNED: tl.constexpr):
 
 
 @jit
-def _encode_linear_tl(x, inv):
+def _encode_linear_tl(x, inv, lut):
     c = tl.floor((tl.abs(x) * inv) * 16.0 + 0.5) - 1.0
     return tl.minimum(tl.maximum(c, 0.0), 15.0).to(tl.int32)
 
@@ -267,16 +267,26 @@ def _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi):
 
 
 @jit
-def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
-    absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
+def _encode_store(codes, scale, lo, rows, bmask, x_lo, x_hi, lut, ENCODE: tl.constexpr):
+    """The store every 4-bit code shares: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax [NB, 1],
+    lut) gives the codes, packed and stored by ``_store_nibbles``."""
+    absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
+    inv = inv[:, None]
+    _store_nibbles(codes, lo, rows, bmask, ENCODE(x_lo, inv, lut), ENCODE(x_hi, inv, lut))
+
+
+@jit
+def _encode_dynamic_v_tl(x, inv, lut):
+    return dm.encode_tl(x, inv, 4, False)
+
+
+@jit
+def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     if SIGNED:
-        c_lo = _encode_m_tl(val_lo, inv[:, None], lut)
-        c_hi = _encode_m_tl(val_hi, inv[:, None], lut)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_m_tl)
     else:
-        c_lo = dm.encode_tl(val_lo, inv[:, None], 4, False)
-        c_hi = dm.encode_tl(val_hi, inv[:, None], 4, False)
-    _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_dynamic_v_tl)
 
 
 @jit
@@ -284,11 +294,7 @@ def _store_linear_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, 
     if SIGNED:
         _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
     else:
-        absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
-        st_scale(scale, lo, absmax, bmask, _BLOCK)
-        c_lo = _encode_linear_tl(val_lo, inv[:, None])
-        c_hi = _encode_linear_tl(val_hi, inv[:, None])
-        _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_linear_tl)
 
 
 def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
@@ -330,7 +336,8 @@ def _decode_root_v(byte, unused, s, lut, SIGNED: tl.constexpr):
 
 
 @jit
-def _encode_root_tl(u, k):
+def _encode_root_tl(u, inv, lut):
+    k = inv * _ROOT_TOP
     return tl.maximum((u * k).to(tl.int32, bitcast=True) - (_ROOT_FLOOR_BITS - (1 << 21)), 0) >> 22
 
 
@@ -339,10 +346,7 @@ def _store_root_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, ro
     if SIGNED:
         _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
     else:
-        umax, inv = dm.inv_absmax_tl(root_lo, root_hi)
-        st_scale(scale, lo, umax, bmask, _BLOCK)
-        k = (inv * _ROOT_TOP)[:, None]
-        _store_nibbles(codes, lo, rows, bmask, _encode_root_tl(root_lo, k), _encode_root_tl(root_hi, k))
+        _encode_store(codes, scale, lo, rows, bmask, root_lo, root_hi, lut, _encode_root_tl)
 
 
 FORMAT = _format("4bit.v3", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
