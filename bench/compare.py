@@ -15,6 +15,10 @@ Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and reco
 
     peak_gib       GPU peak allocated (peak_memory_alloc_gib) if logged, else the CPU peak RSS (peak_rss_gib)
     tok_s          median tokens_per_second over the steps after the first --skip-steps (default 2)
+    tok_s_per_step every logged step's tokens_per_second (all steps)
+    vs_fused_paired  median over the steady steps of this run's tokens/s divided by torch fused's at the same step
+                   (every variant sees the same batches in the same order, so a step-by-step ratio cancels the
+                   batches' different lengths; one slow step, e.g. a host hiccup, moves a median little)
     first_step_s   seconds from the end of the recipe's setup (its "Optimizer: ..." log line) to the first
                    metrics record: the first step with its compilation / autotuning and first batch
     opt_step_ms    median optimizer_step_ms over the same steady steps (null with optimizer-in-backward)
@@ -162,8 +166,17 @@ def summarize(metrics: List[dict], skip_steps: int) -> dict:
         "opt_step_ms": _median(m.get("optimizer_step_ms") for m in steady),
         "opt_state_gib": (last.get("optimizer_state_bytes") or 0) / 2**30 or None,
         "losses": [m["loss"] for m in metrics],
+        "tok_s_per_step": [m.get("tokens_per_second") for m in metrics],
         "steps": len(metrics),
     }
+
+
+def paired_ratio(rec: dict, base: dict, skip_steps: int) -> Optional[float]:
+    """Median over steady steps of rec's tokens/s over base's at the same step (see vs_fused_paired)."""
+    a, b = rec.get("tok_s_per_step") or [], base.get("tok_s_per_step") or []
+    n = min(len(a), len(b))
+    ratios = [x / y for x, y in zip(a[skip_steps:n], b[skip_steps:n]) if x and y]
+    return statistics.median(ratios) if ratios else None
 
 
 def run_variant(name: str, overrides: List[str], args, passthrough: List[str], run_dir: Path, log_prefix: str) -> dict:
@@ -273,15 +286,18 @@ def markdown_table(records: List[dict]) -> str:
     base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r["error"]), None)
     kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
     mem = "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)"
-    lines = [f"| AdamW | {mem} | tokens/s | vs fused | first step s | opt step ms | state GiB | final loss | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| AdamW | {mem} | tokens/s | vs fused | vs fused, paired | first step s | opt step ms | state GiB | "
+             "final loss | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["error"]:
-            lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | {r['error'].replace('|', '/')} |")
+            lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | - | {r['error'].replace('|', '/')} |")
             continue
         rel = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and r["tok_s"] and base["tok_s"] else "-"
+        paired = r.get("vs_fused_paired")
         lines.append(
-            f"| {r['variant']} | {_fmt(r['peak_gib'], 2)} | {_fmt(r['tok_s'], 0)} | {rel} | {_fmt(r['first_step_s'], 1)} | "
+            f"| {r['variant']} | {_fmt(r['peak_gib'], 2)} | {_fmt(r['tok_s'], 0)} | {rel} | "
+            f"{'-' if paired is None else f'{paired:.3f}x'} | {_fmt(r['first_step_s'], 1)} | "
             f"{_fmt(r['opt_step_ms'], 1)} | {_fmt(r['opt_state_gib'], 2)} | {_fmt(_final_loss(r), 4)} | |")
     return "\n".join(lines) + "\n"
 
@@ -461,6 +477,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         commands = [command]
 
+    base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r.get("error")), None)
+    for r in records:
+        r["vs_fused_paired"] = paired_ratio(r, base, args.skip_steps) if base and not r.get("error") else None
     title = args.title or config_title(args.config)
     result = {
         "command": command,

@@ -26,10 +26,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INSTALL_HINT = "pip install triton (or construct the optimizer with backend='torch')"
 
 
-def jit(fn):
-    """``triton.jit`` when Triton is installed; otherwise a placeholder that fails when used."""
+def jit(fn=None, **kwargs):
+    """``triton.jit`` (also as ``@jit(do_not_specialize=...)``) when Triton is installed; otherwise a placeholder
+    that fails when used."""
+    if fn is None:
+        return lambda f: jit(f, **kwargs)
     if HAVE_TRITON:
-        return triton.jit(fn)
+        return triton.jit(fn, **kwargs)
 
     def _missing(*args, **kwargs):
         raise RuntimeError(f"Triton is not installed: {INSTALL_HINT}")

@@ -302,9 +302,11 @@ def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
     return StateFormat(name=name, block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
                        quantize=quantize_fn, dequantize=dequantize_fn, triton_load=_load, triton_decode=decode,
                        triton_store=store, bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE,
-                       tile_blocks=4, num_warps=1, programs_per_sm=16,
-                       # 168 registers unconstrained (12 programs per SM); at 128 the same code without spills, 16
-                       max_registers=128)
+                       # ~180 registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
+                       # (session 5, bench/results/optimizer_sweep_h200.log), device ms per step: 160 / 12: 15.1;
+                       # 168 / 12: 15.4; 128 / 16 (no spills either, more programs): 15.7-15.9; 128 / 12: 16.6;
+                       # uncapped / 12: 20.0. With stochastic rounding 160 / 12: 17.3, 128 / 16: 19.5 (spills).
+                       tile_blocks=4, num_warps=1, programs_per_sm=12, max_registers=160)
 
 
 FORMAT_DYNAMIC_V = _format("4bit.v2", quantize, dequantize, _decode, _store)

@@ -55,6 +55,10 @@ def test_numbers_come_from_the_run(bench_run, variant):
     assert rec["tok_s"] == statistics.median(m["tokens_per_second"] for m in metrics[2:])
     assert rec["opt_step_ms"] == statistics.median(m["optimizer_step_ms"] for m in metrics[2:])
     assert rec["opt_state_gib"] == metrics[-1]["optimizer_state_bytes"] / 2**30
+    assert rec["tok_s_per_step"] == [m["tokens_per_second"] for m in metrics]
+    fused = read_metrics(out_dir / "runs" / compare.slug(FUSED))
+    assert rec["vs_fused_paired"] == statistics.median(
+        m["tokens_per_second"] / f["tokens_per_second"] for m, f in zip(metrics[2:], fused[2:]))
     assert 0 < rec["first_step_s"] < rec["wall_s"]
     # The run is stopped once its last step is logged, before the end-of-epoch checkpoint, and anything the
     # recipe had begun writing is removed (--keep-checkpoints lets it finish and keeps it).
@@ -68,10 +72,10 @@ def test_broken_variant_is_a_failed_row(bench_run):
     rec = next(r for r in json.loads((out_dir / "compare.json").read_text())["records"] if r["variant"] == BROKEN)
     assert rec["returncode"] == 2
     assert "cannot be imported" in rec["error"]
-    assert rec["losses"] == [] and rec["tok_s"] is None
+    assert rec["losses"] == [] and rec["tok_s"] is None and rec["vs_fused_paired"] is None
     table = (out_dir / "compare.md").read_text()
     assert f"| {BROKEN} | - |" in table and "cannot be imported" in table
-    assert f"| {FUSED} |" in table and "| 1.00x |" in table
+    assert f"| {FUSED} |" in table and "| 1.00x | 1.000x |" in table
 
 
 def test_plots_written(bench_run):

@@ -341,11 +341,36 @@ def test_param_groups_with_their_own_lr_and_weight_decay(backend):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_stochastic_rounding_is_unbiased():
-    x = torch.full((200_000,), 1.0 + 0.3 * 2.0 ** -7)  # 0.3 of a bf16 ulp above 1.0
-    y = stochastic_round_bf16(x, torch.Generator().manual_seed(0)).float()
-    assert set(y.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
-    assert abs(float(y.mean()) - float(x[0])) < 3e-5  # RTNE would be off by 0.3 ulp = 2.3e-3
+@pytest.mark.parametrize("frac", [0.3, 0.5, 0.97])
+def test_stochastic_rounding_is_unbiased(frac):
+    """The counter hash's bits round up with the dropped fraction's probability, at any seed and place, and do not
+    repeat across steps (seeds)."""
+    x = torch.full((200_000,), 1.0 + frac * 2.0 ** -7)  # frac of a bf16 ulp above 1.0
+    ups = []
+    for seed, place in ((1, 0), (2, 0), (7, 3_000_000_000)):
+        y = stochastic_round_bf16(x, seed, place).float()
+        assert set(y.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+        assert abs(float(y.mean()) - float(x[0])) < 3e-5  # RTNE would be off by up to half an ulp = 3.9e-3
+        ups.append(y > 1.0)
+    # consecutive steps draw other bits: agreement as for independent draws (p^2 + (1-p)^2), not 1
+    same = float((ups[0] == ups[1]).float().mean())
+    assert abs(same - (frac ** 2 + (1 - frac) ** 2)) < 0.01, same
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in ("AdamW-fp32", "AdamW8bit")], ids=lambda s: s.name)
+def test_stochastic_rounding_is_the_same_in_both_paths(spec):
+    """Both paths hash (step, element place) for the random bits, so they round the same elements up."""
+    init, grads = _problem(2, "cpu", torch.bfloat16)
+    out = [_run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, stochastic_round=True, **spec.kwargs),
+                init, grads, steps=3)[0] for backend in ("torch", "triton")]
+    moved = equal = 0
+    for a, b, x in zip(*out, init):
+        moved += int((a != x).sum())
+        equal += int(((a == b) & (a != x)).sum())
+        ulp = torch.finfo(torch.bfloat16).eps * a.float().abs().clamp_min(1e-30)
+        assert ((a.float() - b.float()).abs() <= 1.01 * ulp).all()  # at most one bf16 step apart
+    # independent random bits would leave ~half the randomly rounded elements different
+    assert equal >= 0.995 * moved, (equal, moved)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -367,6 +392,41 @@ def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
         assert float(got) == 1.0  # the failure mode the options exist for
     else:
         assert abs(float(got) - exact) < 2e-4, (float(got), exact)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in ("AdamW8bit", "AdamW4bit")], ids=lambda s: s.name)
+def test_split_launch_gives_the_same_update(spec, groups):
+    """A large bucket is updated in two launches (the first over a share of its tensors); forced here on a small
+    problem, it must change nothing: same weights and states, bit for bit, with one hyper-parameter row (kernel
+    arguments; LowBitAdamW._step_early) and with two param groups (the row table, sliced per launch), also in steps
+    where some tensors have no grad."""
+    init, grads = _problem(3, "cpu", torch.bfloat16)
+
+    def make(split):
+        def f(ps):
+            pg = [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02, "weight_decay": 0.3}] if groups == 2 else ps
+            opt = spec.cls(pg, lr=0.05, backend="triton", min_quant_numel=64, **spec.kwargs)
+            if split:
+                opt._SPLIT_MIN_NUMEL, opt._FIRST_SHARE = 0, 0.3
+            return opt
+        return f
+
+    (pa, oa), (pb, ob) = (_run(make(split), init, grads, steps=3) for split in (False, True))
+    assert len(ob._buckets[0]._plans) == 2 and len(oa._buckets[0]._plans) == 1
+    # then steps where a tensor has no grad: one of the second launch's (the early path has launched the first
+    # share already), then one of the first share's (the early path steps aside), then all again
+    for s, missing in ((3, -1), (4, 0), (5, None)):
+        for ps in (pa, pb):
+            for k, (p, g) in enumerate(zip(ps, grads(ps, s))):
+                p.grad = None if k == (missing if missing is None else missing % len(ps)) else g
+        oa.step()
+        ob.step()
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+        for key, x in oa.state[a].items():
+            assert torch.equal(x, ob.state[b][key]), key
+    assert [float(ob.state[p]["step"]) for p in pb] == [5.0] + [6.0] * (len(pb) - 2) + [5.0]
 
 
 # every spec and path with fp32 weights; bf16 weights (the kernel's word-loaded path, shared by all formats) for two
