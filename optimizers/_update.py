@@ -283,11 +283,12 @@ def _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE: tl.constexpr, BLOCK: tl.const
 
 
 @jit
-def _ld_param(ptr, off, emask, HI: tl.constexpr, BLOCK: tl.constexpr):
+def _ld_param(ptr, off, emask, HI: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr):
     """A half tile (HI: the upper halves of its blocks) of weights or grads. bf16 full tiles come as int32 words of
     two values ([NB, BLOCK/4]), turned into fp32 by ``_to_f32`` with one shift or one and per value: Triton's bf16
-    -> fp32 conversion of a packed pair spends a byte permute and a multiply on the upper value."""
-    if (emask is None) and (ptr.dtype.element_ty == tl.bfloat16):
+    -> fp32 conversion of a packed pair spends a byte permute and a multiply on the upper value. WORDS: the address
+    is known to be 4-byte aligned (a bf16 tensor may start 2 bytes off: word loads would then fault)."""
+    if WORDS and (emask is None) and (ptr.dtype.element_ty == tl.bfloat16):
         NB: tl.constexpr = off.shape[0]
         K: tl.constexpr = BLOCK // 4
         w = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, K)[None, :] + HI * K
@@ -308,15 +309,16 @@ def _to_f32(x):
 
 @jit
 def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
-           bmask, BLOCK: tl.constexpr, EPC: tl.constexpr, LOAD: tl.constexpr, COMPENSATE: tl.constexpr):
+           bmask, BLOCK: tl.constexpr, EPC: tl.constexpr, LOAD: tl.constexpr, COMPENSATE: tl.constexpr,
+           WORDS: tl.constexpr):
     """Issue every load of one tile (raw: bf16 weights and grads, codes and scales); no arithmetic on them."""
-    p_lo = _ld_param(p_ptr, lo, emask_lo, 0, BLOCK)
-    p_hi = _ld_param(p_ptr, hi, emask_hi, 1, BLOCK)
-    g_lo = _ld_param(g_ptr, lo, emask_lo, 0, BLOCK)
-    g_hi = _ld_param(g_ptr, hi, emask_hi, 1, BLOCK)
-    if COMPENSATE:
-        e_lo = _ld_param(err_ptr + s_base, lo, emask_lo, 0, BLOCK)
-        e_hi = _ld_param(err_ptr + s_base, hi, emask_hi, 1, BLOCK)
+    p_lo = _ld_param(p_ptr, lo, emask_lo, 0, BLOCK, WORDS)
+    p_hi = _ld_param(p_ptr, hi, emask_hi, 1, BLOCK, WORDS)
+    g_lo = _ld_param(g_ptr, lo, emask_lo, 0, BLOCK, WORDS)
+    g_hi = _ld_param(g_ptr, hi, emask_hi, 1, BLOCK, WORDS)
+    if COMPENSATE:  # our own buffer: always aligned
+        e_lo = _ld_param(err_ptr + s_base, lo, emask_lo, 0, BLOCK, True)
+        e_hi = _ld_param(err_ptr + s_base, hi, emask_hi, 1, BLOCK, True)
     else:
         e_lo = p_lo
         e_hi = p_hi
@@ -407,6 +409,7 @@ def _adamw_kernel(
     BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr, RUN: tl.constexpr,
     LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
     COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, ONE_ROW: tl.constexpr,
+    WORDS: tl.constexpr,  # every param and grad 4-byte aligned: bf16 full tiles load as int32 words (_ld_param)
 ):
     """Persistent: a grid of a few programs per SM; program i takes chunks i, i + G, ... of RUN consecutive full
     tiles (each chunk's tensor found from ``cum_full``), then tail tiles i, i + G, ... of the tail table. Full
@@ -444,7 +447,7 @@ def _adamw_kernel(
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
-            BLOCK, EPC, LOAD, COMPENSATE)
+            BLOCK, EPC, LOAD, COMPENSATE, WORDS)
         for q in tl.range(0, n_tiles, 1, num_stages=1):
             # Prefetch the next tile: the next of this chunk, or the first of this program's next chunk; after its
             # last tile a program fetches that tile again (one wasted tile per program).
@@ -462,7 +465,7 @@ def _adamw_kernel(
                 p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
             p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
                 p_ptr2, g_ptr2, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base2, lo, hi, rows, None, None,
-                None, BLOCK, EPC, LOAD, COMPENSATE)
+                None, BLOCK, EPC, LOAD, COMPENSATE, WORDS)
             g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
                                  err_ptr, m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps,
                                  step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC,
@@ -484,7 +487,7 @@ def _adamw_kernel(
         bmask = rows * BLOCK < r
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, emask_lo, emask_hi,
-            bmask, BLOCK, EPC, LOAD, COMPENSATE)
+            bmask, BLOCK, EPC, LOAD, COMPENSATE, WORDS)
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
                              m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size,
@@ -628,7 +631,7 @@ class _Plan:
     def __init__(self, meta, cum_full, n_full, tail, n_tail):
         self.meta, self.cum_full, self.n_full, self.tail, self.n_tail = meta, cum_full, n_full, tail, n_tail
         self.ptrs = self.ptr_t = self.idx = self.idx_t = None
-        self.aligned = self.numels_aligned = False
+        self.aligned = self.numels_aligned = self.words = False
         self.compiled = None  # (specialization key, Triton's compiled kernel) of the last launch
 
 
@@ -907,9 +910,19 @@ class LowBitAdamW(Optimizer):
         # Uploads only when something changed: the addresses normally repeat (the caching allocator hands
         # torchtune's freshly allocated grads the same blocks), the row indices always do.
         if ptrs != plan.ptrs:
+            if any(a % 16 for a in ptrs[1::2]):
+                # A grad off a 16-byte boundary (a view into a flat buffer at an odd offset, say) would make the
+                # whole launch use unaligned, element-wise loads (or, 2 bytes off, forbid word loads): a copy is
+                # cheaper. Its new address changes every step, so this check repeats while such grads come.
+                gs = list(gs)
+                for j, a in enumerate(ptrs[1::2]):
+                    if a % 16:
+                        gs[j] = gs[j].clone(memory_format=torch.contiguous_format)  # alive until the launch
+                        ptrs[2 * j + 1] = gs[j].data_ptr()
             plan.ptrs = ptrs
             plan.ptr_t = torch.tensor(ptrs, dtype=torch.int64, pin_memory=pin).to(dev, non_blocking=True)
             plan.aligned = plan.numels_aligned and all(a % 16 == 0 for a in ptrs)
+            plan.words = all(a % 4 == 0 for a in ptrs)  # only a param can fail this now (grads are aligned)
         if idx is None:
             idx_t = hp_t = plan.meta  # (unread table arguments)
         else:
@@ -926,14 +939,14 @@ class LowBitAdamW(Optimizer):
         args = (plan.ptr_t, plan.meta, hp_t, idx_t, *row0, plan.cum_full, plan.n_full, plan.tail, plan.n_tail,
                 p0, g0, b.m_codes, b.m_scale, b.v_codes, b.v_scale, b.lut, b.err, self.nonfinite_count, self._seed,
                 # constexprs, in the kernel's order: BLOCK, NB, EPC, RUN, LOAD, DECODE, STORE, COMPENSATE,
-                # STOCHASTIC, ALIGNED, ONE_ROW
+                # STOCHASTIC, ALIGNED, ONE_ROW, WORDS
                 fmt.block_size, nb, fmt.elems_per_code, _RUN, fmt.triton_load, fmt.triton_decode, fmt.triton_store,
-                b.compensate, stochastic, plan.aligned, one_row)
+                b.compensate, stochastic, plan.aligned, one_row, plan.words)
         # Triton's launcher re-derives the kernel's specialization from every argument on every call (~0.15 ms of
         # host on the H200's CPU). The arguments that can change between this plan's launches are the flags and
         # the per-step tensors (their 16-byte alignment is all Triton specializes them on; the seed is not
         # specialized): when they repeat, the kernel compiled for the last launch is launched directly.
-        key = (stochastic, plan.aligned, one_row, self.num_warps,
+        key = (stochastic, plan.aligned, plan.words, one_row, self.num_warps,
                *(x.data_ptr() % 16 == 0 for x in (plan.ptr_t, hp_t, idx_t, p0, g0)))
         if plan.compiled is not None and plan.compiled[0] == key:
             plan.compiled[1][(grid, 1, 1)](*args)
