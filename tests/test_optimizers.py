@@ -87,10 +87,16 @@ def _update_rel_err(params, ref, init):
     return (num / den) ** 0.5
 
 
+# The 4-bit second-moment alternatives differ from the default only in their code, which the torch path carries and
+# test_triton_matches_torch_path holds the kernel to: their kernel runs against the reference are left out (CI time).
+ALT_V = ("AdamW4bit-dynamic-v", "AdamW4bit-linear-v")
+SPEC_BACKENDS = [pytest.param(s, b, id=f"{s.name}-{b}") for s in SPECS for b in ("torch", "triton")
+                 if not (b == "triton" and s.name in ALT_V)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("spec,backend", SPEC_BACKENDS)
 def test_tracks_fp32_reference(spec, dtype, backend, device):
     _need(device)
     init, grads = _problem(0, device, dtype)
@@ -565,8 +571,9 @@ def test_maximize_ascends():
     assert (p > 0).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+# The Triton path in backward for one format per kernel family (16-bit, 8-bit, 4-bit): the grouping is host logic.
+@pytest.mark.parametrize("spec,backend", [p for p in SPEC_BACKENDS if p.values[1] == "torch"
+                                          or p.values[0].name in ("AdamW-bf16", "AdamW8bit", "AdamW4bit")])
 def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
     """torchtune's optimizer-in-backward (one optimizer per parameter, stepped from a grad hook) equals one
     optimizer stepped after backward: the update is per element, so grouping must not change it."""
