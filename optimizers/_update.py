@@ -353,7 +353,7 @@ def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc
     e_ptr = err_ptr + s_base
     _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
     _write_param(p_ptr, e_ptr, hi, emask_hi, x_hi, seed, s_base, COMPENSATE, STOCHASTIC)
-    return tl.maximum(tl.abs(g_lo), tl.abs(g_hi), propagate_nan=tl.PropagateNan.ALL)
+    return _nanmax(tl.abs(g_lo), tl.abs(g_hi))
 
 
 @jit
@@ -572,6 +572,12 @@ class _Bucket:
         # DTensor parameters (FSDP2) are updated through their local shards; plain ones skip the lookup
         self.sharded = any(hasattr(p, "to_local") for p in params)
 
+    def read_steps(self) -> list:
+        """Every param's step count (one ``.tolist()``), noting in ``uniform_t`` whether they are all equal."""
+        steps = self.step_all.tolist()
+        self.uniform_t = steps[0] if steps.count(steps[0]) == len(steps) else None
+        return steps
+
     def views(self, i: int) -> dict:
         """Per-parameter views of the flat buffers, as stored in ``optimizer.state[p]``."""
         fmt, B, epc = self.fmt, self.fmt.block_size, self.fmt.elems_per_code
@@ -778,10 +784,8 @@ class LowBitAdamW(Optimizer):
                     continue
                 b.step_all[list(active)] += 1
                 grads = [grads[i] for i in active]
-            steps = b.step_all.tolist()
-            uniform = steps.count(steps[0]) == len(steps)
-            b.uniform_t = steps[0] if uniform else None
-            if b.one_group and len(active) == len(steps) and uniform:
+            steps = b.read_steps()
+            if b.one_group and len(active) == len(steps) and b.uniform_t is not None:
                 rows, idx = [self._hp_row(b.group_of[0], steps[0])], None
             else:
                 rows, row_of, idx = [], {}, []
@@ -1053,8 +1057,7 @@ class LowBitAdamW(Optimizer):
                 if k != "params":
                     g[k] = v
         for b in self._buckets:
-            steps = b.step_all.tolist()
-            b.uniform_t = steps[0] if steps.count(steps[0]) == len(steps) else None
+            b.read_steps()
 
     def state_bytes(self) -> int:
         """Bytes held by the optimizer state on its devices (codes, scales, error buffers)."""
