@@ -87,6 +87,9 @@ class StateFormat:
     bytes_per_element: float = 1.0  # per moment, excluding scales; for docs and the benchmark
     # int32 lookup table(s) the Triton helpers read through ``lut`` (copied to each bucket's device once)
     table: Optional[torch.Tensor] = None
+    # The first moment is rounded stochastically: quantize(x, True, dither) takes ``m_dither``'s 23-bit integers
+    # (one per element) on the PyTorch path, and the Triton store gets the kernel's same bits as its root_lo/hi.
+    dithered_m: bool = False
     # Triton launch shape: blocks per tile, warps per program, persistent programs per SM; tuned on the H200
     # (bench/results/optimizer_sweep_h200.log)
     tile_blocks: int = 4
@@ -215,6 +218,32 @@ def _sr_bits(place, seed):
     return x >> 16
 
 
+# The first moment's dither, for formats that round it stochastically (adamw4bit.py): 23 bits per element from a
+# Weyl sequence over (the element's index in its tensor, step seed), 2 instructions per element (an add to a per-thread constant, then
+# the shift, which ptxas folds into the format's add). Stochastic rounding needs each element's bits to be uniform
+# over the steps and unrelated to the value being rounded; a Weyl sequence gives that (the seed's multiplier is
+# odd, so one element's bits step through all 2^32 values), and neighbouring elements' bits differ by the golden
+# ratio's fraction, which spreads a block's rounding errors evenly. The seed's multiplier differs from _sr_bits'
+# so that the moment's and the weight's rounding do not draw related bits. The index is the tensor's, not the
+# bucket's, so that grouping (optimizer-in-backward's one optimizer per parameter) rounds alike. Twin: ``m_dither``.
+_M_DITHER_SEED = 0xC2B2AE3D
+_M_DITHER_SEED_TL = tl.constexpr(_M_DITHER_SEED) if tl is not None else None
+
+
+@jit
+def _m_dither(t_base, off, seed):
+    k = t_base.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32) * _M_DITHER_SEED_TL
+    return (k + off.to(tl.uint32) * 0x9E3779B1) >> 9
+
+
+def m_dither(place: int, n: int, seed: int, device=None) -> torch.Tensor:
+    """The kernel's first-moment dither (``_m_dither``) for a tensor's elements place .. place + n - 1: int64 in
+    [0, 2^23)."""
+    M = 0xFFFFFFFF
+    idx = (torch.arange(n, dtype=torch.int64, device=device) + place) & M
+    return ((idx * 0x9E3779B1 + (seed & M) * _M_DITHER_SEED) & M) >> 9
+
+
 @jit
 def _write_param(p_ptr, e_ptr, off, mask, x_new, seed, s_base, COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
     out_ty = p_ptr.dtype.element_ty
@@ -267,7 +296,7 @@ def _find(j, t, cum_full):
 @jit
 def _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Tile k of tensor t -> (param and grad pointers at the tile start, the tile's element offset in the bucket's
-    state buffers, elements of the tensor from the tile start on)."""
+    state buffers, elements of the tensor from the tile start on, the tile's element offset in the tensor)."""
     t = t.to(tl.int64)
     base = k.to(tl.int64) * TILE
     numel = tl.load(meta_tab + t * 2)
@@ -279,7 +308,7 @@ def _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE: tl.constexpr, BLOCK: tl.const
     if ALIGNED:
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
-    return p_ptr + base, g_ptr + base, s_off + base, numel - base
+    return p_ptr + base, g_ptr + base, s_off + base, numel - base, base
 
 
 @jit
@@ -332,7 +361,7 @@ def _fetch(p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo
 @jit
 def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
                  m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign,
-                 lo, hi, rows, emask_lo, emask_hi, bmask, seed,
+                 lo, hi, rows, emask_lo, emask_hi, bmask, seed, t_base,
                  BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
                  COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Decode, update and store one fetched tile. Returns max(|g|) of the lo/hi element pairs, NaN where either g
@@ -348,7 +377,10 @@ def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc
                                         step_size, inv_sqrt_bc2, sign, COMPENSATE)
     c_off = _udiv(s_base, EPC)
     b_off = _udiv(s_base, BLOCK)
-    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, m_lo, m_hi, lut, True)
+    # the first moment's "root" arguments carry its dither (formats without one ignore them; the compiler drops
+    # the computation)
+    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, _m_dither(t_base, lo, seed),
+          _m_dither(t_base, hi, seed), lut, True)
     STORE(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask, v_lo, v_hi, r_lo, r_hi, lut, False)
     e_ptr = err_ptr + s_base
     _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
@@ -376,12 +408,12 @@ def _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_t
     for c in range(pid, tl.cdiv(n_full, RUN), G):
         for j in range(c * RUN, tl.minimum(c * RUN + RUN, n_full)):
             t, k = _find(j, t, cum_full)
-            p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+            p_ptr, g_ptr, s_base, rem, _ = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
             n += _nonfinite(tl.load(g_ptr + lo)) + _nonfinite(tl.load(g_ptr + hi))
     for j in range(pid, n_tail, G):
         t = tl.load(tail_tab + 2 * j)
-        p_ptr, g_ptr, s_base, rem = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE,
-                                            BLOCK, ALIGNED)
+        p_ptr, g_ptr, s_base, rem, _ = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE,
+                                               BLOCK, ALIGNED)
         r = rem.to(tl.int32)
         n += _nonfinite(tl.load(g_ptr + lo, mask=lo < r, other=0.0)) + _nonfinite(tl.load(g_ptr + hi, mask=hi < r,
                                                                                           other=0.0))
@@ -443,7 +475,7 @@ def _adamw_kernel(
         j = pid * RUN
         t, k = _find(j, pid * 0, cum_full)  # (pid * 0: a tensor, as the loop needs; a literal 0 is a constexpr)
         end = tl.load(cum_full + t + 1)
-        p_ptr, g_ptr, s_base, rem = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+        p_ptr, g_ptr, s_base, rem, t_base = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = _fetch(
             p_ptr, g_ptr, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base, lo, hi, rows, None, None, None,
@@ -459,28 +491,31 @@ def _adamw_kernel(
                 p_ptr2 = p_ptr + TILE
                 g_ptr2 = g_ptr + TILE
                 s_base2 = s_base + TILE
+                t_base2 = t_base + TILE
             else:
                 t2, k2 = _find(jn, t, cum_full)
                 end2 = tl.load(cum_full + t2 + 1)
-                p_ptr2, g_ptr2, s_base2, rem2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
+                p_ptr2, g_ptr2, s_base2, rem2, t_base2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK,
+                                                                  ALIGNED)
             p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2, mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2 = _fetch(
                 p_ptr2, g_ptr2, err_ptr, m_codes, m_scale, v_codes, v_scale, s_base2, lo, hi, rows, None, None,
                 None, BLOCK, EPC, LOAD, COMPENSATE, WORDS)
             g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
                                  err_ptr, m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps,
-                                 step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, BLOCK, EPC,
+                                 step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, t_base, BLOCK,
+                                 EPC,
                                  DECODE, STORE, COMPENSATE, STOCHASTIC)
             seen = _nanmax(seen, g_abs)
             if t2 != t:
                 lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2, hp0, ONE_ROW)
-            j, t, end, p_ptr, g_ptr, s_base = jn, t2, end2, p_ptr2, g_ptr2, s_base2
+            j, t, end, p_ptr, g_ptr, s_base, t_base = jn, t2, end2, p_ptr2, g_ptr2, s_base2, t_base2
             p_lo, p_hi, g_lo, g_hi, e_lo, e_hi = p_lo2, p_hi2, g_lo2, g_hi2, e_lo2, e_hi2
             mc_lo, mc_hi, ms, vc_lo, vc_hi, vs = mc_lo2, mc_hi2, ms2, vc_lo2, vc_hi2, vs2
     # Each tensor's last, partial tile: element masks for the param and grad, block masks for the (padded) states.
     for j in range(pid, n_tail, G):
         t = tl.load(tail_tab + 2 * j)
-        p_ptr, g_ptr, s_base, rem = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE, BLOCK,
-                                            ALIGNED)
+        p_ptr, g_ptr, s_base, rem, t_base = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0,
+                                                    TILE, BLOCK, ALIGNED)
         r = rem.to(tl.int32)
         emask_lo = lo < r
         emask_hi = hi < r
@@ -491,7 +526,8 @@ def _adamw_kernel(
         lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
         g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
                              m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size,
-                             inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, BLOCK, EPC, DECODE,
+                             inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, t_base, BLOCK, EPC,
+                             DECODE,
                              STORE, COMPENSATE, STOCHASTIC)
         seen = _nanmax(seen, g_abs)
     smax = tl.reduce(seen, None, _nanmax)
@@ -994,7 +1030,11 @@ class LowBitAdamW(Optimizer):
         if bad:
             self.nonfinite_count += bad
         for key, val, signed in (("exp_avg", m_new, True), ("exp_avg_sq", v_new, False)):
-            codes, scale = fmt.quantize(val, signed)
+            if signed and fmt.dithered_m:
+                dither = m_dither(0, nblk * B, self._seed, p.device).view(nblk, B)
+                codes, scale = fmt.quantize(val, signed, dither)
+            else:
+                codes, scale = fmt.quantize(val, signed)
             st[key].copy_(codes)
             if fmt.scaled:
                 st[key + "_scale"].copy_(scale)
@@ -1058,6 +1098,10 @@ class LowBitAdamW(Optimizer):
                     g[k] = v
         for b in self._buckets:
             b.read_steps()
+        # The step seed (stochastic rounding's and the dithered first moment's bits) continues from the loaded step
+        # count, so a resumed run rounds as the uninterrupted one did (exactly so when every step() updated every
+        # parameter: the seed counts step() calls).
+        self._seed = max((int(b.step_all.max()) for b in self._buckets), default=0)
 
     def state_bytes(self) -> int:
         """Bytes held by the optimizer state on its devices (codes, scales, error buffers)."""

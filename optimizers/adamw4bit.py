@@ -2,10 +2,19 @@
 
 Bytes per parameter: 1 (two 4-bit codes) + 2 x 4/128 scale = 1.06.
 
-- First moment: the signed 4-bit dynamic map (0, 1.0 and three power-of-16 levels of +-values; see
-  ``_dynamic_map.py``): its top-heavy values are what a momentum needs at 4 bits (a float code of 3 bits of
-  magnitude is either too coarse near the block max or rounds everything under 1/16 of it to zero). Encoded and
-  decoded by table lookup (below), which costs the kernel ~10 instructions per element instead of ~37.
+- First moment: sign and 3 bits E, the value (2^E - 1) / 127 of the block's absmax (0, 1/127, 3/127, ..., 63/127,
+  1), **rounded stochastically** (up with probability equal to the distance from the level below over the gap, so the
+  stored moment is unbiased). Rounding to the nearest of 16 values was what kept 4-bit from matching the fp32
+  reference: a momentum that decays by b1 = 0.9 a step stays at its level when the levels are more than ~20 % apart
+  (every 4-bit map), so small gradients neither move it nor let it fade. In the loss-parity runs
+  (bench/results/loss_parity.json) the nearest-rounded 4-bit first moment cost +1.8 % held-out loss (+4.0 % with an
+  exact second moment: the coarse v had been hiding it), an 8-bit one or this one nothing measurable. Encoding is
+  arithmetic on fp32 bits: z = |m| / absmax * 127 + 1 lies in [2^E, 2^(E+1)] exactly when m lies between levels E
+  and E + 1, and z's mantissa is the linear position between them, so adding 23 random bits to z's bits and
+  keeping the exponent is the stochastic rounding (one multiply-add, one add, one shift, the sign: fewer
+  instructions than the nearest-value table it replaced, and no table gathers). The bits come from the kernel's
+  per-element Weyl dither (``_update._m_dither``), the same in both paths. Decoded from a 16-value table (one
+  cache line).
 - Second moment (``second_moment=``), none of them with a zero code, as in "Memory Efficient Optimizers with 4-bit
   States" (Li et al., 2023): with a zero code, small second moments round to 0 and m / (sqrt(v) + eps) explodes;
   without it they round up, which only shrinks those steps.
@@ -17,7 +26,7 @@ Bytes per parameter: 1 (two 4-bit codes) + 2 x 4/128 scale = 1.06.
     (bench/results/loss_parity.json): measured mean error of u on chi-squared-like blocks 14 % against 61 % for the
     dynamic map, whose smallest values are far apart.
   - ``"dynamic"``: the unsigned 4-bit dynamic map (0 only for v = 0; 14 values from 16^-3 of the block max up, and
-    1.0); format ``4bit.v2``, the default before.
+    1.0); format ``4bit-dynamic-v.v3`` (``4bit.v2``, the default before, with a nearest-rounded first moment).
   - ``"linear"``: values (c + 1) / 16 of the block max (the paper's linear map). Second moments span g^2's range,
     so inside one block they differ by orders of magnitude; a linear map floors everything under 1/16 of the block
     max, which shrinks those elements' steps (seen in the loss-parity runs).
@@ -39,8 +48,12 @@ from ._update import _INTERP, LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 BLOCK = 128
 _BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
 _HALF = tl.constexpr(BLOCK // 2) if tl is not None else None  # Triton reads only constexpr globals
-_M_DEC_TL = tl.constexpr(2048) if tl is not None else None  # offset of the decoder's values in the table
-_QMAP_SIGNED = dm.dynamic_map(4, signed=True)
+# First moment's code: sign << 3 | E, value (2^E - 1) / 127 (code 8, -0, decodes to 0)
+_M_LEVELS = (2.0 ** torch.arange(8, dtype=torch.float32) - 1.0) / 127.0
+_QMAP_SIGNED = torch.cat([_M_LEVELS, -_M_LEVELS])
+# |m| / absmax * M_SCALE + 1 < 128 even for the block max (1/absmax is rounded, maybe up): E <= 7 after any dither
+M_SCALE = float(torch.tensor(127.0 * (1.0 - 2.0 ** -20), dtype=torch.float32))
+_M_SCALE = tl.constexpr(M_SCALE) if tl is not None else None
 _QMAP_DYNAMIC = dm.dynamic_map(4, signed=False)
 _QMAP_LINEAR = (torch.arange(16, dtype=torch.float32) + 1.0) / 16.0
 
@@ -61,69 +74,25 @@ def _unpack(codes: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     return torch.cat([qmap[c & 15], qmap[c >> 4]], dim=1)
 
 
-# First moment: table-coded. The code -> value map is the signed 4-bit dynamic map (_QMAP_SIGNED); what the table
-# buys is the encoder. Computing the nearest of 16 irregular values costs ~25 instructions per element and its
-# decoder ~12 (37 of the 89 per element the 4-bit kernel needed); the lookups cost ~8 and ~4. The encoder's table
-# is indexed by the top 11 bits of the normalised value x / absmax (sign, exponent, 2 mantissa bits: quarter
-# octaves), and each entry holds the code at the bottom of its bin and the one threshold (midpoint between two
-# map values) inside the bin, if any: code = entry's low 4 bits + (bits(x) > entry), comparing the fp32 bits as
-# unsigned integers (for negative x that orders by magnitude too). Two midpoints never share a quarter octave
-# and signed codes grow by one across each (sign bit 8 | magnitude), except from 0 to the smallest negative code
-# (9): so the threshold between 0 and the smallest value is put at a bin edge, 2^-10 of the block max (the
-# midpoint, 0.00104, would be 7 % higher). The entry's low bits also shift its threshold by <= 15 fp32 ulps:
-# nearest rounding up to 2^-19 relative. 8 KB of table (the part in use: a few cache lines), served from L1.
-_M_ZERO_BELOW = 2.0 ** -10
+_M_TABLE = _QMAP_SIGNED.view(torch.int32).clone()  # the decoder's 16 values, as fp32 bits (the kernel's lut)
 
 
-def _f32_bits(x: float) -> int:
-    return int(torch.tensor(x, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
+def encode_m(x: torch.Tensor, inv: torch.Tensor, dither: torch.Tensor = None) -> torch.Tensor:
+    """The first moment's code (twin of ``_encode_m_tl``): x fp32 [nblk, k], inv = 1/absmax [nblk, 1], dither int
+    [nblk, k] in [0, 2^23) (``_update.m_dither``) or None for round-to-nearest (ties up) -> int32 codes.
+
+    z = |x| * inv * M_SCALE + 1 is computed in float64 and rounded once to fp32, as the kernel's fused multiply-add
+    rounds it (the product of two fp32 values is exact in float64)."""
+    k = (inv * M_SCALE).double()
+    z = (x.abs().double() * k + 1.0).float().view(torch.int32).to(torch.int64)
+    z = z + (dither if dither is not None else (1 << 22))
+    e = (z >> 23) - 127
+    return (e | ((x.view(torch.int32) >> 28) & 8)).to(torch.int32)
 
 
-def _bits_f32(b: int) -> float:
-    return float(torch.tensor(b - (1 << 32) if b >= 1 << 31 else b, dtype=torch.int32).view(torch.float32))
-
-
-def _m_table(qmap: torch.Tensor) -> torch.Tensor:
-    """int32 [2048 + 16]: the encoder's entries (see above), then the decoder's values (fp32 bits)."""
-    vals = [float(v) for v in qmap]
-    words = []
-    for neg in (0, 1):
-        # this sign's (magnitude, code) pairs in increasing magnitude, 0 first, and the thresholds between them
-        side = [(0.0, 0)] + sorted((abs(v), c) for c, v in enumerate(vals) if v != 0 and (v < 0) == bool(neg))
-        mids = [(a + b) / 2 for (a, _), (b, _) in zip(side[1:], side[2:])]
-
-        def code_at(a):
-            return side[int(a >= _M_ZERO_BELOW) + sum(a > t for t in mids)][1]
-
-        for em in range(1024):  # exponent and 2 mantissa bits; bins of exponent 255 (inf, NaN) are unreachable
-            lo = min(_bits_f32(em << 21), 2.0)
-            hi = min(_bits_f32((em + 1) << 21), 2.0) if em < 1023 else 2.0
-            inner = [t for t in mids if lo <= t < hi]
-            assert len(inner) <= 1, (lo, hi, inner)
-            base = code_at(lo)
-            w = 0x7FFFFFF0 | base
-            if inner:
-                w = (_f32_bits(inner[0]) & ~15) | base
-                assert code_at(_bits_f32(w + 1)) == base + 1, (lo, base)  # the "+ 1" of the encoder
-            words.append(w | (neg << 31))
-    words += [_f32_bits(v) for v in vals]
-    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
-
-
-_M_TABLE = _m_table(_QMAP_SIGNED)
-_M_ENC = _M_TABLE[:2048]
-
-
-def encode_m(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Plain-PyTorch twin of ``_encode_m_tl``: x fp32 [nblk, k], inv [nblk, 1] -> int32 codes."""
-    b = (x * inv).view(torch.int32)
-    w = _M_ENC.to(x.device)[((b >> 21) & 2047).long()]
-    return (w & 15) + ((b.long() & 0xFFFFFFFF) > (w.long() & 0xFFFFFFFF)).to(torch.int32)
-
-
-def quantize(x: torch.Tensor, signed: bool):
+def quantize(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
     absmax, inv = dm.inv_absmax(x)
-    codes = encode_m(x, inv[:, None]) if signed else dm.encode(x, inv[:, None], 4, signed)
+    codes = encode_m(x, inv[:, None], dither) if signed else dm.encode(x, inv[:, None], 4, signed)
     return _pack(codes), absmax
 
 
@@ -131,9 +100,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
     return _unpack(codes, _QMAP_SIGNED if signed else _QMAP_DYNAMIC) * scale[:, None]
 
 
-def quantize_linear_v(x: torch.Tensor, signed: bool):
+def quantize_linear_v(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
     if signed:
-        return quantize(x, signed)
+        return quantize(x, signed, dither)
     absmax, inv = dm.inv_absmax(x)
     return _pack(_encode_linear(x, inv[:, None])), absmax
 
@@ -161,9 +130,9 @@ def _decode_root(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return u * u
 
 
-def quantize_root_v(x: torch.Tensor, signed: bool):
+def quantize_root_v(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
     if signed:
-        return quantize(x, signed)
+        return quantize(x, signed, dither)
     u = x.sqrt()
     umax, inv = dm.inv_absmax(u)
     return _pack(_encode_root(u, inv[:, None])), umax
@@ -217,21 +186,29 @@ def _gather(lut, idx):
 def _decode_m_tl(words, s, lut):
     """The first moment: codes -> table values times the block scale, one gather per element from the 16 values (64
     bytes: one cache line). A table of byte pairs (256 x 2 values, one gather per two elements) took fewer
-    instructions but was slower on the H200 (16.1 vs 15.8-16.0 ms device a 7B step): its 2 KB spread each warp's
-    gathers over up to 16 cache lines, and the L1's line throughput, shared with the encoder's gathers, is what
-    limited the 4-bit step by then."""
+    instructions but was slower on the H200 (16.1 vs 15.8-16.0 ms device a 7B step, session 4): its 2 KB spread
+    each warp's gathers over up to 16 cache lines, and the L1's line throughput was then what limited the step."""
     s = s[:, None]
-    dec = lut + _M_DEC_TL
     c_lo, c_hi = _nibbles(words)
-    return _gather(dec, c_lo).to(tl.float32, bitcast=True) * s, _gather(dec, c_hi).to(tl.float32, bitcast=True) * s
+    return _gather(lut, c_lo).to(tl.float32, bitcast=True) * s, _gather(lut, c_hi).to(tl.float32, bitcast=True) * s
 
 
 @jit
-def _encode_m_tl(x, inv, lut):
-    """Twin of ``encode_m``: one table gather, one unsigned compare."""
-    b = (x * inv).to(tl.uint32, bitcast=True)
-    w = _gather(lut, (b >> 21).to(tl.int32)).to(tl.uint32, bitcast=True)
-    return ((w & 15) + ((w - b) >> 31)).to(tl.int32)  # (w - b) >> 31 (unsigned): b > w, same-signed b and w
+def _encode_m_tl(x, k, d):
+    """Twin of ``encode_m``: k = M_SCALE / absmax [NB, 1], d the dither [NB, K] (23 bits). The exponent of
+    z = |x| k + 1 plus a carry with probability equal to its mantissa's fraction is E, stochastically rounded."""
+    z = tl.fma(tl.abs(x), k, 1.0)
+    e = ((z.to(tl.uint32, bitcast=True) + d) >> 23) - 127
+    return (e | ((x.to(tl.uint32, bitcast=True) >> 28) & 8)).to(tl.int32)
+
+
+@jit
+def _store_m(codes, scale, lo, rows, bmask, x_lo, x_hi, d_lo, d_hi):
+    """The first moment's store, shared by the three formats: scale = the blocks' absmax, codes dithered by d."""
+    absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
+    st_scale(scale, lo, absmax, bmask, _BLOCK)
+    k = (inv * _M_SCALE)[:, None]
+    _store_nibbles(codes, lo, rows, bmask, _encode_m_tl(x_lo, k, d_lo), _encode_m_tl(x_hi, k, d_hi))
 
 
 @jit
@@ -268,8 +245,8 @@ def _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi):
 
 @jit
 def _encode_store(codes, scale, lo, rows, bmask, x_lo, x_hi, lut, ENCODE: tl.constexpr):
-    """The store every 4-bit code shares: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax [NB, 1],
-    lut) gives the codes, packed and stored by ``_store_nibbles``."""
+    """The second moment's store: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax [NB, 1], lut)
+    gives the codes, packed and stored by ``_store_nibbles``."""
     absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
     inv = inv[:, None]
@@ -283,8 +260,8 @@ def _encode_dynamic_v_tl(x, inv, lut):
 
 @jit
 def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_m_tl)
+    if SIGNED:  # root_lo/hi: the first moment's dither (see StateFormat.dithered_m)
+        _store_m(codes, scale, lo, rows, bmask, val_lo, val_hi, root_lo, root_hi)
     else:
         _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_dynamic_v_tl)
 
@@ -301,16 +278,16 @@ def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
     """The three 4-bit formats differ only in their second moment's code."""
     return StateFormat(name=name, block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
                        quantize=quantize_fn, dequantize=dequantize_fn, triton_load=_load, triton_decode=decode,
-                       triton_store=store, bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE,
-                       # ~180 registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
-                       # (session 5, bench/results/optimizer_sweep_h200.log), device ms per step: 160 / 12: 15.1;
-                       # 168 / 12: 15.4; 128 / 16 (no spills either, more programs): 15.7-15.9; 128 / 12: 16.6;
-                       # uncapped / 12: 20.0. With stochastic rounding 160 / 12: 17.3, 128 / 16: 19.5 (spills).
+                       triton_store=store, bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE, dithered_m=True,
+                       # More registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
+                       # (session 6, bench/results/optimizer_sweep_h200.log), device ms per 7B step: 160 / 12: 15.8;
+                       # 168 / 12: 16.0; 160 / 11: 16.4; 128 / 16: 18.1; uncapped / 12: 19.4. With stochastic
+                       # rounding of the weights, 160 / 12: 17.7.
                        tile_blocks=4, num_warps=1, programs_per_sm=12, max_registers=160)
 
 
-FORMAT_DYNAMIC_V = _format("4bit.v2", quantize, dequantize, _decode, _store)
-FORMAT_LINEAR_V = _format("4bit-linear-v.v2", quantize_linear_v, dequantize_linear_v, _decode_linear_v,
+FORMAT_DYNAMIC_V = _format("4bit-dynamic-v.v3", quantize, dequantize, _decode, _store)
+FORMAT_LINEAR_V = _format("4bit-linear-v.v3", quantize_linear_v, dequantize_linear_v, _decode_linear_v,
                           _store_linear_v)
 
 _ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP) if tl is not None else None
@@ -351,7 +328,7 @@ def _store_root_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, ro
         _encode_store(codes, scale, lo, rows, bmask, root_lo, root_hi, lut, _encode_root_tl)
 
 
-FORMAT = _format("4bit.v3", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
+FORMAT = _format("4bit.v4", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
 
 
 class AdamW4bit(LowBitAdamW):

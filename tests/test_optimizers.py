@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import optimizers  # noqa: E402
 from optimizers import _dynamic_map as dm  # noqa: E402
-from optimizers import adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
+from optimizers import _update, adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
 from optimizers._update import stochastic_round_bf16  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -171,7 +171,12 @@ def _bound(fmt, signed, x, absmax):
     if fmt in ROOT_V and not signed:
         floor = ROOT_V[fmt][1]
         rel = torch.maximum(a * _root_v_rel(fmt), torch.full_like(a, floor * floor)) * 1.01
-    elif fmt in ("4bit", "4bit-dynamic-v") or (fmt == "4bit-linear-v" and signed):
+    elif fmt.startswith("4bit") and signed:
+        # levels (2^E - 1)/127 of the max; without a dither the encoder rounds to the nearest: half the gap, 2^E/254,
+        # where 2^E <= 127 a + 1 < 2^(E+1)
+        E = torch.floor(torch.log2(a * 127 + 1)).clamp(0, 6)
+        rel = 2.0 ** E / 254 * 1.001 + 1e-7
+    elif fmt == "4bit-dynamic-v":
         bits = 4
         E = bits - 1
         # half a cell of the level (a power-of-16 range) holding |x|; below 16^-E of the max: the value itself
@@ -258,32 +263,43 @@ def test_dynamic_map_encoder_rounds_to_nearest(bits, signed):
         assert ((y * x) >= 0).all()
 
 
-def test_4bit_first_moment_table_encoder_rounds_to_nearest():
-    """The 4-bit first moment's table encoder (adamw4bit.encode_m, which the kernel's gathers match code for code in
-    test_triton_matches_torch_path): every map value encodes to its own code; random values over 12 decades, both
-    signs, get the nearest map value of their sign (0 included), except that the threshold between 0 and the
-    smallest value sits at 2^-10 of the block max instead of the midpoint, and thresholds may move by 16 fp32 ulps."""
+def _m4_values(x, dither):
     qmap = adamw4bit._QMAP_SIGNED
-    codes = adamw4bit.encode_m(qmap[None, :].clone(), torch.ones(1, 1))
-    assert torch.equal(qmap[codes.view(-1).long()], qmap)
+    return qmap[adamw4bit.encode_m(x, torch.ones(x.shape[0], 1), dither).long()]
+
+
+def test_4bit_first_moment_rounds_stochastically_without_bias():
+    """The 4-bit first moment (adamw4bit.encode_m; the kernel's encoder matches it code for code in
+    test_triton_matches_torch_path): with the kernel's dither, each value rounds to one of its two neighbouring levels
+    (same sign), up with probability equal to its position between them, so the mean over steps is the value: 4096
+    steps of one row of values over 5 decades, both signs, the block max and the levels themselves included. Without
+    a dither it rounds to the nearest level, and every level encodes to itself either way."""
+    qmap = adamw4bit._QMAP_SIGNED
     g = torch.Generator().manual_seed(7)
-    a = 10.0 ** (-12 * torch.rand(1, 50000, generator=g))
+    a = 10.0 ** (-5 * torch.rand(1, 256, generator=g))
     x = a * (torch.randint(0, 2, a.shape, generator=g) * 2 - 1)
-    x[0, :4] = torch.tensor([1.0, -1.0, 2.0 ** -10, -(2.0 ** -10)])
-    y = qmap[adamw4bit.encode_m(x, torch.ones(1, 1)).long()].view(-1)
-    x = x.view(-1)
-    same_sign = (qmap[None, :] * torch.sign(x)[:, None] >= 0)
-    best = torch.where(same_sign, (qmap[None, :] - x[:, None]).abs(), float("inf")).amin(1)
-    err = (y - x).abs()
-    near_zero = (x.abs() >= 2.0 ** -10) & (x.abs() < 0.00104)  # rounds away from 0 by design
-    assert ((err <= best + 2.0 ** -19 * x.abs()) | near_zero).all()
-    assert ((y * x) >= 0).all() and (y[near_zero] != 0).all()
-    assert y[0] == 1.0 and y[1] == float(qmap[15])  # the negative side's largest value is -0.883 (map as bnb's)
-
-
-# -------------------------------------------------------------------------------------------------------
-# checkpoints, groups, rounding, non-finite gradients, options
-# -------------------------------------------------------------------------------------------------------
+    x[0, :20] = torch.cat([qmap[:8], -qmap[1:8], torch.tensor([1.0, -1.0, 0.5, -1e-6, 0.0])])
+    steps = 4096
+    xs = x.expand(steps, -1).contiguous()
+    dither = torch.stack([_update.m_dither(0, x.shape[1], seed) for seed in range(1, steps + 1)])
+    y = _m4_values(xs, dither)
+    # the encoder scales by 127 (1 - 2^-20) / 127 so that the block max never carries past the top level
+    a = (x.abs() * (adamw4bit.M_SCALE / 127)).contiguous()
+    levels = qmap[:8]
+    lo = levels[torch.searchsorted(levels, a, right=True) - 1]
+    hi = levels[torch.searchsorted(levels, a, right=False).clamp(max=7)]
+    assert ((y.abs() == lo) | (y.abs() == hi)).all() and ((y * x) >= 0).all()
+    # unbiased: the mean of 4096 Bernoulli draws is within 4 standard errors of the value (the gap is at most
+    # 64/127); a rounding to nearest would miss by up to half a gap
+    gap = (hi - lo).clamp(min=1e-30)
+    p = ((a - lo) / gap).clamp(0, 1)
+    tol = 4 * gap * torch.sqrt(p * (1 - p) / steps) + 2 * gap / steps  # (+ two draws: p ~ 1 on a level)
+    assert ((y.abs().mean(0) - a[0]).abs() <= tol[0]).all()
+    on_level = torch.isin(x.abs(), levels)[0]
+    assert (y[:, on_level] == x[0, on_level]).float().mean() > 0.999  # (down one level with probability < 2^-16)
+    near = _m4_values(x, None).abs()
+    best = torch.minimum(a - lo, hi - a)
+    assert ((near - a).abs() <= best + 1e-6 * a).all()
 
 
 def _save_load(sd):
@@ -327,7 +343,7 @@ def test_load_state_of_another_format_fails_clearly():
     o4 = optimizers.AdamW4bit(p)
     o4.step()
     o8 = optimizers.AdamW8bit([torch.nn.Parameter(torch.randn(4096))])
-    with pytest.raises(ValueError, match=r"format '4bit.v3' into AdamW8bit"):
+    with pytest.raises(ValueError, match=r"format '4bit.v4' into AdamW8bit"):
         o8.load_state_dict(o4.state_dict())
     with pytest.raises(ValueError, match="not an optimizers"):
         o8.load_state_dict(torch.optim.AdamW(p).state_dict())
