@@ -219,13 +219,14 @@ def _sr_bits(place, seed):
 
 
 # The first moment's dither, for formats that round it stochastically (adamw4bit.py): 23 bits per element from a
-# Weyl sequence over (the element's index in its tensor, step seed), 2 instructions per element (an add to a per-thread constant, then
-# the shift, which ptxas folds into the format's add). Stochastic rounding needs each element's bits to be uniform
-# over the steps and unrelated to the value being rounded; a Weyl sequence gives that (the seed's multiplier is
-# odd, so one element's bits step through all 2^32 values), and neighbouring elements' bits differ by the golden
-# ratio's fraction, which spreads a block's rounding errors evenly. The seed's multiplier differs from _sr_bits'
-# so that the moment's and the weight's rounding do not draw related bits. The index is the tensor's, not the
-# bucket's, so that grouping (optimizer-in-backward's one optimizer per parameter) rounds alike. Twin: ``m_dither``.
+# Weyl sequence over (the element's index in its tensor, step seed), 2 instructions per element (an add to a
+# per-thread constant, then the shift, which ptxas folds into the format's add). Stochastic rounding needs each
+# element's bits to be uniform over the steps and unrelated to the value being rounded; a Weyl sequence gives that
+# (the seed's multiplier is odd, so one element's bits step through all 2^32 values), and neighbouring elements' bits
+# differ by the golden ratio's fraction, which spreads a block's rounding errors evenly. The seed's multiplier
+# differs from _sr_bits' so that the moment's and the weight's rounding do not draw related bits. The index is the
+# tensor's, not the bucket's, so that grouping (optimizer-in-backward's one optimizer per parameter) rounds alike.
+# Twin: ``m_dither``.
 _M_DITHER_SEED = 0xC2B2AE3D
 _M_DITHER_SEED_TL = tl.constexpr(_M_DITHER_SEED) if tl is not None else None
 
@@ -503,8 +504,7 @@ def _adamw_kernel(
             g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr,
                                  err_ptr, m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps,
                                  step_size, inv_sqrt_bc2, sign, lo, hi, rows, None, None, None, seed, t_base, BLOCK,
-                                 EPC,
-                                 DECODE, STORE, COMPENSATE, STOCHASTIC)
+                                 EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
             seen = _nanmax(seen, g_abs)
             if t2 != t:
                 lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = _hparams(hp_tab, hp_idx, t2, hp0, ONE_ROW)
@@ -527,8 +527,7 @@ def _adamw_kernel(
         g_abs = _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc_hi, vs, p_ptr, err_ptr,
                              m_codes, m_scale, v_codes, v_scale, lut, s_base, lr, wd, b1, b2, eps, step_size,
                              inv_sqrt_bc2, sign, lo, hi, rows, emask_lo, emask_hi, bmask, seed, t_base, BLOCK, EPC,
-                             DECODE,
-                             STORE, COMPENSATE, STOCHASTIC)
+                             DECODE, STORE, COMPENSATE, STOCHASTIC)
         seen = _nanmax(seen, g_abs)
     smax = tl.reduce(seen, None, _nanmax)
     if (smax > _FP32_MAX_TL) | (smax != smax):  # rare: a non-finite gradient in this program's tiles

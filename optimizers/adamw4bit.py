@@ -12,7 +12,8 @@ Bytes per parameter: 1 (two 4-bit codes) + 2 x 4/128 scale = 1.06.
   arithmetic on fp32 bits: z = |m| / absmax * 127 + 1 lies in [2^E, 2^(E+1)] exactly when m lies between levels E
   and E + 1, and z's mantissa is the linear position between them, so adding 23 random bits to z's bits and
   keeping the exponent is the stochastic rounding (one multiply-add, one add, one shift, the sign: fewer
-  instructions than the nearest-value table it replaced, and no table gathers). The bits come from the kernel's
+  instructions than the nearest-value table it replaced, and no table gathers, yet the 4-bit step measured ~0.8 ms
+  slower on the H200, 15.8 against 15.1 ms; not explained, see docs/optimizers.md). The bits come from the kernel's
   per-element Weyl dither (``_update._m_dither``), the same in both paths. Decoded from a 16-value table (one
   cache line).
 - Second moment (``second_moment=``), none of them with a zero code, as in "Memory Efficient Optimizers with 4-bit

@@ -17,9 +17,12 @@ reference. What still differs:
   left are codes flipped by last-bit gradient differences (uneven shards are checked bit for bit against
   local stepping in test_optimizers_dtensor.py). FP8 is the most sensitive: v below about 2^-9 of its block
   max flushes to zero, so a last-bit change can move an element between 0 and the smallest subnormal and
-  change its update a lot. Measured max relative loss difference over the 6 steps: torch AdamW 2e-7,
-  optimizers.AdamW 2e-7, 4-bit 7e-7, 8-bit 1.2e-6, FP8 7e-4 (FP8 on one device, batch 2 x 2 accumulation
-  vs batch 4, already differs by 5e-5: the same sensitivity). RTOL_QUANT allows 1e-3, RTOL_FP8 3e-3.
+  change its update a lot. The 4-bit first moment is rounded stochastically with bits drawn by the element's
+  index in the tensor the optimizer holds, here the rank's shard, so its rounding differs from one device's by
+  design (statistically the same). Measured max relative loss difference over the 6 steps: torch AdamW 2e-7,
+  optimizers.AdamW 2e-7, 4-bit 2.4e-4 (7e-7 with session 5's nearest-rounded format), 8-bit 1.2e-6, FP8 7e-4
+  (FP8 on one device, batch 2 x 2 accumulation vs batch 4, already differs by 5e-5: the same sensitivity).
+  RTOL_QUANT allows 1e-3, RTOL_FP8 3e-3.
 
 Runtime: 8 two-rank runs and two single-process runs, about 230 s of CPU time: about 2 minutes on 2 idle cores
 (each run is mostly start-up), 4.5 minutes when other jobs share the cores.
@@ -46,8 +49,8 @@ SINGLE_DEVICE_BATCH4 = {
                           7.874703407287598, 7.958918571472168],
     "optimizers.AdamW8bit": [10.591089248657227, 9.774114608764648, 9.204644203186035, 8.737385749816895,
                              7.8748040199279785, 7.958981513977051],
-    "optimizers.AdamW4bit": [10.591089248657227, 9.774114608764648, 9.20369815826416, 8.735969543457031,
-                             7.880802154541016, 7.96805477142334],
+    "optimizers.AdamW4bit": [10.591089248657227, 9.774114608764648, 9.203450202941895, 8.729704856872559,
+                             7.853945732116699, 7.9379167556762695],
     "optimizers.AdamWFp8": [10.591089248657227, 9.774114608764648, 9.205183982849121, 8.732003211975098,
                             7.874123573303223, 7.959527492523193],
     "optimizers.AdamW": [10.591089248657227, 9.774114608764648, 9.204625129699707, 8.737543106079102,
