@@ -272,8 +272,9 @@ def test_4bit_first_moment_rounds_stochastically_without_bias():
     """The 4-bit first moment (adamw4bit.encode_m; the kernel's encoder matches it code for code in
     test_triton_matches_torch_path): with the kernel's dither, each value rounds to one of its two neighbouring levels
     (same sign), up with probability equal to its position between them, so the mean over steps is the value: 4096
-    steps of one row of values over 5 decades, both signs, the block max and the levels themselves included. Without
-    a dither it rounds to the nearest level, and every level encodes to itself either way."""
+    steps of one row of values over 5 decades, both signs, the block max and the levels themselves included (a level
+    stays put but for a rare step down: the encoder's scale is 2^-20 short of 127). Without a dither it rounds to the
+    nearest level."""
     qmap = adamw4bit._QMAP_SIGNED
     g = torch.Generator().manual_seed(7)
     a = 10.0 ** (-5 * torch.rand(1, 256, generator=g))
@@ -300,6 +301,11 @@ def test_4bit_first_moment_rounds_stochastically_without_bias():
     near = _m4_values(x, None).abs()
     best = torch.minimum(a - lo, hi - a)
     assert ((near - a).abs() <= best + 1e-6 * a).all()
+
+
+# -------------------------------------------------------------------------------------------------------
+# checkpoints, groups, rounding, non-finite gradients, options
+# -------------------------------------------------------------------------------------------------------
 
 
 def _save_load(sd):
