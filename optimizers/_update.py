@@ -210,7 +210,7 @@ def st_scale(scale, lo, absmax, bmask, BLOCK: tl.constexpr):
 # and one multiply give the 16 high bits: 7 integer instructions per element where Philox (tl.randint) needs ~40.
 # Quality needed here is only that the bits be uniform and unrelated to the weights' low bits (unbiased rounding);
 # two elements share their bits only if their places differ by a multiple of 2^32 or steps pair up with far places.
-# The constants are repeated as literals in stochastic_round_bf16.
+# The constants are repeated as literals in _weyl and stochastic_round_bf16.
 @jit
 def _sr_bits(place, seed):
     x = place.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32) * 0x85EBCA77
@@ -237,12 +237,18 @@ def _m_dither(t_base, off, seed):
     return (k + off.to(tl.uint32) * 0x9E3779B1) >> 9
 
 
+def _weyl(place: int, n: int, seed: int, seed_mult: int, device=None) -> torch.Tensor:
+    """The Weyl step both random-bit sources start from, in 32-bit arithmetic as the kernel's: (place + i) *
+    0x9E3779B1 + seed * seed_mult for i < n, as int64 values in [0, 2^32)."""
+    M = 0xFFFFFFFF
+    idx = (torch.arange(n, dtype=torch.int64, device=device) + place) & M
+    return (idx * 0x9E3779B1 + (seed & M) * seed_mult) & M
+
+
 def m_dither(place: int, n: int, seed: int, device=None) -> torch.Tensor:
     """The kernel's first-moment dither (``_m_dither``) for a tensor's elements place .. place + n - 1: int64 in
     [0, 2^23)."""
-    M = 0xFFFFFFFF
-    idx = (torch.arange(n, dtype=torch.int64, device=device) + place) & M
-    return ((idx * 0x9E3779B1 + (seed & M) * _M_DITHER_SEED) & M) >> 9
+    return _weyl(place, n, seed, _M_DITHER_SEED, device) >> 9
 
 
 @jit
@@ -1119,9 +1125,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int, place: int = 0) -> torch.T
     the kernel's (``_sr_bits``): element i uses the hash of (seed, place + i), ``place`` being the first element's
     offset in its state bucket, so both paths give the same bits."""
     bits = x.float().contiguous().view(torch.int32).to(torch.int64)
-    M = 0xFFFFFFFF
-    idx = (torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape) + place) & M
-    h = (idx * 0x9E3779B1 + (seed & M) * 0x85EBCA77) & M
-    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & M
+    h = _weyl(place, x.numel(), seed, 0x85EBCA77, x.device).view(x.shape)
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
     out = (bits + (h >> 16)) & -65536  # the carry into the sign bit cannot happen: |x| < max float
     return out.to(torch.int32).view(torch.float32).to(torch.bfloat16)

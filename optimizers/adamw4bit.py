@@ -195,21 +195,13 @@ def _decode_m_tl(words, s, lut):
 
 
 @jit
-def _encode_m_tl(x, k, d):
-    """Twin of ``encode_m``: k = M_SCALE / absmax [NB, 1], d the dither [NB, K] (23 bits). The exponent of
-    z = |x| k + 1 plus a carry with probability equal to its mantissa's fraction is E, stochastically rounded."""
-    z = tl.fma(tl.abs(x), k, 1.0)
+def _encode_m_tl(x, inv, d):
+    """Twin of ``encode_m``: inv = 1/absmax [NB, 1], d the dither [NB, K] (23 bits). The exponent of
+    z = |x| inv M_SCALE + 1 plus a carry with probability equal to its mantissa's fraction is E, stochastically
+    rounded."""
+    z = tl.fma(tl.abs(x), inv * _M_SCALE, 1.0)
     e = ((z.to(tl.uint32, bitcast=True) + d) >> 23) - 127
     return (e | ((x.to(tl.uint32, bitcast=True) >> 28) & 8)).to(tl.int32)
-
-
-@jit
-def _store_m(codes, scale, lo, rows, bmask, x_lo, x_hi, d_lo, d_hi):
-    """The first moment's store, shared by the three formats: scale = the blocks' absmax, codes dithered by d."""
-    absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
-    st_scale(scale, lo, absmax, bmask, _BLOCK)
-    k = (inv * _M_SCALE)[:, None]
-    _store_nibbles(codes, lo, rows, bmask, _encode_m_tl(x_lo, k, d_lo), _encode_m_tl(x_hi, k, d_hi))
 
 
 @jit
@@ -245,13 +237,14 @@ def _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi):
 
 
 @jit
-def _encode_store(codes, scale, lo, rows, bmask, x_lo, x_hi, lut, ENCODE: tl.constexpr):
-    """The second moment's store: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax [NB, 1], lut)
-    gives the codes, packed and stored by ``_store_nibbles``."""
+def _encode_store(codes, scale, lo, rows, bmask, x_lo, x_hi, aux_lo, aux_hi, ENCODE: tl.constexpr):
+    """The store every 4-bit code shares: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax
+    [NB, 1], aux) gives the codes, packed and stored by ``_store_nibbles``. aux: the table (``lut``) for the second
+    moment's encoders, each half's dither for the first moment's."""
     absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
     inv = inv[:, None]
-    _store_nibbles(codes, lo, rows, bmask, ENCODE(x_lo, inv, lut), ENCODE(x_hi, inv, lut))
+    _store_nibbles(codes, lo, rows, bmask, ENCODE(x_lo, inv, aux_lo), ENCODE(x_hi, inv, aux_hi))
 
 
 @jit
@@ -262,9 +255,9 @@ def _encode_dynamic_v_tl(x, inv, lut):
 @jit
 def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     if SIGNED:  # root_lo/hi: the first moment's dither (see StateFormat.dithered_m)
-        _store_m(codes, scale, lo, rows, bmask, val_lo, val_hi, root_lo, root_hi)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, root_lo, root_hi, _encode_m_tl)
     else:
-        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_dynamic_v_tl)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, lut, _encode_dynamic_v_tl)
 
 
 @jit
@@ -272,7 +265,7 @@ def _store_linear_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, 
     if SIGNED:
         _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
     else:
-        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, _encode_linear_tl)
+        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, lut, _encode_linear_tl)
 
 
 def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
@@ -326,7 +319,7 @@ def _store_root_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, ro
     if SIGNED:
         _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
     else:
-        _encode_store(codes, scale, lo, rows, bmask, root_lo, root_hi, lut, _encode_root_tl)
+        _encode_store(codes, scale, lo, rows, bmask, root_lo, root_hi, lut, lut, _encode_root_tl)
 
 
 FORMAT = _format("4bit.v4", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
