@@ -70,6 +70,10 @@ PARITY_VARIANTS = [
     ("ours4_fp32w", "optimizers.AdamW4bit", "fp32", compare.VARIANTS["ours4"][1]),
     ("ours8_sr", "optimizers.AdamW8bit", "bf16", compare.VARIANTS["ours8"][1] + ["optimizer.stochastic_round=True"]),
     ("ours4_sr", "optimizers.AdamW4bit", "bf16", compare.VARIANTS["ours4"][1] + ["optimizer.stochastic_round=True"]),
+    # Since 2026-12-01 our defaults round bf16 weights stochastically (ours8 = ours8_sr); these are the nearest-rounded
+    # runs the earlier records' plain "ours8" / "ours4" rows were.
+    ("ours8_rtn", "optimizers.AdamW8bit", "bf16", compare.VARIANTS["ours8"][1] + ["optimizer.stochastic_round=False"]),
+    ("ours4_rtn", "optimizers.AdamW4bit", "bf16", compare.VARIANTS["ours4"][1] + ["optimizer.stochastic_round=False"]),
     ("ours4_comp", "optimizers.AdamW4bit(compensate=True)", "bf16",
      compare.VARIANTS["ours4"][1] + ["optimizer.compensate=True"]),
     # the 4-bit second moment on the dynamic map (the default before 4bit.v3) and on the paper's linear map

@@ -168,7 +168,7 @@ def decode_tl(c, BITS: tl.constexpr, SIGNED: tl.constexpr):
 # Blocks whose max is below the smallest normal fp32 are stored as all-zero codes: 1/absmax would overflow to
 # inf there (and 0 * inf = NaN). Such moments (|m| < 1e-38, v < 1e-38) contribute nothing to an update anyway.
 TINY = 1.1754944e-38
-TINY_TL = tl.constexpr(TINY) if tl is not None else None
+TINY_TL = tl.constexpr(TINY)
 
 
 def inv_absmax(x: torch.Tensor):

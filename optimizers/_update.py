@@ -28,10 +28,11 @@ Update (fp32 math, torch.optim.AdamW semantics, decoupled weight decay)::
     v  <- b2 * v + (1 - b2) * g * g
     p  <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-Non-finite gradients: an element whose gradient is NaN or +-inf is not updated at all (its weight, moments and
-error buffer keep their values) and is counted in ``optimizer.nonfinite_count`` (a device tensor, so no host
-sync). torch.optim.AdamW would instead write NaN into the weight and both moments; with quantized states one
-NaN would also poison the scale of its whole block, so we never let it in.
+Non-finite gradients: an element whose gradient is NaN or +-inf, or so large that its square would overflow fp32
+(|g| > 2^63, ``_G_MAX``), is not updated at all (its weight, moments and error buffer keep their values) and is
+counted in ``optimizer.nonfinite_count`` (a device tensor, so no host sync). torch.optim.AdamW would instead write
+NaN into the weight and both moments (for a huge finite g: an inf v, and that element never moves again); with
+quantized states one NaN or inf would also poison the scale of its whole block, so we never let it in.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -53,9 +55,14 @@ _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)
 
-# Largest finite fp32: |g| <= this is false for NaN and inf, so one compare checks both.
-_FP32_MAX = 3.4028234663852886e38
-_FP32_MAX_TL = tl.constexpr(_FP32_MAX) if tl is not None else None
+# The gradient guard: an element is updated only where |g| <= _G_MAX, one compare that is false for NaN and +-inf and
+# also for a finite g whose square overflows. g * g is inf in fp32 from |g| = 2^64 on, (1 - b2) g^2 from ~6e20 at
+# b2 = 0.999, and one inf v poisons its block: an infinite block scale (8-bit, 4-bit: the block's other elements never
+# move again) or NaN codes (FP8: NaN in every weight of the block). 2^63 keeps every stored v (at most the largest g^2
+# it has seen, up to its format's rounding, for any b2) a factor 4 below fp32's max. Same instruction count as the
+# NaN/inf compare alone (only the constant differs).
+_G_MAX = 2.0 ** 63
+_G_MAX_TL = tl.constexpr(_G_MAX)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,21 @@ class StateFormat:
     programs_per_sm: int = 8
     max_registers: Optional[int] = None  # per thread (Triton's maxnreg), to fit more programs per SM
 
+    def __post_init__(self):
+        _FORMATS[self.name] = self
+
+    def __reduce__(self):
+        # copy.deepcopy and pickle refer to a format by its name: each is a module constant, and its Triton helpers
+        # (and closures) neither copy nor pickle
+        return (_format_named, (self.name,))
+
+
+_FORMATS: dict = {}  # every StateFormat by name (importing optimizers defines them all)
+
+
+def _format_named(name: str) -> StateFormat:
+    return _FORMATS[name]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton path: one kernel for all formats. LOAD/STORE are the format's jit helpers, passed as constexprs.
@@ -110,8 +132,8 @@ else:
 # On the GPU the update's division is div.approx (one reciprocal and one multiply, <= 2 ulp): the IEEE-style
 # division that `/` emits costs ~9 instructions per element, the largest single item of the 16-bit kernel. The
 # interpreter has no libdevice, so CI runs `/`; the tests' tolerances cover both (GPU tests run the fast one).
-_FAST_DIV = tl.constexpr(_libdevice is not None) if tl is not None else None
-_INTERP = tl.constexpr(INTERPRET) if tl is not None else None
+_FAST_DIV = tl.constexpr(_libdevice is not None)
+_INTERP = tl.constexpr(INTERPRET)
 
 
 @jit
@@ -126,7 +148,7 @@ def _fdiv(a, b):
 def _adam_math(p, g, m, v, e, lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign, COMPENSATE: tl.constexpr):
     """Returns (x_new, m_new, v_new, sqrt(v_new)). A non-finite g makes m_new, v_new, x_new NaN or inf; the selects
     put the old values back (one select each, mostly folded into predicated multiply-adds)."""
-    finite = tl.abs(g) <= _FP32_MAX_TL
+    finite = tl.abs(g) <= _G_MAX_TL  # false for NaN, inf and a g whose square would overflow (see _G_MAX)
     x = p
     if COMPENSATE:
         x = p + e
@@ -228,7 +250,7 @@ def _sr_bits(place, seed):
 # tensor's, not the bucket's, so that grouping (optimizer-in-backward's one optimizer per parameter) rounds alike.
 # Twin: ``m_dither``.
 _M_DITHER_SEED = 0xC2B2AE3D
-_M_DITHER_SEED_TL = tl.constexpr(_M_DITHER_SEED) if tl is not None else None
+_M_DITHER_SEED_TL = tl.constexpr(_M_DITHER_SEED)
 
 
 @jit
@@ -397,8 +419,8 @@ def _update_tile(p_lo, p_hi, g_lo, g_hi, e_lo, e_hi, mc_lo, mc_hi, ms, vc_lo, vc
 
 @jit
 def _nonfinite(g):
-    """How many elements of g are NaN or +-inf."""
-    return tl.sum(tl.sum((~(tl.abs(g.to(tl.float32)) <= _FP32_MAX_TL)).to(tl.int32), axis=1), axis=0)
+    """How many elements of g the guard skips (NaN, +-inf, |g| > _G_MAX)."""
+    return tl.sum(tl.sum((~(tl.abs(g.to(tl.float32)) <= _G_MAX_TL)).to(tl.int32), axis=1), axis=0)
 
 
 @jit
@@ -536,7 +558,7 @@ def _adamw_kernel(
                              DECODE, STORE, COMPENSATE, STOCHASTIC)
         seen = _nanmax(seen, g_abs)
     smax = tl.reduce(seen, None, _nanmax)
-    if (smax > _FP32_MAX_TL) | (smax != smax):  # rare: a non-finite gradient in this program's tiles
+    if (smax > _G_MAX_TL) | (smax != smax):  # rare: a skipped gradient (see _G_MAX) in this program's tiles
         tl.atomic_add(nonfinite_ptr, _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab,
                                                       p0, g0, lo, hi, TILE, BLOCK, RUN, ALIGNED))
 
@@ -554,13 +576,18 @@ def _set_fp32_format(fmt: StateFormat) -> None:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters and their grads), else the tensor itself.
+    """The tensor the update works on: the local shard of a DTensor (FSDP2 parameters and their grads), as reals
+    if it is complex, else the tensor itself.
 
     Each rank quantizes only its own shard: blocks never straddle ranks, uneven (even empty) shards work, and
     the kernel sees plain local tensors. The state is per rank, so a checkpoint of it is per rank too.
+    A complex tensor is updated as ``torch.view_as_real`` of it (a view: real and imaginary parts interleaved), as
+    torch.optim.AdamW does: the two parts are independent elements with moments of their own.
     """
     to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    if to_local is not None:
+        t = to_local()
+    return torch.view_as_real(t) if t.is_complex() and not t.is_sparse else t
 
 
 def _no_4g_crossing(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -598,7 +625,8 @@ class _Bucket:
         nblk = total // B if fmt.scaled else 1
         self.m_scale = zeros(nblk, torch.float32)
         self.v_scale = zeros(nblk, torch.float32)
-        self.err = zeros(total, params[0].dtype) if compensate else zeros(1, params[0].dtype)
+        dtype = _local(params[0]).dtype  # a bucket's one dtype, as the kernel sees it (complex: its real dtype)
+        self.err = zeros(total if compensate else 1, dtype)
         self.lut = _no_4g_crossing(fmt.table, device) if fmt.table is not None else zeros(1, torch.int32)
         self.compensate = compensate
         self._plan_key = None
@@ -610,8 +638,19 @@ class _Bucket:
         self.group_of: list = []  # each param's param-group index (set by LowBitAdamW._init_state)
         self.one_group = True  # all of them in one group (likewise)
         self.all_active = tuple(range(len(params)))
-        # DTensor parameters (FSDP2) are updated through their local shards; plain ones skip the lookup
-        self.sharded = any(hasattr(p, "to_local") for p in params)
+        # DTensor parameters (FSDP2) are updated through their local shards, complex ones through their real views
+        # (_local); plain ones skip the lookup
+        self.wrapped = any(hasattr(p, "to_local") or p.is_complex() for p in params)
+
+    def __getstate__(self) -> dict:
+        # (copy.deepcopy, pickle) The launch plans hold this process's addresses and compiled kernel: rebuilt on the
+        # next step.
+        return dict(self.__dict__, _plan_key=None, _plans=[])
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.fmt.table is not None:  # the copied table may straddle a 4 GiB boundary (see _no_4g_crossing)
+            self.lut = _no_4g_crossing(self.fmt.table, self.device)
 
     def read_steps(self) -> list:
         """Every param's step count (one ``.tolist()``), noting in ``uniform_t`` whether they are all equal."""
@@ -720,7 +759,7 @@ class LowBitAdamW(Optimizer):
         maximize: bool = False,
         backend: str = "auto",
         min_quant_numel: int = 4096,
-        stochastic_round: bool = False,
+        stochastic_round: Optional[bool] = None,
         compensate: bool = False,
         tile_blocks: Optional[int] = None,
         num_warps: Optional[int] = None,
@@ -734,8 +773,13 @@ class LowBitAdamW(Optimizer):
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
         for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor) and b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
             if not 0.0 <= float(b) < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {float(b)} (must be in [0, 1))")
+        # torch.optim.AdamW's rule, in its words
+        if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+            raise ValueError("betas must be either both floats or both Tensors")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
         if amsgrad:
@@ -744,7 +788,12 @@ class LowBitAdamW(Optimizer):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         if backend == "triton" and not HAVE_TRITON:
             raise RuntimeError(f"backend='triton' needs Triton: {INSTALL_HINT}")
-        if stochastic_round and compensate:
+        if stochastic_round is None:
+            # On unless compensate is asked for: the two are alternative cures for the same loss (see
+            # docs/optimizers.md, "bf16 weights"), and without either a bf16 weight drops every update below half an
+            # ulp of itself. Applies to bf16 weights only.
+            stochastic_round = not compensate
+        elif stochastic_round and compensate:
             raise ValueError("stochastic_round and compensate are alternatives; pick one")
         self.format = _format or self.FORMAT
         self.backend = backend
@@ -764,37 +813,77 @@ class LowBitAdamW(Optimizer):
     # -- state -------------------------------------------------------------------------------------------
 
     def _param_format(self, p: torch.Tensor) -> StateFormat:
-        if self.format.scaled and p.numel() < self.min_quant_numel:
+        # (a DTensor's global size, so that every rank picks the same format; a complex tensor's count of reals)
+        if self.format.scaled and p.numel() * (2 if p.is_complex() else 1) < self.min_quant_numel:
             return _FP32  # tiny tensors (norms, biases): full-precision states cost nothing and lose nothing
         return self.format
 
     def _init_state(self) -> None:
-        groups: dict = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not _local(p).is_contiguous():
-                    raise ValueError(f"{type(self).__name__} needs contiguous parameters; got one of shape "
-                                     f"{tuple(p.shape)} with strides {_local(p).stride()}")
-                fmt = self._param_format(p)
-                key = (_local(p).device, p.dtype, fmt.name)
-                groups.setdefault(key, (fmt, []))[1].append(p)
         self._buckets = []
-        for (device, dtype, _), (fmt, params) in groups.items():
+        self._add_buckets([p for group in self.param_groups for p in group["params"]])
+
+    def _add_buckets(self, params: list) -> None:
+        """State buffers for ``params``, which have none yet: all params at the first step, or a group added by
+        ``add_param_group`` after it (in buckets of its own: the existing flat buffers cannot grow in place)."""
+        groups: dict = {}
+        for p in params:
+            if not _local(p).is_contiguous():
+                raise ValueError(f"{type(self).__name__} needs contiguous parameters; got one of shape "
+                                 f"{tuple(p.shape)} with strides {_local(p).stride()}")
+            fmt = self._param_format(p)
+            key = (_local(p).device, _local(p).dtype, fmt.name)
+            groups.setdefault(key, (fmt, []))[1].append(p)
+        new = []
+        for (device, dtype, _), (fmt, ps) in groups.items():
             compensate = self.compensate and dtype in (torch.bfloat16, torch.float16)
-            b = _Bucket(fmt, params, device, compensate)
-            for i, p in enumerate(params):
-                st = self.state[p]
-                st["step"] = b.step_all[i]
-                st.update(b.views(i))
-            self._buckets.append(b)
+            b = _Bucket(fmt, ps, device, compensate)
+            self._link_state(b)
+            new.append(b)
+        if self.nonfinite_count is None or (new and not self._buckets):
+            # on the params' device, for the kernel's atomic add (a CPU placeholder while there are none)
+            dev = _local(params[0]).device if params else torch.device("cpu")
+            self.nonfinite_count = torch.zeros(1, dtype=torch.int32, device=dev)
         # largest first: the big bucket's first launch is not held up by the host work of small ones
-        self._buckets.sort(key=lambda b: -b.total)
-        dev = _local(self.param_groups[0]["params"][0]).device
-        self.nonfinite_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._buckets = sorted(self._buckets + new, key=lambda b: -b.total)
         group_index = {id(p): k for k, group in enumerate(self.param_groups) for p in group["params"]}
-        for b in self._buckets:
+        for b in new:
             b.group_of = [group_index[id(p)] for p in b.params]
             b.one_group = len(set(b.group_of)) == 1
+
+    def _link_state(self, b: _Bucket) -> None:
+        """``self.state[p]`` of the bucket's params: views of its buffers (and of its step counts)."""
+        for i, p in enumerate(b.params):
+            st = self.state[p]
+            st["step"] = b.step_all[i]
+            st.update(b.views(i))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, and after the first step the new params get their state at once, as if they had been there
+        from the start without a grad so far (torch.optim.Optimizer.__init__ calls this before our state exists)."""
+        super().add_param_group(param_group)
+        if getattr(self, "_buckets", None) is not None:
+            self._add_buckets(self.param_groups[-1]["params"])
+
+    # -- copies ------------------------------------------------------------------------------------------
+
+    # Ours, beyond the defaults, state and param groups that torch.optim.Optimizer.__getstate__ keeps
+    _COPIED = ("format", "backend", "min_quant_numel", "stochastic_round", "compensate", "tile_blocks", "num_warps",
+               "programs_per_sm", "_buckets", "_seed", "nonfinite_count")
+
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickle (torch.save(optimizer), multiprocessing): torch's state plus ours."""
+        state = super().__getstate__()
+        state.update((k, self.__dict__[k]) for k in self._COPIED)
+        if self._buckets is not None:
+            # self.state holds views of the buckets' buffers: pickle would write each view out as a tensor of its
+            # own (twice the bytes, and no longer views). __setstate__ makes them again from the buckets.
+            state["state"] = defaultdict(dict)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for b in self.__dict__.get("_buckets") or ():
+            self._link_state(b)
 
     # -- step --------------------------------------------------------------------------------------------
 
@@ -934,7 +1023,7 @@ class LowBitAdamW(Optimizer):
         rows, None for the one row ``rows[0]``; hp_t: ``rows`` on the device when idx is given)."""
         if plan.n_full + plan.n_tail == 0:  # every tensor of this launch has an empty shard on this rank
             return
-        if b.sharded:
+        if b.wrapped:
             ps, gs = [_local(p) for p in ps], [_local(g) for g in gs]
         # The checks and address reads run as C-level map() calls (no Python bytecode per tensor): this host
         # work is on the step's critical path whenever the GPU waits for it. A grad that needs fixing (another
@@ -1020,7 +1109,7 @@ class LowBitAdamW(Optimizer):
             return torch.nn.functional.pad(x, (0, nblk * B - n)).view(nblk, B)
 
         g = padded(grad)
-        finite = g.abs() <= _FP32_MAX
+        finite = g.abs() <= _G_MAX  # the kernel's guard (see _G_MAX)
         x = padded(p)
         if b.compensate:
             x = x + st["error"].float()
@@ -1060,8 +1149,15 @@ class LowBitAdamW(Optimizer):
         """Load a state saved by ``state_dict()`` of the same class, on any device.
 
         torch's generic loader would cast the uint8 codes to the parameter dtype, so we copy each saved tensor
-        into our flat buffers instead, after checking the format, parameter count and shapes.
+        into our flat buffers instead, after checking the format, parameter count and shapes. As torch's, it runs
+        the hooks registered with ``register_load_state_dict_pre_hook`` (which may return a replacement for the
+        state dict) and ``register_load_state_dict_post_hook``.
         """
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre hook may change it, the caller's stays as is
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state has {len(saved_groups)} param groups, this optimizer has "
@@ -1086,12 +1182,17 @@ class LowBitAdamW(Optimizer):
                 continue
             st = self.state[p]
             for key, val in saved.items():
-                if key not in st or not isinstance(val, torch.Tensor):
+                if key not in st:
                     raise ValueError(f"unexpected optimizer state entry {key!r} for a parameter of shape "
                                      f"{tuple(p.shape)}; was it saved with other options (compensate=...)?")
                 if key == "step":  # into the bucket's step tensor, of which st["step"] is a view
-                    st["step"].copy_(val.detach().to("cpu", torch.float32).reshape(()))
+                    # a tensor or, as torch.optim.AdamW also takes, a number
+                    step = val.detach().to("cpu", torch.float32) if isinstance(val, torch.Tensor) else float(val)
+                    st["step"].copy_(torch.as_tensor(step).reshape(()))
                     continue
+                if not isinstance(val, torch.Tensor):
+                    raise ValueError(f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)} is a "
+                                     f"{type(val).__name__}, expected a tensor")
                 if val.shape != st[key].shape or val.dtype != st[key].dtype:
                     raise ValueError(f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)}: saved "
                                      f"{tuple(val.shape)} {val.dtype}, expected {tuple(st[key].shape)} "
@@ -1107,6 +1208,8 @@ class LowBitAdamW(Optimizer):
         # count, so a resumed run rounds as the uninterrupted one did (exactly so when every step() updated every
         # parameter: the seed counts step() calls).
         self._seed = max((int(b.step_all.max()) for b in self._buckets), default=0)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def state_bytes(self) -> int:
         """Bytes held by the optimizer state on its devices (codes, scales, error buffers)."""

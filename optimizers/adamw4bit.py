@@ -47,14 +47,14 @@ from ._triton import jit, tl
 from ._update import _INTERP, LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 
 BLOCK = 128
-_BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
-_HALF = tl.constexpr(BLOCK // 2) if tl is not None else None  # Triton reads only constexpr globals
+_BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
+_HALF = tl.constexpr(BLOCK // 2)  # Triton reads only constexpr globals
 # First moment's code: sign << 3 | E, value (2^E - 1) / 127 (code 8, -0, decodes to 0)
 _M_LEVELS = (2.0 ** torch.arange(8, dtype=torch.float32) - 1.0) / 127.0
 _QMAP_SIGNED = torch.cat([_M_LEVELS, -_M_LEVELS])
 # |m| / absmax * M_SCALE + 1 < 128 even for the block max (1/absmax is rounded, maybe up): E <= 7 after any dither
 M_SCALE = float(torch.tensor(127.0 * (1.0 - 2.0 ** -20), dtype=torch.float32))
-_M_SCALE = tl.constexpr(M_SCALE) if tl is not None else None
+_M_SCALE = tl.constexpr(M_SCALE)
 _QMAP_DYNAMIC = dm.dynamic_map(4, signed=False)
 _QMAP_LINEAR = (torch.arange(16, dtype=torch.float32) + 1.0) / 16.0
 
@@ -284,9 +284,9 @@ FORMAT_DYNAMIC_V = _format("4bit-dynamic-v.v3", quantize, dequantize, _decode, _
 FORMAT_LINEAR_V = _format("4bit-linear-v.v3", quantize_linear_v, dequantize_linear_v, _decode_linear_v,
                           _store_linear_v)
 
-_ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP) if tl is not None else None
-_ROOT_TOP = tl.constexpr(ROOT_TOP) if tl is not None else None
-_ROOT_FLOOR_BITS = tl.constexpr(ROOT_FLOOR_BITS) if tl is not None else None
+_ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP)
+_ROOT_TOP = tl.constexpr(ROOT_TOP)
+_ROOT_FLOOR_BITS = tl.constexpr(ROOT_FLOOR_BITS)
 
 
 @jit
@@ -331,13 +331,20 @@ class AdamW4bit(LowBitAdamW):
     Same arguments and defaults as ``torch.optim.AdamW`` (``amsgrad`` unsupported), plus ``second_moment``
     (``"root"``, the default, ``"dynamic"`` or ``"linear"``: see the module docstring) and the keyword-only extras of
     ``optimizers.AdamW8bit`` (``backend``, ``min_quant_numel``, ``stochastic_round``, ``compensate``).
+
+    bf16 weights are rounded stochastically by default (``stochastic_round=None``: on unless ``compensate=True``;
+    ``False`` rounds to nearest): round-to-nearest drops the updates below half a bf16 ulp, most of them at
+    fine-tuning learning rates (measured: 0.26-0.29 of the fp32-master reference's loss improvement kept, against
+    0.99-1.01 stochastically rounded; ``optimizers.AdamW8bit``'s docstring has the setup). It costs ~2.2 ms per
+    Llama2-7B step on the H200. fp32 weights are unaffected. (The first moment's stochastic rounding, above, is
+    another thing and always on.)
     """
 
     FORMAT = FORMAT
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, second_moment="root", backend="auto", min_quant_numel=4096,
-                 stochastic_round=False, compensate=False, tile_blocks=None, num_warps=None, programs_per_sm=None):
+                 stochastic_round=None, compensate=False, tile_blocks=None, num_warps=None, programs_per_sm=None):
         # Spelled out (no **kwargs): the recipe reads this signature to drop torch-only flags such as fused=True.
         formats = {"root": FORMAT, "dynamic": FORMAT_DYNAMIC_V, "linear": FORMAT_LINEAR_V}
         if second_moment not in formats:

@@ -26,12 +26,12 @@ from ._triton import jit, tl
 from ._update import LowBitAdamW, StateFormat, st_scale, stb
 
 BLOCK = 256
-_BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
+_BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
 U_TOP = 31.0 / 16.0  # value of the largest code (e = 15, f = 15) in units of the smallest exponent's 2^0
 U_FLOOR_BITS = (127 - 15) << 23  # fp32 bits of 2^-15, code 0
-_U_TOP = tl.constexpr(U_TOP) if tl is not None else None
-_U_DEC = tl.constexpr(1.0 / U_TOP) if tl is not None else None
-_U_FLOOR_BITS = tl.constexpr(U_FLOOR_BITS) if tl is not None else None
+_U_TOP = tl.constexpr(U_TOP)
+_U_DEC = tl.constexpr(1.0 / U_TOP)
+_U_FLOOR_BITS = tl.constexpr(U_FLOOR_BITS)
 
 
 def encode_root(u: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -117,9 +117,17 @@ class AdamW8bit(LowBitAdamW):
 
     - ``backend``: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
     - ``min_quant_numel`` (4096): smaller tensors keep fp32 states.
-    - ``stochastic_round``: round bf16 weights stochastically (unbiased; no extra memory).
+    - ``stochastic_round`` (default ``None``: on unless ``compensate=True``; ``False`` for round-to-nearest): bf16
+      weights are rounded up or down at random in proportion, so the rounding is unbiased and updates below half a
+      bf16 ulp still move a weight on average (no extra memory). On by default because round-to-nearest loses
+      most of a fine-tune at small learning rates: at lr 2e-5 an update is mostly below half an ulp of its weight
+      and rounds away. Measured on the H200 (2026-12-01; a width-2048, 8-layer Llama2-architecture model of
+      0.536 B parameters fine-tuned from a shared fp32-master state), as the share of the fp32-master reference's
+      held-out loss improvement kept: round-to-nearest bf16 (torch fused AdamW and ours) 0.26-0.29, ours with
+      stochastic rounding 0.99-1.01, ``compensate=True`` 1.01. Cost per Llama2-7B step on the H200: ~0.2 ms
+      (8-bit), 1.1 ms (16-bit), 2.2 ms (4-bit). fp32 weights are unaffected.
     - ``compensate``: keep a bf16 error buffer per weight (Kahan-style, +2 bytes/param) so updates below a bf16
-      ulp accumulate instead of vanishing.
+      ulp accumulate instead of vanishing; the alternative to ``stochastic_round`` (``True`` with both raises).
     """
 
     FORMAT = FORMAT

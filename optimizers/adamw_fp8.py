@@ -18,13 +18,13 @@ from ._triton import jit, tl
 from ._update import _INTERP, LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 
 BLOCK = 256
-_BLOCK = tl.constexpr(BLOCK) if tl is not None else None  # Triton reads only constexpr globals
+_BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
 FP8_MAX = 448.0
-_FP8_MAX = tl.constexpr(FP8_MAX) if tl is not None else None
-_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX) if tl is not None else None
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 # Smallest positive e4m3 value (a subnormal): the floor of second moments (see above).
 FP8_MIN = 2.0 ** -9
-_FP8_MIN = tl.constexpr(FP8_MIN) if tl is not None else None
+_FP8_MIN = tl.constexpr(FP8_MIN)
 
 
 def encode_e4m3(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -153,6 +153,12 @@ class AdamWFp8(LowBitAdamW):
 
     Same arguments and defaults as ``torch.optim.AdamW`` (``amsgrad`` unsupported), plus the keyword-only
     extras of ``optimizers.AdamW8bit`` (``backend``, ``min_quant_numel``, ``stochastic_round``, ``compensate``).
+
+    bf16 weights are rounded stochastically by default (``stochastic_round=None``: on unless ``compensate=True``;
+    ``False`` rounds to nearest): round-to-nearest drops the updates below half a bf16 ulp, most of them at
+    fine-tuning learning rates (measured: 0.26-0.29 of the fp32-master reference's loss improvement kept, against
+    0.99-1.01 stochastically rounded; ``optimizers.AdamW8bit``'s docstring has the setup). fp32 weights are
+    unaffected.
     """
 
     FORMAT = FORMAT
