@@ -1,5 +1,9 @@
-class EvalInputError(ValueError):
+from recipes._common import BadInput
+
+
+class EvalInputError(BadInput):
     """A bad input to the eval (checkpoint, data file, task name, option).
 
-    The message names the offending value and the fix; the recipe prints it as one line and exits non-zero.
+    The recipes' one bad-input error (recipes/_common.py), under the eval's name: the message names the offending
+    value and the fix; the recipe prints it as one line and exits non-zero.
     """

@@ -47,41 +47,56 @@ Features (each behind the config key in brackets):
       quantization blocks live inside each rank's shard) resumes only on the same number of ranks; torch's
       AdamW state (saved in full) resumes on any number, with the same global batch for the same data order.
 
-Not supported here (each refused before training with one line): ``optimizer_in_bwd=True``, packed data.
+Packing (``dataset.packed=True``), activation checkpointing (``ac_mode``, ``ac_option``) and ``compile`` work as in
+the single-device recipe; every rank packs the same rows and reads its share of them.
+
+Non-finite steps (``max_consecutive_skipped_steps``), the run folder's lock and reuse rules (``overwrite``), strict
+JSON metrics, SIGTERM/SIGUSR1 (every rank saves ``step_N`` at the same step boundary: the signal is folded into the
+step's all-reduce of the loss) and the unknown-key check work as in the single-device recipe. The non-finite check
+costs no extra host sync without clipping (the grad norm rides in the loss all-reduce, which is read on the host
+anyway); with clipping it reads the clipped norm once per step.
+
+Not supported here (each refused before training with one line): ``optimizer_in_bwd=True``,
+``enable_activation_offloading=True``.
 """
 
+import contextlib
 import json
+import math
 import os
-import random
 import shutil
+import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtune import config, modules, training, utils
 from torchtune.models import convert_weights
 from tqdm import tqdm
 
+from recipes import _common
 from recipes.full_finetune_single_device import (
+    KNOWN_CONFIG_KEYS,
     RECIPE_STATE_FILE,
     WEIGHTS_FILE,
     BadInput,
     FullFinetuneRecipeSingleDevice,
-    _hf_weight_files,
+    NonFiniteStop,
     _replace_dir,
+    apply_activation_checkpointing,
     model_hf_config,
     optimizer_state_bytes,
+    read_hf_weight_files,
     resolve_optimizer,
+    warn_round_to_nearest,
 )
 
 log = utils.get_logger("INFO")
@@ -125,16 +140,13 @@ def optimizer_state_layout(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _rng_state(device: torch.device) -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
+    return _common.rng_state(device)
 
 
 class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     """FSDP2 full fine-tune; the module docstring lists what differs from the single-device recipe."""
+
+    known_config_keys = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
     def __init__(self, cfg: DictConfig) -> None:
         # The single-device checks (dtype, device, positive sizes, flag combinations) run first, and its
@@ -143,6 +155,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         if self._optimizer_in_bwd:
             raise BadInput("optimizer_in_bwd=True is not supported by the distributed recipe; set "
                            "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)")
+        if self._offload_activations:
+            raise BadInput("enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
+                           "gradients and states instead: set enable_activation_offloading=False")
         if self._offload:
             raise BadInput("optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
                            "the optimizer state across GPUs instead: use the single-device recipe or another optimizer")
@@ -162,6 +177,26 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         if box[0]:
             raise BadInput(box[0])
 
+    def _claim_output_dir(self) -> None:
+        """Rank 0 takes the folder's lock and repairs it; every rank learns whether that failed."""
+        error = None
+        if self._rank0:
+            try:
+                super()._claim_output_dir()
+            except BadInput as e:
+                error = str(e)
+        self._agree(error)
+
+    def _check_run_folder(self) -> None:
+        self._agree(self._used_folder_error() if self._rank0 else None)
+
+    def _resume_settings(self) -> Dict[str, Any]:
+        # The global batch must match (another rank count with the same global batch resumes exactly).
+        return dict(super()._resume_settings(), batch_size=self._world * self._batch_size)
+
+    def _check_resume_settings(self, saved: Dict[str, Any]) -> None:
+        super()._check_resume_settings(dict(saved, batch_size=saved.get("world_size", 1) * saved["batch_size"]))
+
     def setup(self, cfg: DictConfig) -> None:
         self._check_paths(cfg)
         self._cfg_optimizer = resolve_optimizer(cfg.optimizer)
@@ -180,9 +215,11 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                 cfg.lr_scheduler, self._optimizer, num_training_steps=self._total_epochs * self._steps_per_epoch
             )
 
+        self._check_tokenizer_fits_model()
         resume_rng = None
         if self._resume_dir is not None:
             resume_rng = self._load_resume_state(cfg)
+        self._check_run_folder()
 
         self._metric_logger = self._setup_metric_logger(cfg) if self._rank0 else None
         self._metrics_path = self._output_dir / "metrics.jsonl"
@@ -190,9 +227,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
             self._metrics_path.unlink()
         dist.barrier()
         if resume_rng is not None:
-            torch.set_rng_state(resume_rng["torch"])
-            random.setstate(resume_rng["python"])
-            np.random.set_state(resume_rng["numpy"])
+            _common.set_rng_state(resume_rng)
             if resume_rng.get("cuda") is not None and self._device.type == "cuda":
                 torch.cuda.set_rng_state(resume_rng["cuda"], self._device)
 
@@ -212,14 +247,18 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
             sd = {k: v.detach() for k, v in full.state_dict().items()}
             del full
         else:
-            sd = {}
-            for f in _hf_weight_files(weights):
-                sd.update(load_file(str(f)) if f.suffix == ".safetensors"
-                          else torch.load(f, map_location="cpu", weights_only=True))
+            try:
+                sd = read_hf_weight_files(weights)
+            except BadInput as e:
+                self._agree(str(e))
             hf = self._hf_config
-            sd = convert_weights.hf_to_tune(sd, num_heads=hf["num_attention_heads"],
-                                            num_kv_heads=hf["num_key_value_heads"], dim=hf["hidden_size"],
-                                            head_dim=hf["head_dim"])
+            try:
+                sd = convert_weights.hf_to_tune(sd, num_heads=hf["num_attention_heads"],
+                                                num_kv_heads=hf["num_key_value_heads"], dim=hf["hidden_size"],
+                                                head_dim=hf["head_dim"])
+            except (RuntimeError, KeyError) as e:  # a checkpoint of another size fails in the q/k permutation
+                sd = {"(unconvertible)": torch.empty(0)}
+                log.warning(f"could not convert the weights in {weights}: {e}")
             bad = sorted(set(sd) ^ set(meta_sd))
             bad += [k for k in sd if k in meta_sd and tuple(sd[k].shape) != tuple(meta_sd[k].shape)]
             if bad:
@@ -257,7 +296,8 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         meta_sd = model.state_dict()
 
         if self._ac:
-            training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+            apply_activation_checkpointing(model, every_n=self._ac_option)
+        self._activations_ctx = contextlib.nullcontext()
         if self._compile:
             training.compile_model(model, verbose=self._rank0)
         mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
@@ -293,10 +333,12 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                            "fix the optimizer.* keys") from None
         self._optimizers = [self._optimizer]
         utils.log_rank_zero(log, f"Optimizer: {path}")
+        if self._rank0:
+            warn_round_to_nearest(path, self._dtype)
 
     def _read_resume_state(self) -> dict:
         """recipe_state.pt (memory-mapped), checked against this run before anything is built."""
-        state = torch.load(self._resume_dir / RECIPE_STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+        state = self._read_state_file(self._resume_dir / RECIPE_STATE_FILE, mmap=True)
         saved = state["config"]
         if saved["optimizer"] != self._cfg_optimizer._component_:
             raise BadInput(
@@ -322,29 +364,33 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         saved, layout = state["config"], state.get("optimizer_layout", "full")
         saved_world = saved.get("world_size", 1)
         rank_file = self._resume_dir / RANK_STATE_FILE.format(rank=self._rank)
-        if saved_world * saved["batch_size"] != self._world * self._batch_size:
-            utils.log_rank_zero(log, f"the global batch ({self._world} ranks x batch_size={self._batch_size}) differs "
-                                     f"from the checkpoint's ({saved_world} x {saved['batch_size']}): the data order "
-                                     "and lr schedule will not match the interrupted run")
-        for key, now in (("gradient_accumulation_steps", self._accum), ("seed", self._seed),
-                         ("shuffle", self._shuffle), ("max_steps_per_epoch", self._max_steps_per_epoch),
-                         ("epochs", self._total_epochs)):
+        self._check_resume_settings(saved)  # (the same on every rank: each read the same file)
+        for key, now in (("max_steps_per_epoch", self._max_steps_per_epoch), ("epochs", self._total_epochs)):
             if saved.get(key) != now:
-                utils.log_rank_zero(log, f"{key}={now} differs from the checkpoint's {saved.get(key)}: the data "
-                                         "order or lr schedule will not match the interrupted run")
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else {}
-        if layout == "per_rank":
-            self._optimizer.load_state_dict(rank_state["optimizer"])
-        else:
-            training.load_from_full_optimizer_state_dict(self._model, self._optimizer, state["optimizer"], self._device)
+                utils.log_rank_zero(log, f"{key}={now} differs from the checkpoint's {saved.get(key)}: the lr "
+                                         "schedule will not match the interrupted run")
+        rank_state = self._read_state_file(rank_file) if rank_file.is_file() else {}
+        try:
+            if layout == "per_rank":
+                self._optimizer.load_state_dict(rank_state["optimizer"])
+            else:
+                training.load_from_full_optimizer_state_dict(self._model, self._optimizer, state["optimizer"],
+                                                             self._device)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise BadInput(f"the optimizer state in {self._resume_dir} does not fit this model and optimizer "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); resume with the config "
+                           "that wrote it") from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._epoch, self._steps_in_epoch = state["epoch"], state["steps_in_epoch"]
         self._global_step = state["global_step"]
+        self._skipped_steps = int(state.get("skipped_steps", 0))
         if self._steps_in_epoch >= self._steps_per_epoch:
             self._epoch, self._steps_in_epoch = self._epoch + 1, 0
         utils.log_rank_zero(log, f"Resuming from {self._resume_dir} on {self._world} ranks: epoch {self._epoch + 1}, "
                                  f"step {self._steps_in_epoch} of the epoch, global step {self._global_step}")
+        if self._rank0:
+            self._log_nothing_left()
         return rank_state.get("rng") if saved_world == self._world else None
 
     # ----------------------------------------------------------------------------------------
@@ -360,7 +406,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                           for k, v in record.items() if not isinstance(v, list))
         tqdm.write(line)
         with open(self._metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_common.strict_json(record) + "\n")
         if self._metric_logger is not None:
             flat = {}
             for k, v in record.items():
@@ -383,6 +429,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
             "epoch": epoch,
             "loss": loss,
             "lr": lr,
+            "tokens": int(num_tokens),
             "tokens_per_second": num_tokens / wall,
             "tokens_per_second_per_gpu": num_tokens / wall / self._world,
         }
@@ -394,10 +441,11 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         record["optimizer_state_bytes"] = sum(r["state_bytes"] for r in every)
         record["optimizer_state_bytes_per_rank"] = [r["state_bytes"] for r in every]
         record["grad_norm"] = grad_norm
+        record["skipped_steps"] = self._skipped_steps
         record["world_size"] = self._world
         return record
 
-    def train(self) -> None:
+    def _train(self) -> None:
         params = [p for p in self._model.parameters() if p.requires_grad]
         for epoch in range(self._epoch, self._total_epochs):
             self._sampler.set_epoch(epoch)
@@ -420,26 +468,46 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                 if micro % self._accum:
                     continue
 
+                # Without clipping, the norm of the unscaled gradients (the same on every rank) rides in the
+                # all-reduce below, so checking it costs no host sync of its own.
+                raw_norm = None
+                if self._clip is None:
+                    raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                    if isinstance(raw_norm, DTensor):
+                        raw_norm = raw_norm.full_tensor()
                 # Loss and token count over all ranks. FSDP2 averages the gradient shards over ranks, so
-                # the sum over all tokens is world/num_tokens times that average.
-                totals = torch.stack([torch.as_tensor(running_loss, dtype=torch.float64, device=self._device),
-                                      torch.as_tensor(num_tokens, dtype=torch.float64, device=self._device)])
+                # the sum over all tokens is world/num_tokens times that average. (A signal on any rank stops all.)
+                # (torch.full fills on the device from a kernel argument: no host-to-device copy)
+                f64 = dict(dtype=torch.float64, device=self._device)
+                totals = torch.stack([torch.as_tensor(running_loss, **f64), torch.as_tensor(num_tokens, **f64),
+                                      torch.full((), float(self._stop_signal is not None), **f64),
+                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64)])
                 dist.all_reduce(totals)
-                total_loss, total_tokens = totals.tolist()
-                training.scale_grads(self._model, torch.tensor(self._world / total_tokens, dtype=torch.float32))
+                total_loss, total_tokens, stop, norm_sum = totals.tolist()
+                if stop and self._stop_signal is None:
+                    self._stop_signal = signal.SIGTERM  # another rank's signal
+                scale = self._world / max(total_tokens, 1)
                 grad_norm = None
                 if self._clip is not None:
+                    training.scale_grads(self._model, torch.tensor(scale, dtype=torch.float32))
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=self._clip)
-                elif (self._global_step + 1) % self._log_every == 0:
-                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-                if isinstance(grad_norm, DTensor):
-                    grad_norm = grad_norm.full_tensor()
-                self._sync()
-                t_opt = time.perf_counter()
-                self._optimizer.step()
-                self._sync()
-                opt_ms = (time.perf_counter() - t_opt) * 1000
+                    if isinstance(grad_norm, DTensor):
+                        grad_norm = grad_norm.full_tensor()
+                    grad_norm = float(grad_norm)  # one host sync per step: acceptable with clipping
+                else:
+                    grad_norm = norm_sum / self._world * scale
+                skipped = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
+                opt_ms = None
+                if not skipped:
+                    if self._clip is None:
+                        training.scale_grads(self._model, torch.tensor(scale, dtype=torch.float32))
+                    self._sync()
+                    t_opt = time.perf_counter()
+                    self._optimizer.step()
+                    self._sync()
+                    opt_ms = (time.perf_counter() - t_opt) * 1000
                 self._optimizer.zero_grad(set_to_none=True)
+                self._count_skip(skipped, total_loss / max(total_tokens, 1), grad_norm)
                 lr = float(self._optimizer.param_groups[0]["lr"])
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
@@ -452,19 +520,26 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                 if self._global_step % self._log_every == 0:
                     record = self._reduced_record(
                         self._global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
-                        None if grad_norm is None else float(grad_norm))
+                        grad_norm)
                     if self._rank0:
                         self._log(record)
                 running_loss, num_tokens = 0.0, 0
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
+                if self._stop_signal is not None:
+                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
+                    pbar.close()
+                    utils.log_rank_zero(log, f"Stopped by a signal after step {self._global_step}")
+                    return
                 if self._save_every and self._global_step % self._save_every == 0:
                     self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
                 t0 = time.perf_counter()
             pbar.close()
             self.save_checkpoint(f"epoch_{epoch}", epoch, step_in_epoch)
             self._steps_in_epoch = 0
+            if self._stop_signal is not None:
+                return
 
     # ----------------------------------------------------------------------------------------
     # checkpoints
@@ -474,13 +549,20 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
         recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place."""
         final = self._output_dir / name
+        local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self._model.state_dict().items()}
+        bad = torch.tensor(float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())),
+                           device=self._device)
+        dist.all_reduce(bad)  # every rank refuses together
+        if bad.item():
+            raise NonFiniteStop(f"the weights at step {self._global_step} are not finite: refused to write {final}; "
+                                "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0")
         full_weights = training.gather_cpu_state_dict(self._model, self._rank0, self._device)
         layout = optimizer_state_layout(self._optimizer)
         full_optimizer = None
         if layout == "full":
             full_optimizer = training.get_full_optimizer_state_dict(self._model, self._optimizer, self._rank0,
                                                                    self._device)
-        box = [str(Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=self._output_dir))) if self._rank0 else None]
+        box = [str(_common.tmp_dir(self._output_dir, name)) if self._rank0 else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
         try:
@@ -504,6 +586,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                         "epoch": epoch,
                         "steps_in_epoch": steps_in_epoch,
                         "global_step": self._global_step,
+                        "skipped_steps": self._skipped_steps,
                         "optimizer_layout": layout,
                         "optimizer": full_optimizer,
                         "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
@@ -518,21 +601,22 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                             "shuffle": self._shuffle,
                             "max_steps_per_epoch": self._max_steps_per_epoch,
                             "epochs": self._total_epochs,
+                            "packed": self._packed,
+                            "lr": self._cfg_optimizer.get("lr"),
                         },
                     },
                     tmp / RECIPE_STATE_FILE,
                 )
             dist.barrier()  # every rank's file is written
             if self._rank0:
-                umask = os.umask(0)
-                os.umask(umask)
-                for f in tmp.iterdir():
-                    f.chmod(0o666 & ~umask)
-                tmp.chmod(0o777 & ~umask)
+                _common.finish_dir(tmp)  # umask modes, fsync of every file and the folder
                 _replace_dir(tmp, final)
-        except BaseException:
+        except BaseException as e:
             if self._rank0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            full = _common.disk_full_error(e, self._output_dir, final.name) if isinstance(e, OSError) else None
+            if full is not None:
+                raise full from None
             raise
         dist.barrier()  # nobody reads or overwrites it before it is in place
         if self._rank0:
@@ -548,18 +632,22 @@ def recipe_main(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
+    recipe = None
     try:
         recipe = FullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
+        recipe.train()
+        recipe.cleanup()
     except BadInput as e:
         # One line from rank 0 (every rank finds the same error), no traceback.
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
-    recipe.train()
-    recipe.cleanup()
+    finally:
+        if recipe is not None:
+            recipe.release_output_dir()
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ or take the ``recipe_runner`` fixture, which fills in a fresh output_dir.
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -69,6 +71,13 @@ class RecipeRun:
     def losses(self) -> List[float]:
         return [m["loss"] for m in self.metrics]
 
+    @property
+    def error(self) -> str:
+        """The run's one ``error: ...`` line (asserting there is exactly one)."""
+        errors = [line for line in self.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, self.stderr[-3000:]
+        return errors[0]
+
 
 def read_metrics(output_dir: Path) -> List[Dict]:
     path = Path(output_dir) / "metrics.jsonl"
@@ -81,6 +90,13 @@ def recipe_env(**extra: str) -> Dict[str, str]:
     env = dict(os.environ)
     # Same thread count everywhere, so recorded losses do not depend on the machine's core count.
     env.setdefault("OMP_NUM_THREADS", "2")
+    # Same vector code everywhere: the recorded losses come from an AVX2 machine, and AVX-512 kernels (ATen's own,
+    # MKL's GEMMs, oneDNN's) sum in another order, which moved some recorded losses past 1e-4 on such a machine.
+    # Each variable caps the code path at AVX2 (MKL_CBWR is MKL's reproducibility mode for that), which any x86-64
+    # CPU of the last decade runs.
+    env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    env.setdefault("MKL_CBWR", "AVX2")
+    env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     if _SET_TRITON_INTERPRET:
         # Set above for the in-process kernel tests only; a recipe run takes its normal path
         # (pass TRITON_INTERPRET="1" here to run Triton kernels interpreted inside the recipe).
@@ -113,6 +129,18 @@ def run_recipe(output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fas
         cwd=REPO_ROOT, env=env or recipe_env(), capture_output=True, text=True, timeout=timeout,
     )
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
+
+
+def kill_once_saved(output_dir: Path, checkpoint: str, *overrides: str) -> None:
+    """Run the recipe and SIGKILL it as soon as ``{output_dir}/{checkpoint}`` exists (a crash right after a save)."""
+    proc = subprocess.Popen(recipe_command(output_dir, *overrides), cwd=REPO_ROOT, env=recipe_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (Path(output_dir) / checkpoint).exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (Path(output_dir) / checkpoint / "recipe_state.pt").exists()
 
 
 def wandb_history(run_dir: Path) -> List[Dict]:

@@ -1,0 +1,419 @@
+"""Reliability and security of the recipes (issue 18): planted pickles, non-finite steps, run folders, unknown keys,
+bad data, corrupt inputs, the checkpoint protocol, stop signals and resumes with changed settings.
+
+Most cases drive the recipe's entry point in this process (no ~8 s of imports per case) and most stop during setup;
+one real run (module fixture) provides checkpoints and reference losses, and one subprocess receives a SIGTERM.
+"""
+
+import errno
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import DATA_DIR, FAST, RecipeRun, RECIPE, REPO_ROOT, TINY_CONFIG, read_metrics, recipe_command, recipe_env, run_recipe
+
+
+def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
+    """recipe_main in this process, as `tune run` would call it."""
+    from recipes.full_finetune_single_device import recipe_main
+
+    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
+            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(REPO_ROOT)
+    capsys.readouterr()
+    code = 0
+    try:
+        recipe_main()
+    except SystemExit as e:
+        code = e.code or 0
+    captured = capsys.readouterr()
+    return RecipeRun(code, captured.out, captured.err, Path(output_dir), read_metrics(output_dir))
+
+
+@pytest.fixture
+def run(tmp_path, capsys, monkeypatch):
+    def go(*overrides, out=None):
+        return run_in_process(out or tmp_path / "out", *overrides, capsys=capsys, monkeypatch=monkeypatch)
+    return go
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """One uninterrupted FAST run (6 steps) with step_2, step_4 and epoch_0: checkpoints and reference losses."""
+    out = tmp_path_factory.mktemp("base") / "out"
+    result = run_recipe(out, "save_every_n_steps=2")
+    assert result.ok, result.stderr[-3000:]
+    return result
+
+
+def copy_checkpoint(base, name, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copytree(base.output_dir / name, dest / name))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. resume runs planted code
+# ------------------------------------------------------------------------------------------------
+
+
+class _Planted:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_in_recipe_state_is_refused_unrun(base, tmp_path, run):
+    ckpt = copy_checkpoint(base, "step_2", tmp_path / "ckpt")
+    marker = tmp_path / "PWNED"
+    torch.save({"config": _Planted(marker), "optimizer": {}}, ckpt / "recipe_state.pt")
+    result = run(f"resume_from_checkpoint={ckpt}")
+    assert result.returncode == 2
+    assert not marker.exists()
+    assert "recipe_state.pt" in result.error and "refused to load it" in result.error
+    assert "Traceback" not in result.stderr
+
+
+def test_load_state_file_accepts_every_optimizer_state_we_write():
+    """torch AdamW, ours, bitsandbytes' and the RNG states round-trip through weights_only loading."""
+    import io
+
+    import bitsandbytes.optim
+    import optimizers
+    from recipes import _common
+
+    def roundtrip(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+
+    for make in (torch.optim.AdamW, optimizers.AdamW8bit, optimizers.AdamW4bit,
+                 lambda p: bitsandbytes.optim.AdamW8bit(p, min_8bit_size=1)):
+        model = torch.nn.Linear(256, 256)
+        opt = make(model.parameters())
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()
+        roundtrip(opt.state_dict())
+    import numpy as np
+    np.random.seed(3)
+    state = roundtrip(_common.rng_state())
+    expected = np.random.rand()
+    np.random.seed(4)
+    _common.set_rng_state(state)
+    assert np.random.rand() == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. non-finite steps
+# ------------------------------------------------------------------------------------------------
+
+
+class PoisonedAdamW(torch.optim.AdamW):
+    """torch's AdamW whose gradients turn NaN at the given (1-based) steps: a hook on the first parameter poisons
+    its gradient after accumulation, before the recipe checks the step."""
+
+    def __init__(self, params, poison_at=(), **kwargs):
+        params = list(params)
+        super().__init__(params, **kwargs)
+        self.backward_calls = 0
+        poison = set(poison_at)
+
+        def hook(p):
+            self.backward_calls += 1
+            if self.backward_calls in poison:
+                p.grad.fill_(float("nan"))
+
+        params[0].register_post_accumulate_grad_hook(hook)
+
+
+POISON = f"optimizer._component_={__name__}.PoisonedAdamW"
+
+
+@pytest.mark.parametrize("clip", ["1.0", "null"])
+def test_nonfinite_step_is_skipped_counted_and_checkpoint_finite(run, tmp_path, clip):
+    result = run(POISON, "optimizer.poison_at=[2]", f"clip_grad_norm={clip}", "max_steps_per_epoch=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["skipped_steps"] for m in result.metrics] == [0, 1, 1]
+    assert all(math.isfinite(m["loss"]) for m in result.metrics[2:])
+    line = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[1]
+    assert "NaN" not in line and json.loads(line)["grad_norm"] is None  # strict JSON: null, not NaN
+    ckpt = tmp_path / "out" / "epoch_0"
+    assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values())
+    state = torch.load(ckpt / "recipe_state.pt", weights_only=True)
+    # 3 steps, one skipped: AdamW stepped twice (the skipped step left its state untouched)
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {2.0}
+    assert state["skipped_steps"] == 1
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(run, tmp_path):
+    result = run(POISON, "optimizer.poison_at=[2,3,4,5,6]", "max_consecutive_skipped_steps=3")
+    assert result.returncode == 2
+    assert "3 steps in a row had a non-finite loss or gradient" in result.error
+    assert not (tmp_path / "out" / "epoch_0").exists()
+
+
+def test_nonfinite_weights_are_never_written(tmp_path):
+    from recipes.full_finetune_single_device import BadInput, check_finite_weights
+
+    check_finite_weights({"w": torch.ones(3)}, tmp_path / "step_1", 1)
+    with pytest.raises(BadInput, match="not finite .*refused to write"):
+        check_finite_weights({"w": torch.ones(3), "v": torch.tensor([1.0, float("inf")])}, tmp_path / "step_1", 1)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("optimizer.lr=.nan", "optimizer.lr=nan must be a positive number"),  # (YAML spells NaN and inf with a dot)
+    ("optimizer.lr=.inf", "optimizer.lr=inf must be a positive number"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
+    ("optimizer.eps=0", "optimizer.eps=0 must be a finite number > 0"),
+    ("lr_scheduler.num_warmup_steps=-1", "lr_scheduler.num_warmup_steps=-1 must be a finite number >= 0"),
+    ("clip_grad_norm=.inf", "clip_grad_norm=inf must be a positive number"),
+    ("save_every_n_steps=0", "save_every_n_steps=0 must be a positive integer or null"),
+    ("seed=-1", "seed=-1 must be a non-negative integer"),
+    ("seed=1.5", "seed=1.5 must be a non-negative integer"),
+    ("model.num_layers=0", "model.num_layers=0 must be an integer >= 1"),
+    ("max_consecutive_skipped_steps=0", "max_consecutive_skipped_steps=0 must be a positive integer"),
+])
+def test_hyperparameters_are_checked(run, override, words):
+    result = run(override)
+    assert result.returncode == 2 and words in result.error
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. run folders
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def other_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_live_lock_refuses_naming_its_pid_and_stale_one_is_taken_over(run, tmp_path, other_process):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").write_text(json.dumps({"pid": other_process.pid}))
+    result = run()
+    assert result.returncode == 2
+    assert f"in use by a live run (PID {other_process.pid}" in result.error
+
+    from recipes._common import OutputDirLock
+
+    (out / ".lock").write_text(json.dumps({"pid": dead_pid()}))
+    lock = OutputDirLock(out)
+    lock.acquire()
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (out / ".lock").exists()
+
+
+def test_fresh_run_into_a_used_folder_refuses_unless_overwrite(run, tmp_path):
+    out = tmp_path / "out"
+    (out / "epoch_0").mkdir(parents=True)
+    (out / "epoch_0" / "model.safetensors").write_bytes(b"old")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    result = run()
+    assert result.returncode == 2
+    for words in ("already holds a run", "output_dir=DIR", "overwrite=True", "resume_from_checkpoint="):
+        assert words in result.error
+    assert (out / "epoch_0" / "model.safetensors").read_bytes() == b"old"
+
+    result = run("overwrite=True", "max_steps_per_epoch=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["step"] for m in result.metrics] == [1]
+    assert (out / "epoch_0" / "model.safetensors").stat().st_size > 1000
+    assert not (out / ".lock").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. unknown config keys
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_closest(run):
+    result = run("save_every_n_step=2")
+    assert result.returncode == 2
+    assert "save_every_n_step is not a config key" in result.error and "did you mean save_every_n_steps" in result.error
+
+
+def test_known_keys_cover_every_config_file():
+    from omegaconf import OmegaConf
+
+    from recipes.full_finetune_distributed import FullFinetuneRecipeDistributed
+    from recipes.full_finetune_single_device import KNOWN_CONFIG_KEYS
+
+    known = set(FullFinetuneRecipeDistributed.known_config_keys)
+    for path in [*(REPO_ROOT / "configs").glob("*.yaml"), *(REPO_ROOT / "configs" / "llama2").glob("*.yaml")]:
+        keys = set(OmegaConf.load(path).keys())
+        assert keys <= known, (path, keys - known)
+    for key in ("pack_cache_dir", "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib",
+                "overwrite", "max_consecutive_skipped_steps"):
+        assert key in KNOWN_CONFIG_KEYS
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. bad data
+# ------------------------------------------------------------------------------------------------
+
+
+GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi."}
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"instruction": "a", "input": "", "output": True}, "record 1 of {f}: field 'output' is True"),
+    ({"instruction": 7, "input": "", "output": "x"}, "record 1 of {f}: field 'instruction' is 7"),
+])
+def test_non_string_fields_are_refused(run, tmp_path, bad, words):
+    f = tmp_path / "data.json"
+    f.write_text(json.dumps([GOOD, bad, GOOD]))
+    result = run(f"dataset.data_files={f}")
+    assert result.returncode == 2 and words.format(f=f) in result.error
+
+
+def test_tokenizer_longer_than_model_is_refused(run):
+    result = run("tokenizer.max_seq_len=1024")
+    assert result.returncode == 2
+    assert "tokenizer.max_seq_len=1024 is longer than the model's max_seq_len=512" in result.error
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. corrupt inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_truncated_weights_and_garbage_state_are_one_line(base, tmp_path, run):
+    ckpt = copy_checkpoint(base, "step_2", tmp_path / "a")
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = run(f"resume_from_checkpoint={ckpt}")
+    assert result.returncode == 2 and f"{weights} is not a readable safetensors file" in result.error
+
+    ckpt = copy_checkpoint(base, "step_2", tmp_path / "b")
+    (ckpt / "recipe_state.pt").write_bytes(b"garbage" * 100)
+    result = run(f"resume_from_checkpoint={ckpt}")
+    assert result.returncode == 2 and f"{ckpt / 'recipe_state.pt'} is unreadable" in result.error
+
+
+def test_checkpoint_of_another_size_and_pickled_bin_are_one_line(base, tmp_path, run):
+    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", "model.embed_dim=128")
+    assert result.returncode == 2 and "do not fit the model config" in result.error
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    marker = tmp_path / "PWNED"
+    torch.save({"w": _Planted(marker)}, folder / "pytorch_model.bin")
+    result = run(f"checkpoint_dir={folder}")
+    assert result.returncode == 2 and str(folder / "pytorch_model.bin") in result.error
+    assert not marker.exists()
+
+
+def test_full_disk_while_saving_is_one_line(run, tmp_path, monkeypatch):
+    import recipes.full_finetune_single_device as recipe
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recipe, "save_file", full)
+    result = run("max_steps_per_epoch=1")
+    assert result.returncode == 2
+    assert f"no space left on the disk of {tmp_path / 'out'} while writing epoch_0" in result.error
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith((".tmp-", "epoch_"))]
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. checkpoint protocol
+# ------------------------------------------------------------------------------------------------
+
+
+def test_recovery_restores_old_and_removes_dead_tmp(tmp_path, other_process, monkeypatch):
+    from recipes import _common
+
+    dead = dead_pid()
+    (tmp_path / f".old-step_2-{dead}-abcd1234").mkdir()
+    (tmp_path / f".old-step_2-{dead}-abcd1234" / "model.safetensors").write_text("w")
+    (tmp_path / f".tmp-step_4-{dead}-abcd1234").mkdir()
+    (tmp_path / f".tmp-step_6-{other_process.pid}-abcd1234").mkdir()
+    _common.recover_run_folder(tmp_path)
+    assert (tmp_path / "step_2" / "model.safetensors").read_text() == "w"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-step_6-{other_process.pid}-abcd1234", "step_2"]
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    a, b = _common.tmp_dir(tmp_path, "step_8"), _common.tmp_dir(tmp_path, "step_8")
+    assert a != b  # a PID plus a random part: never the same name twice
+    (a / "f").write_text("x")
+    _common.finish_dir(a)
+    _common.replace_dir(a, tmp_path / "step_2")
+    assert len(synced) >= 3 and (tmp_path / "step_2" / "f").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. SIGTERM
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(base, tmp_path, run):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(recipe_command(out), cwd=REPO_ROOT, env=recipe_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(m["step"] >= 2 for m in read_metrics(out)):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    steps = sorted(int(p.name[5:]) for p in out.glob("step_*"))
+    assert len(steps) == 1 and 2 <= steps[0] < 6, steps
+    n = steps[0]
+    resumed = run(f"resume_from_checkpoint={out / f'step_{n}'}", out=out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    tail = resumed.metrics[-(6 - n):]
+    assert [m["step"] for m in tail] == list(range(n + 1, 7))
+    assert [m["loss"] for m in tail] == pytest.approx(base.losses[n:], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. resume with changed settings
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, words", [
+    ("batch_size=4", "batch_size=4 differs from the checkpoint's 2"),
+    ("seed=1", "seed=1 differs from the checkpoint's 42"),
+    ("shuffle=False", "shuffle=False differs from the checkpoint's True"),
+    ("optimizer.lr=0.001", "optimizer.lr=0.001 differs from the checkpoint's 0.01"),
+])
+def test_resume_with_changed_settings_is_refused(base, run, override, words):
+    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", override)
+    assert result.returncode == 2 and words in result.error
+
+
+def test_resume_past_the_end_trains_nothing(base, run, tmp_path):
+    result = run(f"resume_from_checkpoint={base.output_dir / 'epoch_0'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing to train" in result.stderr + result.stdout
+    assert result.metrics == [] and not list((tmp_path / "out").glob("epoch_*"))
