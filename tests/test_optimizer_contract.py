@@ -46,6 +46,17 @@ def _grads(shapes, steps, seed=1):
     return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
 
 
+def _stepped_twice(cls, backend, shapes, grads):
+    """Fresh parameters and an optimizer of ``cls`` over them, stepped on the first two of ``grads``."""
+    ps = _params(shapes)
+    opt = cls(ps, lr=0.05, backend=backend, **_small(cls))
+    for gs in grads[:2]:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+    return ps, opt
+
+
 def _rel_err(got, ref, init):
     """|got - ref| / |ref - init| over all tensors: the error of the total update."""
     num = sum(float((a.detach().float() - r.detach().float()).norm() ** 2) for a, r in zip(got, ref))
@@ -271,12 +282,7 @@ def test_a_copy_steps_like_the_original(cls, backend, how):
     the parameters that steps exactly as the original does, as torch's optimizers do."""
     shapes = [(4, 128), (40,)]
     grads = _grads(shapes, 4)
-    ps = _params(shapes)
-    opt = cls(ps, lr=0.05, backend=backend, **_small(cls))
-    for gs in grads[:2]:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
-        opt.step()
+    ps, opt = _stepped_twice(cls, backend, shapes, grads)
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     qs = twin.param_groups[0]["params"]
     assert all(p is not q and torch.equal(p, q) for p, q in zip(ps, qs))
@@ -328,12 +334,7 @@ def test_a_step_count_saved_as_a_number_loads(cls, backend):
     well as a tensor; ours must too, and continue exactly as from the tensor."""
     shapes = [(4, 128), (40,)]
     grads = _grads(shapes, 3)
-    ps = _params(shapes)
-    opt = cls(ps, lr=0.05, backend=backend, **_small(cls))
-    for gs in grads[:2]:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
-        opt.step()
+    ps, opt = _stepped_twice(cls, backend, shapes, grads)
     sd = opt.state_dict()
     as_number = dict(sd, state={k: dict(v, step=int(v["step"]) if k == 0 else float(v["step"]))
                                 for k, v in sd["state"].items()})
