@@ -2,6 +2,10 @@
 
     python bench/optimizer_step.py --out bench/results/optimizer_step_h200.json
 
+The default variants are torch's AdamW, every variant registered in ``optimizers.VARIANTS`` (their config paths, in
+registration order) and the field's 8-bit, 4-bit and FP8 AdamWs; ``--variants`` takes any of those names, a
+registered short key (``ours8``) or ``optimizers.AdamW8bit(tile_blocks=2)``-style names with keyword arguments.
+
 Parameters are the 291 tensors of Llama2-7B (6.738 B) in bf16 at random values with random bf16 gradients
 (no weights are needed to time an optimizer). For each variant, in this order, in the same process: build the
 optimizer, time the first step (wall clock, includes Triton / torch.compile compilation), run warm-up steps,
@@ -51,12 +55,11 @@ def make_variant(name: str, params):
         return torch.optim.AdamW(params, lr=lr, fused=True)
     if name == "torch.optim.AdamW(foreach=True)":
         return torch.optim.AdamW(params, lr=lr, foreach=True)
-    if name.startswith("optimizers."):
-        import optimizers
-
-        cls_name, _, kw = name[len("optimizers."):].partition("(")
+    variant = registered(name)
+    if variant is not None:
+        _, _, kw = name.partition("(")
         kwargs = eval(f"dict({kw[:-1]})") if kw else {}  # noqa: S307 - our own fixed variant strings
-        return getattr(optimizers, cls_name)(params, lr=lr, **kwargs)
+        return variant.cls(params, lr=lr, **{**variant.kwargs, **kwargs})
     if name.startswith("torchao.optim."):
         import torchao.optim
 
@@ -115,28 +118,38 @@ def time_variant(name, shapes, steps, warmup, device):
     return rec
 
 
-DEFAULT_VARIANTS = [
-    "torch.optim.AdamW(fused=True)",
-    "torch.optim.AdamW(foreach=True)",
-    "optimizers.AdamW",
-    "optimizers.AdamW8bit",
-    "optimizers.AdamW4bit",
-    "optimizers.AdamWFp8",
-    "torchao.optim.AdamW8bit",
-    "torchao.optim.AdamW4bit",
-    "torchao.optim.AdamWFp8",
-    "bitsandbytes.optim.AdamW8bit",
-]
+def registered(name: str):
+    """The ``optimizers.Variant`` that ``name`` (a short key or a config path, optionally with "(kwargs)") names, or
+    None."""
+    import optimizers
+
+    base = name.partition("(")[0]
+    for v in optimizers.VARIANTS.values():
+        if base in (v.key, v.component):
+            return v
+    return None
+
+
+def default_variants() -> list[str]:
+    """torch's AdamW, then ours (``optimizers.VARIANTS``, read now), then the field's."""
+    import optimizers
+
+    return (["torch.optim.AdamW(fused=True)", "torch.optim.AdamW(foreach=True)"]
+            + [v.component for v in optimizers.VARIANTS.values()]
+            + ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit", "torchao.optim.AdamWFp8",
+               "bitsandbytes.optim.AdamW8bit"])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=None, help="default: see default_variants()")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--shapes", choices=["llama2_7b", "small"], default="llama2_7b")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
+    if args.variants is None:
+        args.variants = default_variants()
     if not torch.cuda.is_available():
         sys.exit("bench/optimizer_step.py needs a CUDA GPU (it times device kernels)")
     shapes = llama2_7b_shapes() if args.shapes == "llama2_7b" else small_shapes()

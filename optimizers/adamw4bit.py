@@ -4,47 +4,32 @@ Bytes per parameter: 1 (two 4-bit codes) + 2 x 4/128 scale = 1.06.
 
 - First moment: sign and 3 bits E, the value (2^E - 1) / 127 of the block's absmax (0, 1/127, 3/127, ..., 63/127,
   1), **rounded stochastically** (up with probability equal to the distance from the level below over the gap, so the
-  stored moment is unbiased). Rounding to the nearest of 16 values was what kept 4-bit from matching the fp32
-  reference: a momentum that decays by b1 = 0.9 a step stays at its level when the levels are more than ~20 % apart
-  (every 4-bit map), so small gradients neither move it nor let it fade. In the loss-parity runs
-  (bench/results/loss_parity.json) the nearest-rounded 4-bit first moment cost +1.8 % held-out loss (+4.0 % with an
-  exact second moment: the coarse v had been hiding it), an 8-bit one or this one nothing measurable. Encoding is
-  arithmetic on fp32 bits: z = |m| / absmax * 127 + 1 lies in [2^E, 2^(E+1)] exactly when m lies between levels E
-  and E + 1, and z's mantissa is the linear position between them, so adding 23 random bits to z's bits and
-  keeping the exponent is the stochastic rounding (one multiply-add, one add, one shift, the sign: fewer
-  instructions than the nearest-value table it replaced, and no table gathers, yet the 4-bit step measured ~0.8 ms
-  slower on the H200, 15.8 against 15.1 ms; not explained, see docs/optimizers.md). The bits come from the kernel's
-  per-element Weyl dither (``_update._m_dither``), the same in both paths. Decoded from a 16-value table (one
-  cache line).
-- Second moment (``second_moment=``), none of them with a zero code, as in "Memory Efficient Optimizers with 4-bit
-  States" (Li et al., 2023): with a zero code, small second moments round to 0 and m / (sqrt(v) + eps) explodes;
-  without it they round up, which only shrinks those steps.
-
-  - ``"root"`` (default): u = sqrt(v), the update's denominator, on an unsigned float code with 3 exponent bits
-    and 1 mantissa bit: code 2e + f is 2^(e-7) (1 + f/2) of umax / 1.5, i.e. u to within 20 % over 8 octaves
-    (v: 2.7e-5 of the block max v up). Encoding is an add and a shift on the fp32 bits (the dynamic map takes ~25
-    instructions), and it is the most accurate of the three in the loss-parity runs
-    (bench/results/loss_parity.json): measured mean error of u on chi-squared-like blocks 14 % against 61 % for the
-    dynamic map, whose smallest values are far apart.
-  - ``"dynamic"``: the unsigned 4-bit dynamic map (0 only for v = 0; 14 values from 16^-3 of the block max up, and
-    1.0); format ``4bit-dynamic-v.v3`` (``4bit.v2``, the default before, with a nearest-rounded first moment).
-  - ``"linear"``: values (c + 1) / 16 of the block max (the paper's linear map). Second moments span g^2's range,
-    so inside one block they differ by orders of magnitude; a linear map floors everything under 1/16 of the block
-    max, which shrinks those elements' steps (seen in the loss-parity runs).
+  stored moment is unbiased). Rounded to the nearest of 16 values, a momentum that decays by b1 = 0.9 a step stays at
+  its level when the levels are more than ~20 % apart (every 4-bit map), so small gradients neither move it nor let
+  it fade. Encoding is arithmetic on fp32 bits: z = |m| / absmax * 127 + 1 lies in [2^E, 2^(E+1)] exactly when m lies
+  between levels E and E + 1, and z's mantissa is the linear position between them, so adding 23 random bits to z's
+  bits and keeping the exponent is the stochastic rounding (one multiply-add, one add, one shift, the sign). The bits
+  come from the kernel's per-element Weyl dither (``_random_bits._m_dither``), the same in both paths. Decoded from a
+  16-value table (one cache line).
+- Second moment: u = sqrt(v), the update's denominator, on an unsigned float code with 3 exponent bits and 1 mantissa
+  bit: code 2e + f is 2^(e-7) (1 + f/2) of umax / 1.5, i.e. u to within 20 % over 8 octaves (v: 2.7e-5 of the block
+  max v up). No zero code, as in "Memory Efficient Optimizers with 4-bit States" (Li et al., 2023): with a zero code,
+  small second moments round to 0 and m / (sqrt(v) + eps) explodes; without it they round up, which only shrinks
+  those steps. Encoding is an add and a shift on the fp32 bits.
 
   The paper's rank-1 normalisation (scale = min(row max, column max)) would need a whole-tensor reduction before
   quantising, a second pass over the state; block-wise scaling keeps the update one pass.
 
 Packing: byte j of a block holds element j (low nibble) and element j + 64 (high nibble), so the kernel packs
-two halves it already holds in registers, with no shuffles.
+two halves it already holds in registers, with no shuffles. docs/optimizers/adamw4bit.md has the measurements.
 """
 
 import torch
 
-from . import _dynamic_map as dm
-from .adamw_fp8 import interleave4
+from ._codes import interleave4, inv_absmax, inv_absmax_tl
+from ._format import _INTERP, StateFormat, ld, ldb, st_scale, stb
+from ._optimizer import LowBitAdamW
 from ._triton import jit, tl
-from ._update import _INTERP, LowBitAdamW, StateFormat, ld, ldb, st_scale, stb
 
 BLOCK = 128
 _BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
@@ -55,13 +40,13 @@ _QMAP_SIGNED = torch.cat([_M_LEVELS, -_M_LEVELS])
 # |m| / absmax * M_SCALE + 1 < 128 even for the block max (1/absmax is rounded, maybe up): E <= 7 after any dither
 M_SCALE = float(torch.tensor(127.0 * (1.0 - 2.0 ** -20), dtype=torch.float32))
 _M_SCALE = tl.constexpr(M_SCALE)
-_QMAP_DYNAMIC = dm.dynamic_map(4, signed=False)
-_QMAP_LINEAR = (torch.arange(16, dtype=torch.float32) + 1.0) / 16.0
-
-
-def _encode_linear(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    c = torch.floor((x.abs() * inv) * 16.0 + 0.5) - 1.0
-    return torch.clamp(c, 0.0, 15.0).to(torch.int32)
+_M_TABLE = _QMAP_SIGNED.view(torch.int32).clone()  # the decoder's 16 values, as fp32 bits (the kernel's lut)
+# Second moment's code: u = sqrt(v) as 2^(e-7) (1 + f/2) of umax / 1.5 (e = 0..7, f = 0, 1); no zero
+ROOT_TOP = 1.5
+ROOT_FLOOR_BITS = (127 - 7) << 23  # bits of 2^-7, code 0
+_ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP)
+_ROOT_TOP = tl.constexpr(ROOT_TOP)
+_ROOT_FLOOR_BITS = tl.constexpr(ROOT_FLOOR_BITS)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -69,18 +54,9 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return (codes[:, :half] | (codes[:, half:] << 4)).to(torch.uint8)
 
 
-def _unpack(codes: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    c = codes.long()
-    qmap = qmap.to(codes.device)
-    return torch.cat([qmap[c & 15], qmap[c >> 4]], dim=1)
-
-
-_M_TABLE = _QMAP_SIGNED.view(torch.int32).clone()  # the decoder's 16 values, as fp32 bits (the kernel's lut)
-
-
 def encode_m(x: torch.Tensor, inv: torch.Tensor, dither: torch.Tensor = None) -> torch.Tensor:
     """The first moment's code (twin of ``_encode_m_tl``): x fp32 [nblk, k], inv = 1/absmax [nblk, 1], dither int
-    [nblk, k] in [0, 2^23) (``_update.m_dither``) or None for round-to-nearest (ties up) -> int32 codes.
+    [nblk, k] in [0, 2^23) (``_random_bits.m_dither``) or None for round-to-nearest (ties up) -> int32 codes.
 
     z = |x| * inv * M_SCALE + 1 is computed in float64 and rounded once to fp32, as the kernel's fused multiply-add
     rounds it (the product of two fp32 values is exact in float64)."""
@@ -89,34 +65,6 @@ def encode_m(x: torch.Tensor, inv: torch.Tensor, dither: torch.Tensor = None) ->
     z = z + (dither if dither is not None else (1 << 22))
     e = (z >> 23) - 127
     return (e | ((x.view(torch.int32) >> 28) & 8)).to(torch.int32)
-
-
-def quantize(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
-    absmax, inv = dm.inv_absmax(x)
-    codes = encode_m(x, inv[:, None], dither) if signed else dm.encode(x, inv[:, None], 4, signed)
-    return _pack(codes), absmax
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
-    return _unpack(codes, _QMAP_SIGNED if signed else _QMAP_DYNAMIC) * scale[:, None]
-
-
-def quantize_linear_v(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
-    if signed:
-        return quantize(x, signed, dither)
-    absmax, inv = dm.inv_absmax(x)
-    return _pack(_encode_linear(x, inv[:, None])), absmax
-
-
-def dequantize_linear_v(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
-    return _unpack(codes, _QMAP_SIGNED if signed else _QMAP_LINEAR) * scale[:, None]
-
-
-# "root": v stored as u = sqrt(v) on an unsigned float code with 3 exponent bits and 1 mantissa bit: code 2e + f is
-# 2^(e-7) (1 + f/2) of umax / 1.5 (e = 0..7, f = 0, 1), so the largest code is the block's max and the smallest
-# 2^-7 / 1.5 of it (v: 2.7e-5 of the block's max v). No zero: u below the smallest code takes it.
-ROOT_TOP = 1.5
-ROOT_FLOOR_BITS = (127 - 7) << 23  # bits of 2^-7, code 0
 
 
 def _encode_root(u: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -131,17 +79,19 @@ def _decode_root(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return u * u
 
 
-def quantize_root_v(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
+def quantize(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
     if signed:
-        return quantize(x, signed, dither)
+        absmax, inv = inv_absmax(x)
+        return _pack(encode_m(x, inv[:, None], dither)), absmax
     u = x.sqrt()
-    umax, inv = dm.inv_absmax(u)
+    umax, inv = inv_absmax(u)
     return _pack(_encode_root(u, inv[:, None])), umax
 
 
-def dequantize_root_v(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     if signed:
-        return dequantize(codes, scale, signed)
+        c, qmap = codes.long(), _QMAP_SIGNED.to(codes.device)
+        return torch.cat([qmap[c & 15], qmap[c >> 4]], dim=1) * scale[:, None]
     c = codes.to(torch.int32)
     return torch.cat([_decode_root(c & 15, scale), _decode_root(c >> 4, scale)], dim=1)
 
@@ -150,7 +100,7 @@ def dequantize_root_v(codes: torch.Tensor, scale: torch.Tensor, signed: bool) ->
 def _load(codes, scale, lo, hi, rows, bmask):
     """A tile's packed codes as int32 words ([NB, BLOCK/8]: 4 bytes, 8 codes each; both halves' codes are in them, so
     raw_hi is the same tensor) and its block scales. Words rather than a uint8 tensor for the reason given in
-    ``adamw_fp8.load_words``."""
+    ``_codes.load_words``."""
     NB: tl.constexpr = lo.shape[0]
     K: tl.constexpr = lo.shape[1] // 4
     w = tl.arange(0, NB)[:, None] * K + tl.arange(0, K)[None, :]
@@ -172,7 +122,7 @@ def _gather(lut, idx):
     scattered addresses makes Triton's coalescing pass give the whole update a one-element-per-thread layout, with
     shared-memory round trips to convert to and from it (11 barriers per tile). The address is formed on its low 32
     bits only, by one multiply-add (the bucket's copy of the table never straddles a 4 GiB boundary:
-    ``_update._no_4g_crossing``); a 64-bit add would take two instructions."""
+    ``_buckets.no_4g_crossing``); a 64-bit add would take two instructions."""
     if _INTERP:
         return tl.load(lut + idx)
     else:
@@ -187,8 +137,8 @@ def _gather(lut, idx):
 def _decode_m_tl(words, s, lut):
     """The first moment: codes -> table values times the block scale, one gather per element from the 16 values (64
     bytes: one cache line). A table of byte pairs (256 x 2 values, one gather per two elements) took fewer
-    instructions but was slower on the H200 (16.1 vs 15.8-16.0 ms device a 7B step, session 4): its 2 KB spread
-    each warp's gathers over up to 16 cache lines, and the L1's line throughput was then what limited the step."""
+    instructions but was slower on the H200 (16.1 vs 15.8-16.0 ms device a 7B step): its 2 KB spread each warp's
+    gathers over up to 16 cache lines, and the L1's line throughput was then what limited the step."""
     s = s[:, None]
     c_lo, c_hi = _nibbles(words)
     return _gather(lut, c_lo).to(tl.float32, bitcast=True) * s, _gather(lut, c_hi).to(tl.float32, bitcast=True) * s
@@ -205,29 +155,24 @@ def _encode_m_tl(x, inv, d):
 
 
 @jit
-def _decode(words, unused, s, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        return _decode_m_tl(words, s, lut)
-    else:
-        s = s[:, None]
-        c_lo, c_hi = _nibbles(words)
-        return dm.decode_tl(c_lo, 4, False) * s, dm.decode_tl(c_hi, 4, False) * s
+def _decode_root_tl(w, s):
+    """The second moment: nibble c -> fp32 bits (c << 22) + bits(2^-7), per nibble of the word a shift and one
+    and-or (the two fields do not overlap); then u times the block scale, squared."""
+    m: tl.constexpr = 15 << 22
+    z_lo = interleave4((w << 22) & m, (w << 14) & m, (w << 6) & m, (w >> 2) & m)
+    z_hi = interleave4((w << 18) & m, (w << 10) & m, (w << 2) & m, (w >> 6) & m)
+    z_lo = (z_lo | _ROOT_FLOOR_BITS).to(tl.float32, bitcast=True)
+    z_hi = (z_hi | _ROOT_FLOOR_BITS).to(tl.float32, bitcast=True)
+    k = (s * _ROOT_DEC)[:, None]
+    u_lo = z_lo * k
+    u_hi = z_hi * k
+    return u_lo * u_lo, u_hi * u_hi
 
 
 @jit
-def _decode_linear_v(byte, unused, s, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        return _decode(byte, unused, s, lut, True)
-    else:  # (c + 1) / 16
-        s = s[:, None] * 0.0625
-        c_lo, c_hi = _nibbles(byte)
-        return (c_lo + 1).to(tl.float32) * s, (c_hi + 1).to(tl.float32) * s
-
-
-@jit
-def _encode_linear_tl(x, inv, lut):
-    c = tl.floor((tl.abs(x) * inv) * 16.0 + 0.5) - 1.0
-    return tl.minimum(tl.maximum(c, 0.0), 15.0).to(tl.int32)
+def _encode_root_tl(u, inv, lut):
+    k = inv * _ROOT_TOP
+    return tl.maximum((u * k).to(tl.int32, bitcast=True) - (_ROOT_FLOOR_BITS - (1 << 21)), 0) >> 22
 
 
 @jit
@@ -238,18 +183,21 @@ def _store_nibbles(codes, lo, rows, bmask, c_lo, c_hi):
 
 @jit
 def _encode_store(codes, scale, lo, rows, bmask, x_lo, x_hi, aux_lo, aux_hi, ENCODE: tl.constexpr):
-    """The store every 4-bit code shares: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax
-    [NB, 1], aux) gives the codes, packed and stored by ``_store_nibbles``. aux: the table (``lut``) for the second
-    moment's encoders, each half's dither for the first moment's."""
-    absmax, inv = dm.inv_absmax_tl(x_lo, x_hi)
+    """The store both moments share: the blocks' absmax is their scale (stored), and ENCODE(x, 1/absmax [NB, 1],
+    aux) gives the codes, packed and stored by ``_store_nibbles``. aux: the table (``lut``) for the second moment's
+    encoder, each half's dither for the first moment's."""
+    absmax, inv = inv_absmax_tl(x_lo, x_hi)
     st_scale(scale, lo, absmax, bmask, _BLOCK)
     inv = inv[:, None]
     _store_nibbles(codes, lo, rows, bmask, ENCODE(x_lo, inv, aux_lo), ENCODE(x_hi, inv, aux_hi))
 
 
 @jit
-def _encode_dynamic_v_tl(x, inv, lut):
-    return dm.encode_tl(x, inv, 4, False)
+def _decode(words, unused, s, lut, SIGNED: tl.constexpr):
+    if SIGNED:
+        return _decode_m_tl(words, s, lut)
+    else:
+        return _decode_root_tl(words, s)
 
 
 @jit
@@ -257,99 +205,29 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, 
     if SIGNED:  # root_lo/hi: the first moment's dither (see StateFormat.dithered_m)
         _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, root_lo, root_hi, _encode_m_tl)
     else:
-        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, lut, _encode_dynamic_v_tl)
-
-
-@jit
-def _store_linear_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
-    else:
-        _encode_store(codes, scale, lo, rows, bmask, val_lo, val_hi, lut, lut, _encode_linear_tl)
-
-
-def _format(name, quantize_fn, dequantize_fn, decode, store) -> StateFormat:
-    """The three 4-bit formats differ only in their second moment's code."""
-    return StateFormat(name=name, block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
-                       quantize=quantize_fn, dequantize=dequantize_fn, triton_load=_load, triton_decode=decode,
-                       triton_store=store, bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE, dithered_m=True,
-                       # More registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
-                       # (session 6, bench/results/optimizer_sweep_h200.log), device ms per 7B step: 160 / 12: 15.8;
-                       # 168 / 12: 16.0; 160 / 11: 16.4; 128 / 16: 18.1; uncapped / 12: 19.4. With stochastic
-                       # rounding of the weights, 160 / 12: 17.7.
-                       tile_blocks=4, num_warps=1, programs_per_sm=12, max_registers=160)
-
-
-FORMAT_DYNAMIC_V = _format("4bit-dynamic-v.v3", quantize, dequantize, _decode, _store)
-FORMAT_LINEAR_V = _format("4bit-linear-v.v3", quantize_linear_v, dequantize_linear_v, _decode_linear_v,
-                          _store_linear_v)
-
-_ROOT_DEC = tl.constexpr(1.0 / ROOT_TOP)
-_ROOT_TOP = tl.constexpr(ROOT_TOP)
-_ROOT_FLOOR_BITS = tl.constexpr(ROOT_FLOOR_BITS)
-
-
-@jit
-def _decode_root_v(byte, unused, s, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        return _decode(byte, unused, s, lut, True)
-    else:
-        # nibble c -> fp32 bits (c << 22) + bits(2^-7): per nibble of the word, a shift and one and-or (the two
-        # fields do not overlap)
-        w = byte
-        m: tl.constexpr = 15 << 22
-        z_lo = interleave4((w << 22) & m, (w << 14) & m, (w << 6) & m, (w >> 2) & m)
-        z_hi = interleave4((w << 18) & m, (w << 10) & m, (w << 2) & m, (w >> 6) & m)
-        z_lo = (z_lo | _ROOT_FLOOR_BITS).to(tl.float32, bitcast=True)
-        z_hi = (z_hi | _ROOT_FLOOR_BITS).to(tl.float32, bitcast=True)
-        k = (s * _ROOT_DEC)[:, None]
-        u_lo = z_lo * k
-        u_hi = z_hi * k
-        return u_lo * u_lo, u_hi * u_hi
-
-
-@jit
-def _encode_root_tl(u, inv, lut):
-    k = inv * _ROOT_TOP
-    return tl.maximum((u * k).to(tl.int32, bitcast=True) - (_ROOT_FLOOR_BITS - (1 << 21)), 0) >> 22
-
-
-@jit
-def _store_root_v(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
-    if SIGNED:
-        _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, True)
-    else:
         _encode_store(codes, scale, lo, rows, bmask, root_lo, root_hi, lut, lut, _encode_root_tl)
 
 
-FORMAT = _format("4bit.v4", quantize_root_v, dequantize_root_v, _decode_root_v, _store_root_v)
+FORMAT = StateFormat(
+    name="4bit.v4", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
+    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
+    bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE, dithered_m=True,
+    # More registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
+    # (bench/results/optimizer_sweep_h200.log), device ms per 7B step: 160 / 12: 15.8; 168 / 12: 16.0;
+    # 160 / 11: 16.4; 128 / 16: 18.1; uncapped / 12: 19.4. With stochastic rounding of the weights, 160 / 12: 17.7.
+    tile_blocks=4, num_warps=1, programs_per_sm=12, max_registers=160,
+)
 
 
 class AdamW4bit(LowBitAdamW):
     """AdamW with 4-bit blockwise (block 128) states: about 1.06 bytes of state per parameter.
 
-    Same arguments and defaults as ``torch.optim.AdamW`` (``amsgrad`` unsupported), plus ``second_moment``
-    (``"root"``, the default, ``"dynamic"`` or ``"linear"``: see the module docstring) and the keyword-only extras of
+    Same arguments and defaults as ``torch.optim.AdamW`` (``amsgrad`` unsupported), plus the keyword-only extras of
     ``optimizers.AdamW8bit`` (``backend``, ``min_quant_numel``, ``stochastic_round``, ``compensate``).
 
-    bf16 weights are rounded stochastically by default (``stochastic_round=None``: on unless ``compensate=True``;
-    ``False`` rounds to nearest): round-to-nearest drops the updates below half a bf16 ulp, most of them at
-    fine-tuning learning rates (measured: 0.26-0.29 of the fp32-master reference's loss improvement kept, against
-    0.99-1.01 stochastically rounded; ``optimizers.AdamW8bit``'s docstring has the setup). It costs ~2.2 ms per
-    Llama2-7B step on the H200. fp32 weights are unaffected. (The first moment's stochastic rounding, above, is
-    another thing and always on.)
+    bf16 weights are rounded stochastically by default (see ``optimizers.AdamW8bit``); it costs ~1.8 ms per
+    Llama2-7B step on the H200 (bench/results/optimizer_step_h200.json). (The first moment's stochastic rounding,
+    above, is another thing and always on.)
     """
 
     FORMAT = FORMAT
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, second_moment="root", backend="auto", min_quant_numel=4096,
-                 stochastic_round=None, compensate=False, tile_blocks=None, num_warps=None, programs_per_sm=None):
-        # Spelled out (no **kwargs): the recipe reads this signature to drop torch-only flags such as fused=True.
-        formats = {"root": FORMAT, "dynamic": FORMAT_DYNAMIC_V, "linear": FORMAT_LINEAR_V}
-        if second_moment not in formats:
-            raise ValueError(f"second_moment must be 'root', 'dynamic' or 'linear', got {second_moment!r}")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, backend=backend,
-                         min_quant_numel=min_quant_numel, stochastic_round=stochastic_round, compensate=compensate,
-                         tile_blocks=tile_blocks, num_warps=num_warps, programs_per_sm=programs_per_sm,
-                         _format=formats[second_moment])

@@ -2,28 +2,26 @@
 
 Bytes per parameter: 2 codes + 2 x 4/256 scale = 2.03 (torch AdamW with fp32 states: 8; bf16 states: 4).
 
-- First moment: e4m3 of m / absmax * 448 (sign, 4 exponent and 3 mantissa bits; ``adamw_fp8.py``'s code).
+- First moment: e4m3 of m / absmax * 448 (sign, 4 exponent and 3 mantissa bits; ``_codes.py``).
 - Second moment: its square root u = sqrt(v), which is what the update divides by, as an unsigned 8-bit float
   with 4 exponent and 4 mantissa bits: code 16e + f is 2^(e-15) (1 + f/16) of umax / 1.9375, so the largest code is
   the block's max and the smallest is 1.6e-5 of it (v: 2.5e-10 of the block's max v). Nothing positive rounds to zero:
   u below the smallest code takes it (a zero v under a non-zero m would blow the update up).
 
-Why these and not bitsandbytes' dynamic map (sign, a unary-coded decade, a linear fraction; 8bit.v2 here used a
-power-of-16 variant): the dynamic map spends ~25 instructions per value to encode and ~12 to decode, and with both
-moments that made our 8-bit step issue-bound at 2.3x the 16-bit one on the H200 (docs/optimizers.md). A float code
-is read off the fp32 exponent and mantissa bits: e4m3 is one hardware conversion per two values, the u code an
-add and a shift. Accuracy: m gets 3 mantissa bits at every magnitude (the dynamic map has up to 6 next to the block
-max and fewer below 1e-2 of it), u 4 (<= 1/32 on the step's denominator) over 16 octaves. In the loss-parity runs
-(bench/results/loss_parity.json) this format is closer to the fp32 reference than the dynamic one was: held-out gap
-+0.66 % against +0.92 % with bf16 weights, -0.02 % against +0.23 % with fp32 weights.
+Why float codes and not bitsandbytes' dynamic map (sign, a unary-coded decade, a linear fraction): the dynamic map
+spends ~25 instructions per value to encode and ~12 to decode, and with both moments that made an 8-bit step
+issue-bound at 2.3x the 16-bit one on the H200. A float code is read off the fp32 exponent and mantissa bits: e4m3
+is one hardware conversion per two values, the u code an add and a shift. Accuracy: m gets 3 mantissa bits at every
+magnitude, u 4 (<= 1/32 on the step's denominator) over 16 octaves. docs/optimizers/adamw8bit.md has the measurements.
 """
 
 import torch
 
-from . import _dynamic_map as dm
-from . import adamw_fp8 as f8
+from ._codes import decode_e4m3, decode_e4m3_words, encode_e4m3, encode_e4m3_tl, interleave4, inv_absmax, \
+    inv_absmax_tl, load_words
+from ._format import StateFormat, st_scale, stb
+from ._optimizer import LowBitAdamW
 from ._triton import jit, tl
-from ._update import LowBitAdamW, StateFormat, st_scale, stb
 
 BLOCK = 256
 _BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
@@ -48,16 +46,16 @@ def decode_root(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, signed: bool):
     if signed:
-        absmax, inv = dm.inv_absmax(x)
-        return f8.encode_e4m3(x, inv[:, None]), absmax
+        absmax, inv = inv_absmax(x)
+        return encode_e4m3(x, inv[:, None]), absmax
     u = x.sqrt()
-    umax, inv = dm.inv_absmax(u)
+    umax, inv = inv_absmax(u)
     return encode_root(u, inv[:, None]).to(torch.uint8), umax
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     if signed:
-        return f8.decode_e4m3(codes, scale)
+        return decode_e4m3(codes, scale)
     u = decode_root(codes, scale)
     return u * u
 
@@ -70,7 +68,7 @@ def _decode_root_tl(w, s):
     z1 = ((w << 11) & (0xFF << 19)) | _U_FLOOR_BITS
     z2 = ((w << 3) & (0xFF << 19)) | _U_FLOOR_BITS
     z3 = ((w >> 5) & (0xFF << 19)) | _U_FLOOR_BITS
-    z = f8.interleave4(z0, z1, z2, z3).to(tl.float32, bitcast=True)
+    z = interleave4(z0, z1, z2, z3).to(tl.float32, bitcast=True)
     u = z * (s * _U_DEC)[:, None]
     return u * u
 
@@ -84,7 +82,7 @@ def _encode_root_tl(u, inv):
 @jit
 def _decode(c_lo, c_hi, s, lut, SIGNED: tl.constexpr):
     if SIGNED:
-        return f8.decode_e4m3_words(c_lo, s), f8.decode_e4m3_words(c_hi, s)
+        return decode_e4m3_words(c_lo, s), decode_e4m3_words(c_hi, s)
     else:
         return _decode_root_tl(c_lo, s), _decode_root_tl(c_hi, s)
 
@@ -92,12 +90,12 @@ def _decode(c_lo, c_hi, s, lut, SIGNED: tl.constexpr):
 @jit
 def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, lut, SIGNED: tl.constexpr):
     if SIGNED:
-        absmax, inv = dm.inv_absmax_tl(val_lo, val_hi)
+        absmax, inv = inv_absmax_tl(val_lo, val_hi)
         st_scale(scale, lo, absmax, bmask, _BLOCK)
-        stb(codes + lo, f8.encode_e4m3_tl(val_lo, inv[:, None]), bmask)
-        stb(codes + hi, f8.encode_e4m3_tl(val_hi, inv[:, None]), bmask)
+        stb(codes + lo, encode_e4m3_tl(val_lo, inv[:, None]), bmask)
+        stb(codes + hi, encode_e4m3_tl(val_hi, inv[:, None]), bmask)
     else:
-        umax, inv = dm.inv_absmax_tl(root_lo, root_hi)
+        umax, inv = inv_absmax_tl(root_lo, root_hi)
         st_scale(scale, lo, umax, bmask, _BLOCK)
         stb(codes + lo, _encode_root_tl(root_lo, inv[:, None]), bmask)
         stb(codes + hi, _encode_root_tl(root_hi, inv[:, None]), bmask)
@@ -105,7 +103,7 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, 
 
 FORMAT = StateFormat(
     name="8bit.v3", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=f8.load_words, triton_decode=_decode, triton_store=_store,
+    quantize=quantize, dequantize=dequantize, triton_load=load_words, triton_decode=_decode, triton_store=_store,
     bytes_per_element=1.0 + 4 / BLOCK, tile_blocks=1, num_warps=1, programs_per_sm=16,
 )
 
@@ -121,13 +119,13 @@ class AdamW8bit(LowBitAdamW):
       weights are rounded up or down at random in proportion, so the rounding is unbiased and updates below half a
       bf16 ulp still move a weight on average (no extra memory). On by default because round-to-nearest loses
       most of a fine-tune at small learning rates: at lr 2e-5 an update is mostly below half an ulp of its weight
-      and rounds away. Measured on the H200 (2026-12-01; a width-2048, 8-layer Llama2-architecture model of
-      0.536 B parameters fine-tuned from a shared fp32-master state), as the share of the fp32-master reference's
-      held-out loss improvement kept: round-to-nearest bf16 (torch fused AdamW and ours) 0.26-0.29, ours with
-      stochastic rounding 0.99-1.01, ``compensate=True`` 1.01. Cost per Llama2-7B step on the H200: ~0.2 ms
-      (8-bit), 1.1 ms (16-bit), 2.2 ms (4-bit). fp32 weights are unaffected.
+      and rounds away (docs/optimizers.md, "bf16 weights", has the measurement). Cost per Llama2-7B step on the
+      H200 (bench/results/optimizer_step_h200.json): 0.1 ms (8-bit), 1.1 ms (16-bit), 1.8 ms (4-bit). fp32 weights
+      are unaffected.
     - ``compensate``: keep a bf16 error buffer per weight (Kahan-style, +2 bytes/param) so updates below a bf16
       ulp accumulate instead of vanishing; the alternative to ``stochastic_round`` (``True`` with both raises).
+    - ``tile_blocks``, ``num_warps``, ``programs_per_sm``: the Triton launch shape (``None``: the format's tuned
+      default; ``bench/optimizer_step.py`` sweeps them).
     """
 
     FORMAT = FORMAT

@@ -1,13 +1,15 @@
 """torch.optim's contract, kept by every one of our AdamW variants on both paths.
 
 Each test states a behaviour of ``torch.optim.AdamW`` (or of ``torch.optim.Optimizer``, which it inherits) and holds
-ours to it, with torch's AdamW run alongside as the reference where a comparison means something: for
-``optimizers.AdamW``, ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``, on the plain-PyTorch path (``backend='torch'``)
-and on the Triton kernel, which runs on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it).
+ours to it, with torch's AdamW run alongside as the reference where a comparison means something: for every variant
+in ``optimizers.VARIANTS``, on the plain-PyTorch path (``backend='torch'``) and on the Triton kernel, which runs on
+CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it).
 The interpreter costs ~0.15 s per launch whatever the tensor's size, so the problems are a few blocks and steps.
 """
 
 import copy
+import importlib
+import inspect
 import os
 import pickle
 import subprocess
@@ -23,17 +25,35 @@ if not torch.cuda.is_available():
 import optimizers  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = [optimizers.AdamW, optimizers.AdamW8bit, optimizers.AdamW4bit, optimizers.AdamWFp8]
-IDS = [c.__name__ for c in VARIANTS]
+
+
+def variants() -> list:
+    """The classes under test: every registered variant (read at collection time)."""
+    return [v.cls for v in optimizers.VARIANTS.values()]
+
+
+VARIANTS = variants()
+IDS = list(optimizers.VARIANTS)
 BACKENDS = ["torch", "triton"]
-# Relative error of the total update against fp32 torch.optim.AdamW on these few-step problems, with a margin over
-# the largest measured here (16-bit 0.001, 8-bit 0.018, FP8 0.019, 4-bit 0.18); a frozen or lost parameter gives ~1.
-TOL = {optimizers.AdamW: 0.01, optimizers.AdamW8bit: 0.05, optimizers.AdamW4bit: 0.3, optimizers.AdamWFp8: 0.05}
+# Relative error of the total update against fp32 torch.optim.AdamW on these few-step problems (Variant.tol_contract:
+# a margin over the largest measured here, 16-bit 0.001, 8-bit 0.018, FP8 0.019, 4-bit 0.18); a frozen or lost
+# parameter gives ~1.
+TOL = {v.cls: v.tol_contract for v in optimizers.VARIANTS.values()}
+
+
+def _quantizes(cls) -> bool:
+    return "min_quant_numel" in inspect.signature(cls.__init__).parameters
 
 
 def _small(cls):
     """Quantize tensors of a few blocks too (by default those under 4096 elements keep fp32 states)."""
-    return {} if cls is optimizers.AdamW else {"min_quant_numel": 64}
+    return {"min_quant_numel": 64} if _quantizes(cls) else {}
+
+
+def resolve(component: str) -> type:
+    """The class a config's ``_component_`` path names."""
+    module, _, name = component.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def _params(shapes, seed=0, dtype=torch.float32):
@@ -84,7 +104,8 @@ _STEPS = """
 def run(cls, **kw):
     g = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((4, 128), (40,))]
-    opt = cls(ps, lr=0.05, min_quant_numel=64, **kw) if cls is not optimizers.AdamW else cls(ps, lr=0.05, **kw)
+    small = "min_quant_numel" in inspect.signature(cls.__init__).parameters
+    opt = cls(ps, lr=0.05, min_quant_numel=64, **kw) if small else cls(ps, lr=0.05, **kw)
     for _ in range(3):
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g)
@@ -93,6 +114,8 @@ def run(cls, **kw):
 """
 
 _WITHOUT_TRITON = """
+import importlib
+import inspect
 import sys
 sys.modules["triton"] = None  # `import triton` now raises ImportError, as where Triton is not installed
 import torch
@@ -100,7 +123,10 @@ import optimizers
 from optimizers import _triton
 assert not _triton.HAVE_TRITON
 exec(STEPS)
-out = {name: run(getattr(optimizers, name)) for name in NAMES}
+out = {}
+for name in NAMES:
+    module, _, attr = name.rpartition(".")
+    out[name] = run(getattr(importlib.import_module(module), attr))
 try:
     optimizers.AdamW8bit([torch.nn.Parameter(torch.zeros(8))], backend="triton")
     out["error"] = None
@@ -114,17 +140,18 @@ def test_imports_and_steps_without_triton(tmp_path):
     """`pip install -e .` without the test extra has no Triton: the package must import and the plain path step as it
     does with Triton installed (backend='torch' here); asking for the Triton path says how to get it."""
     out_file = tmp_path / "out.pt"
-    code = f"STEPS = {_STEPS!r}\nNAMES = {IDS!r}\nOUT = {str(out_file)!r}\n" + _WITHOUT_TRITON
+    names = [v.component for v in optimizers.VARIANTS.values()]
+    code = f"STEPS = {_STEPS!r}\nNAMES = {names!r}\nOUT = {str(out_file)!r}\n" + _WITHOUT_TRITON
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torch.load(out_file, weights_only=True)
-    ns = {"torch": torch, "optimizers": optimizers}
+    ns = {"torch": torch, "optimizers": optimizers, "inspect": inspect}
     exec(_STEPS, ns)
-    for cls in VARIANTS:
-        for a, b in zip(out[cls.__name__], ns["run"](cls, backend="torch")):
-            assert torch.equal(a, b), cls.__name__
+    for name in names:
+        for a, b in zip(out[name], ns["run"](resolve(name), backend="torch")):
+            assert torch.equal(a, b), name
     assert out["error"] is not None and "pip install triton" in out["error"] and "backend='torch'" in out["error"]
 
 
@@ -303,7 +330,7 @@ def test_a_copy_steps_like_the_original(cls, backend, how):
 def test_load_state_dict_runs_registered_hooks(cls):
     """Optimizer.register_load_state_dict_pre_hook / _post_hook (and the state_dict ones): the pre hook may return
     a replacement state dict, which is what gets loaded; the post hook runs after loading. Host logic: one path."""
-    kw = {} if cls is torch.optim.AdamW else {"backend": "torch"}
+    kw = {"backend": "torch"} if issubclass(cls, optimizers._optimizer.LowBitAdamW) else {}
     (p,) = _params([(4, 128)])
     opt = cls([p], lr=0.05, **kw)
     p.grad = torch.ones_like(p)

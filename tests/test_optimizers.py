@@ -6,6 +6,7 @@ on the H200 (see bench/results/ and the issue notes). Tolerances are stated per 
 error with a margin, and each test can fail (see the mutation notes in the asserts).
 """
 
+import inspect
 import io
 import os
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import optimizers  # noqa: E402
-from optimizers import _dynamic_map as dm  # noqa: E402
-from optimizers import _update, adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
-from optimizers._update import stochastic_round_bf16  # noqa: E402
+from optimizers import _launch, _random_bits, adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
+from optimizers._buckets import Bucket  # noqa: E402
+from optimizers._kernel import _adamw_kernel  # noqa: E402
+from optimizers._random_bits import stochastic_round_bf16  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -35,17 +37,23 @@ class Spec:
     exact_codes: bool = True  # triton and torch paths produce the same codes (integer-coded formats)
 
 
-SPECS = [
-    Spec("AdamW-bf16", optimizers.AdamW, {}, tol_fp32=0.01, tol_bf16=0.04, exact_codes=False),
-    Spec("AdamW-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04, exact_codes=False),
-    Spec("AdamW8bit", optimizers.AdamW8bit, {}, tol_fp32=0.03, tol_bf16=0.05),
-    # 4-bit on this noise-dominated problem: 3 bits of magnitude per moment leave a wide tolerance (torchao's
-    # AdamW4bit would pass it only because it leaves these odd-sized tensors unquantized; we quantize them).
-    Spec("AdamW4bit", optimizers.AdamW4bit, {}, tol_fp32=0.25, tol_bf16=0.25),
-    Spec("AdamW4bit-dynamic-v", optimizers.AdamW4bit, {"second_moment": "dynamic"}, tol_fp32=0.25, tol_bf16=0.25),
-    Spec("AdamW4bit-linear-v", optimizers.AdamW4bit, {"second_moment": "linear"}, tol_fp32=0.25, tol_bf16=0.25),
-    Spec("AdamWFp8", optimizers.AdamWFp8, {}, tol_fp32=0.06, tol_bf16=0.08),
-]
+def specs() -> list:
+    """One spec per registered variant (optimizers.VARIANTS: class, kwargs, tolerances), plus options worth their own
+    row. (4-bit on this noise-dominated problem: 3 bits of magnitude per moment leave a wide tolerance; torchao's
+    AdamW4bit would pass it only because it leaves these odd-sized tensors unquantized, and we quantize them.)"""
+    out = [Spec(v.key, v.cls, dict(v.kwargs), v.tol_fp32, v.tol_bf16, v.exact_codes)
+           for v in optimizers.VARIANTS.values()]
+    out.append(Spec("ours16-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04,
+                    exact_codes=False))
+    return out
+
+
+def quantizes(cls) -> bool:
+    """Whether cls has quantized states (and so the min_quant_numel option)."""
+    return "min_quant_numel" in inspect.signature(cls.__init__).parameters
+
+
+SPECS = specs()
 SPEC_IDS = [s.name for s in SPECS]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(96, 70), (4096,), (40,), (129, 33), (2, 3, 300)]  # odd sizes, partial blocks, one tiny tensor
@@ -87,11 +95,7 @@ def _update_rel_err(params, ref, init):
     return (num / den) ** 0.5
 
 
-# The 4-bit second-moment alternatives differ from the default only in their code, which the torch path carries and
-# test_triton_matches_torch_path holds the kernel to: their kernel runs against the reference are left out (CI time).
-ALT_V = ("AdamW4bit-dynamic-v", "AdamW4bit-linear-v")
-SPEC_BACKENDS = [pytest.param(s, b, id=f"{s.name}-{b}") for s in SPECS for b in ("torch", "triton")
-                 if not (b == "triton" and s.name in ALT_V)]
+SPEC_BACKENDS = [pytest.param(s, b, id=f"{s.name}-{b}") for s in SPECS for b in ("torch", "triton")]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,7 +121,7 @@ def test_triton_matches_torch_path(spec, dtype, device):
     _need(device)
     init, grads = _problem(1, device, dtype)
     out = {}
-    small = {} if spec.cls is optimizers.AdamW else {"min_quant_numel": 64}  # quantize every tensor but one
+    small = {"min_quant_numel": 64} if quantizes(spec.cls) else {}  # quantize every tensor but one
     for backend in ("torch", "triton"):
         out[backend] = _run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, **small, **spec.kwargs),
                             init, grads, steps=3)
@@ -128,7 +132,7 @@ def test_triton_matches_torch_path(spec, dtype, device):
     loose = not spec.exact_codes and device == "cpu"
     # On the GPU the kernel's sqrt is the hardware's approximate one (torch's is correctly rounded), so the odd code
     # at a cell boundary differs; at 4 bits one such code moves its v by a third (measured: 2.7e-3 on the H200).
-    tol = 0.05 if loose else (5e-3 if device == "cuda" and spec.cls is optimizers.AdamW4bit else 2e-3)
+    tol = 0.05 if loose else (5e-3 if device == "cuda" and spec.cls.FORMAT.elems_per_code == 2 else 2e-3)
     assert err < tol, f"triton vs torch path: update differs by {err:.2e}"
     for a, b in zip(pa, pb):
         for key, x in oa.state[a].items():
@@ -146,13 +150,13 @@ def test_triton_matches_torch_path(spec, dtype, device):
 # quantization properties
 # -------------------------------------------------------------------------------------------------------
 
-FORMATS = {
-    "8bit": (adamw8bit.quantize, adamw8bit.dequantize, 256),
-    "4bit": (adamw4bit.quantize_root_v, adamw4bit.dequantize_root_v, 128),
-    "4bit-dynamic-v": (adamw4bit.quantize, adamw4bit.dequantize, 128),
-    "4bit-linear-v": (adamw4bit.quantize_linear_v, adamw4bit.dequantize_linear_v, 128),
-    "fp8": (adamw_fp8.quantize, adamw_fp8.dequantize, 256),
-}
+# Every quantized format of a registered variant, with its error bound in _bound (test_every_format_has_a_bound)
+FORMATS = {"8bit": adamw8bit.FORMAT, "4bit": adamw4bit.FORMAT, "fp8": adamw_fp8.FORMAT}
+
+
+def test_every_format_has_a_bound():
+    registered = {v.cls.FORMAT.name for v in optimizers.VARIANTS.values() if v.cls.FORMAT.scaled}
+    assert registered <= {f.name for f in FORMATS.values()}, "add the new format to FORMATS and _bound"
 
 
 # Formats whose second moment is stored as u = sqrt(v): (relative error of u, smallest code as a fraction of umax).
@@ -176,18 +180,6 @@ def _bound(fmt, signed, x, absmax):
         # where 2^E <= 127 a + 1 < 2^(E+1)
         E = torch.floor(torch.log2(a * 127 + 1)).clamp(0, 6)
         rel = 2.0 ** E / 254 * 1.001 + 1e-7
-    elif fmt == "4bit-dynamic-v":
-        bits = 4
-        E = bits - 1
-        # half a cell of the level (a power-of-16 range) holding |x|; below 16^-E of the max: the value itself
-        # (it rounds to 0), or for a positive second moment the smallest code (never 0)
-        lev = torch.floor(torch.log2(a.clamp_min(1e-30)) / 4).clamp(-E, -1) + 1  # upper level exponent (base 16)
-        n = 2.0 ** (lev + E - 1) * (1 if signed else 2)
-        half = (15 / 32) * 16.0 ** lev / n
-        floor = 0.0 if signed else float(dm.dynamic_map(bits, False)[1])
-        rel = torch.where(a < 16.0 ** -E, torch.clamp(a, min=floor) * 1.001, half * 1.01 + 1e-6)
-    elif fmt == "4bit-linear-v":  # linear, no zero: (c+1)/16
-        rel = torch.full_like(a, 1 / 16 + 1e-6)
     else:  # e4m3 (fp8, and 8bit's first moment): 2^-4 relative in the normal range, 2^-10 of the max below
         rel = torch.maximum(a * 2.0 ** -4, torch.full_like(a, 2.0 ** -10 * 448 / 448)) * 1.01
     return rel * absmax[:, None]
@@ -197,7 +189,7 @@ def _bound(fmt, signed, x, absmax):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("kind", ["normal", "lognormal", "huge", "tiny", "zeros", "one_hot", "denormal"])
 def test_quantize_error_bounds(fmt, signed, kind):
-    quant, dequant, B = FORMATS[fmt]
+    quant, dequant, B = FORMATS[fmt].quantize, FORMATS[fmt].dequantize, FORMATS[fmt].block_size
     g = torch.Generator().manual_seed(hash((fmt, signed, kind)) % 2**31)
     x = torch.randn(7, B, generator=g)
     if kind == "lognormal":
@@ -222,45 +214,15 @@ def test_quantize_error_bounds(fmt, signed, kind):
         assert ((y - x).abs() <= _root_v_rel(fmt) * 1.01 * x + 1e-44).all()
         return
     if kind == "denormal":  # below the smallest normal fp32 the block is stored as zero codes
-        # (the 4-bit second-moment map has no zero: its smallest code decodes to 1/16 of that tiny max)
-        assert (y.abs() <= x.abs().amax()).all() if (fmt == "4bit-linear-v" and not signed) else (y == 0).all()
+        assert (y == 0).all()
         return
     absmax = x.abs().amax(1)
     err = (y - x).abs()
     assert (err <= _bound(fmt, signed, x, absmax)).all(), f"max err {err.max()}"
-    if kind == "zeros" and not (fmt == "4bit-linear-v" and not signed):
+    if kind == "zeros":
         assert (y == 0).all()
     if signed:
         assert ((y * x) >= 0).all(), "sign flipped"
-
-
-@pytest.mark.parametrize("bits", [8, 4])  # 4: AdamW4bit; 8: the map stays general
-def test_dynamic_map_encoder_picks_the_containing_cell(bits):
-    """Encoding a map value returns its own code (so decode(encode(v)) == v for every representable v)."""
-    for signed in (True, False):
-        qmap = dm.dynamic_map(bits, signed)
-        x = qmap[None, :].clone()
-        codes = dm.encode(x, torch.ones(1, 1), bits, signed)
-        torch.testing.assert_close(qmap[codes.long()], x)
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_dynamic_map_encoder_rounds_to_nearest(bits, signed):
-    """Random magnitudes over 10 decades: the code's value is the nearest map value (positive v: nearest non-zero
-    one), except just above level 0's bottom, where the encoder's midpoint to 0 is 105/512 instead of 104/512 (of level
-    0's top, 16^(1-E)): there the error may exceed the nearest one by 2/512 of that."""
-    qmap = dm.dynamic_map(bits, signed)
-    g = torch.Generator().manual_seed(bits)
-    a = 10.0 ** (-10 * torch.rand(1, 20000, generator=g))
-    x = a * (torch.randint(0, 2, a.shape, generator=g) * 2 - 1) if signed else a
-    y = qmap[dm.encode(x, torch.ones(1, 1), bits, signed).long()]
-    allowed = qmap if signed else qmap[qmap > 0]
-    best = (allowed[None, :] - x.view(-1, 1)).abs().amin(1)
-    err = (y.view(-1) - x.view(-1)).abs()
-    assert (err <= best + 1e-6 * a.view(-1) + (2 / 512) * 16.0 ** -(bits - 2)).all()
-    if signed:
-        assert ((y * x) >= 0).all()
 
 
 def _m4_values(x, dither):
@@ -282,7 +244,7 @@ def test_4bit_first_moment_rounds_stochastically_without_bias():
     x[0, :20] = torch.cat([qmap[:8], -qmap[1:8], torch.tensor([1.0, -1.0, 0.5, -1e-6, 0.0])])
     steps = 4096
     xs = x.expand(steps, -1).contiguous()
-    dither = torch.stack([_update.m_dither(0, x.shape[1], seed) for seed in range(1, steps + 1)])
+    dither = torch.stack([_random_bits.m_dither(0, x.shape[1], seed) for seed in range(1, steps + 1)])
     y = _m4_values(xs, dither)
     # the encoder scales by 127 (1 - 2^-20) / 127 so that the block max never carries past the top level
     a = (x.abs() * (adamw4bit.M_SCALE / 127)).contiguous()
@@ -385,7 +347,7 @@ def test_stochastic_rounding_is_unbiased(frac):
     assert abs(same - (frac ** 2 + (1 - frac) ** 2)) < 0.01, same
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in ("AdamW-fp32", "AdamW8bit")], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.name in ("ours16-fp32", "ours8")], ids=lambda s: s.name)
 def test_stochastic_rounding_is_the_same_in_both_paths(spec):
     """Both paths hash (step, element place) for the random bits, so they round the same elements up."""
     init, grads = _problem(2, "cpu", torch.bfloat16)
@@ -425,7 +387,7 @@ def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("spec", [s for s in SPECS if s.name == "AdamW8bit"], ids=lambda s: s.name)  # host logic
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.name == "ours8"], ids=lambda s: s.name)  # host logic
 def test_split_launch_gives_the_same_update(spec, groups, device):
     """A large bucket is updated in two launches (the first over a share of its tensors); forced here on a small
     problem, it must change nothing: same weights and states, bit for bit, with one hyper-parameter row (kernel
@@ -508,7 +470,7 @@ def test_misaligned_tensors(device, where):
 NONFINITE_CASES = ([pytest.param(s, b, torch.float32, id=f"{i}-{b}-fp32") for s, i in zip(SPECS, SPEC_IDS)
                     for b in ("torch", "triton")]
                    + [pytest.param(s, "triton", torch.bfloat16, id=f"{i}-triton-bf16") for s, i in zip(SPECS, SPEC_IDS)
-                      if i in ("AdamW8bit", "AdamW4bit")])
+                      if i in ("ours8", "ours4")])
 
 
 @pytest.mark.parametrize("spec,backend,dtype", NONFINITE_CASES)
@@ -596,7 +558,7 @@ def test_maximize_ascends():
 
 # The Triton path in backward for one format per kernel family (16-bit, 8-bit, 4-bit): the grouping is host logic.
 @pytest.mark.parametrize("spec,backend", [p for p in SPEC_BACKENDS if p.values[1] == "torch"
-                                          or p.values[0].name in ("AdamW-bf16", "AdamW8bit", "AdamW4bit")])
+                                          or p.values[0].name in ("ours16", "ours8", "ours4")])
 def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
     """torchtune's optimizer-in-backward (one optimizer per parameter, stepped from a grad hook) equals one
     optimizer stepped after backward: the update is per element, so grouping must not change it."""
@@ -607,9 +569,8 @@ def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
         return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64),
                                    torch.nn.LayerNorm(64))
 
-    make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, min_quant_numel=1024, **spec.kwargs)  # noqa: E731
-    if spec.cls is optimizers.AdamW:
-        make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, **spec.kwargs)  # noqa: E731
+    small = {"min_quant_numel": 1024} if quantizes(spec.cls) else {}
+    make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, **small, **spec.kwargs)  # noqa: E731
     data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s)) for s in range(3)]
 
     a = model()
@@ -651,3 +612,16 @@ def test_rarely_updated_rows_do_not_explode(spec, backend):
         opt.step()
     moved = (p.detach() - start)[1].abs().max().item()
     assert moved < steps * 1e-3 * 1.5, f"rare row moved {moved:.3g} in {steps} steps at lr 1e-3"
+
+
+def test_kernel_arguments_are_built_in_the_kernels_order():
+    """The launch names every argument (``_launch.kernel_args``); the direct relaunch of the compiled kernel passes
+    the same dict's values positionally, so its order must be the kernel's signature."""
+    ps = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(40))]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    b = Bucket(adamw8bit.FORMAT, ps, torch.device("cpu"), compensate=False)
+    (_, _, plan), = _launch.bucket_plans(b, b.all_active, 1, 0.0)
+    args = _launch.kernel_args(b, plan, 1, ps[0], ps[0].grad, plan.meta, plan.meta, [0.0] * 8, True, False,
+                               torch.zeros(1, dtype=torch.int32), 1)
+    assert list(args) == list(_adamw_kernel.arg_names)

@@ -4,6 +4,8 @@ Each rank keeps the quantized state of its own shard only, uneven and empty shar
 sharded parameters must equal stepping each rank's local shards as plain tensors, bit for bit.
 """
 
+import importlib
+import inspect
 import os
 import socket
 
@@ -21,11 +23,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, cls_name, out):
+def variant_params() -> list:
+    """One case per registered variant (optimizers.VARIANTS, read at collection time): its class's config path."""
+    import optimizers
+
+    return [pytest.param(v.component, id=v.key) for v in optimizers.VARIANTS.values()]
+
+
+def _worker(rank, world, port, component, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import optimizers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -33,11 +41,12 @@ def _worker(rank, world, port, cls_name, out):
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(s, generator=g) for s in SHAPES]
         grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(3)]
-        cls = getattr(optimizers, cls_name)
+        module, _, name = component.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
         sharded = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
         local = [torch.nn.Parameter(p.to_local().clone()) for p in sharded]
         # The format is chosen from the global size, so make every non-empty local shard big enough to match
-        kw = {} if cls_name == "AdamW" else {"min_quant_numel": 1}
+        kw = {"min_quant_numel": 1} if "min_quant_numel" in inspect.signature(cls.__init__).parameters else {}
         o1, o2 = cls(sharded, lr=0.05, **kw), cls(local, lr=0.05, **kw)
         for step in grads:
             for p, q, gr in zip(sharded, local, step):
@@ -54,11 +63,11 @@ def _worker(rank, world, port, cls_name, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cls_name", ["AdamW8bit", "AdamW4bit", "AdamWFp8", "AdamW"])
-def test_sharded_step_equals_local_step(cls_name):
+def run_sharded(component: str) -> None:
+    """Step the variant at ``component`` on sharded and on local parameters in 2 ranks; assert they agree."""
     world = 2
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(world, _free_port(), cls_name, out), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, _free_port(), component, out), nprocs=world, join=True,
                        start_method="spawn")
     assert sorted(out.keys()) == [0, 1]
     for rank in range(world):
@@ -66,3 +75,8 @@ def test_sharded_step_equals_local_step(cls_name):
         assert same and same_state, f"rank {rank}: sharded and local steps differ"
     assert out[1][2][1] == 0, "the 1-row tensor should leave rank 1 an empty shard"
     assert out[0][2][0] != out[1][2][0], "the 129-row tensor should be split unevenly"
+
+
+@pytest.mark.parametrize("component", variant_params())
+def test_sharded_step_equals_local_step(component):
+    run_sharded(component)
