@@ -3,7 +3,7 @@
     python bench/compare.py --config configs/tiny.yaml --steps 20 --out-dir outputs/bench_tiny
     python bench/compare.py --config configs/llama2/7B_full.yaml --variants fused,bnb8,ao8,ours8 --in-bwd \\
         --steps 15 --out bench/results/llama2_7b_h200.json checkpoint_dir=null tokenizer.path=...
-    (docs/benchmarks.md has the exact H200 commands)
+    (docs/llama2_7b_h200.md has the exact H200 commands; bench/results/README.md indexes every result)
 
 Each variant is one `tune run recipes/full_finetune_single_device.py --config CONFIG optimizer=... key=value ...`
 in a fresh subprocess (so peak memory, compile caches and allocator state never leak between variants), or
@@ -27,11 +27,19 @@ Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and reco
 A variant whose run fails (import error, bad kwarg, out of memory, crash) becomes a row with `error` set; the
 other variants still run. Outputs, under --out-dir (or beside --out): the JSON (`--out`, default
 `{out_dir}/compare.json`, with command, hardware, library versions and date), `compare.md` (the table),
-`compare_loss.png` (loss curves overlaid) and `compare_memory_speed.png` (peak memory against tokens/s).
+`compare_loss.png` (loss curves overlaid) and `compare_memory_speed.png` (three bar panels per variant: optimizer
+state GiB, peak memory GiB, tokens/s; the state is what the variants change, the peak adds the model, gradients,
+activations and, on a CPU, the whole process).
 With `--merge`, records already in `--out` for variants not run now are kept, so a long matrix can be run in
 pieces (e.g. one device call per few variants) into one file.
 
-Variants (`--variants`, comma-separated short names or full names; `all` = every one):
+The JSON records the load average before the first and after the last run (`load_average`: 1, 5 and 15 min). A
+busy machine makes tokens/s and step times noise: when the load before the runs exceeds a quarter of the cores,
+compare.py says so on the terminal, in the JSON (`busy_warning`) and above the table.
+
+Variants (`--variants`, comma-separated short names or full names; `all` = every one): the third-party anchors
+below, then ours, read from `optimizers.VARIANTS` when the variants are resolved (a variant registered with
+`optimizers.register(...)` before that is in `all` and has its key):
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/full_finetune_single_device.py"
 DIST_RECIPE = "recipes/full_finetune_distributed.py"
 
-# short name -> (variant name = the _component_ path, with torch's backend in brackets; overrides)
-VARIANTS: Dict[str, tuple] = {
+# The third-party anchors: short name -> (variant name = the _component_ path, with torch's backend in brackets;
+# overrides). Our variants come from the registry, optimizers.VARIANTS (see variants()).
+ANCHORS: Dict[str, tuple] = {
     "fused": ("torch.optim.AdamW(fused=True)", ["optimizer=torch.optim.AdamW", "optimizer.fused=True"]),
     "foreach": ("torch.optim.AdamW(foreach=True)",
                 ["optimizer=torch.optim.AdamW", "optimizer.fused=False", "optimizer.foreach=True"]),
@@ -66,18 +75,38 @@ VARIANTS: Dict[str, tuple] = {
     "ao8": ("torchao.optim.AdamW8bit", ["optimizer=torchao.optim.AdamW8bit"]),
     "ao4": ("torchao.optim.AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"]),
     "aofp8": ("torchao.optim.AdamWFp8", ["optimizer=torchao.optim.AdamWFp8"]),
+}
+FUSED = ANCHORS["fused"][0]
+# Ours when the registry cannot be read (an optimizers package without VARIANTS, or none importable).
+OURS_FALLBACK: Dict[str, tuple] = {
     "ours8": ("optimizers.AdamW8bit", ["optimizer=optimizers.AdamW8bit"]),
     "ours4": ("optimizers.AdamW4bit", ["optimizer=optimizers.AdamW4bit"]),
     "oursfp8": ("optimizers.AdamWFp8", ["optimizer=optimizers.AdamWFp8"]),
     "ours16": ("optimizers.AdamW", ["optimizer=optimizers.AdamW"]),
 }
+
+
+def variants() -> Dict[str, tuple]:
+    """Every row by short name: the anchors, then ours from ``optimizers.VARIANTS`` as it is now (read at each call,
+    so a variant registered at runtime is included)."""
+    try:
+        import optimizers
+    except ImportError:
+        optimizers = None
+    registry = getattr(optimizers, "VARIANTS", None)
+    if not registry:
+        return {**ANCHORS, **OURS_FALLBACK}
+    ours = {key: (v.component, list(getattr(v, "overrides", None) or [f"optimizer={v.component}"]))
+            for key, v in registry.items()}
+    return {**ANCHORS, **ours}
 # Optimizer-in-backward: one optimizer per parameter, stepped in the gradient hook. The recipe refuses it with
 # clipping or gradient accumulation, so the in-backward run turns clipping off (a config that accumulates
 # gradients gets the recipe's error in that row rather than a silently smaller batch).
 IN_BWD_SUFFIX = "+in_bwd"
 IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
 
-__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in VARIANTS.items()) + """
+__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in ANCHORS.items()) + """
+    ours16, ours8, ours4, oursfp8, ...: every key of optimizers.VARIANTS (--help lists them as registered now)
     any other dotted path, e.g. my.pkg.MyAdamW: run as optimizer=my.pkg.MyAdamW
 
 `--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd");
@@ -90,19 +119,20 @@ def resolve_variants(spec: str, in_bwd=False) -> List[tuple]:
 
     in_bwd: False, True/"also" (each variant, then it with optimizer-in-backward) or "only" (just the latter).
     """
-    by_name = {v[0]: v for v in VARIANTS.values()}
+    table = variants()
+    by_name = {v[0]: v for v in table.values()}
     out = []
     for item in [s.strip() for s in spec.split(",") if s.strip()]:
         if item == "all":
-            out += list(VARIANTS.values())
-        elif item in VARIANTS:
-            out.append(VARIANTS[item])
+            out += list(table.values())
+        elif item in table:
+            out.append(table[item])
         elif item in by_name:
             out.append(by_name[item])
         elif "." in item:
             out.append((item, [f"optimizer={item}"]))
         else:
-            raise SystemExit(f"error: unknown variant {item!r}; use one of {', '.join(VARIANTS)}, all, or a class path")
+            raise SystemExit(f"error: unknown variant {item!r}; use one of {', '.join(table)}, all, or a class path")
     if in_bwd == "only":
         out = [(base[0] + IN_BWD_SUFFIX, base[1] + IN_BWD_OVERRIDES) for base in out]
     elif in_bwd:
@@ -283,7 +313,7 @@ def _final_loss(r: dict):
     return r["losses"][-1] if r.get("losses") else r.get("final_loss")
 
 def markdown_table(records: List[dict]) -> str:
-    base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r["error"]), None)
+    base = next((r for r in records if r["variant"] == FUSED and not r["error"]), None)
     kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
     mem = "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)"
     lines = [f"| AdamW | {mem} | tokens/s | vs fused | vs fused, paired | first step s | opt step ms | state GiB | "
@@ -312,41 +342,66 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     ok = [r for r in records if not r["error"]]
     paths = []
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in ok:
-        if not r.get("losses"):  # a record kept from a summary line has no per-step losses
-            continue
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"],
-                linestyle="--" if r["variant"].endswith(IN_BWD_SUFFIX) else "-", linewidth=1.2)
+    fig, ax = plt.subplots(figsize=(10, 5))
+    in_bwd_drawn = False
+    curves = [r for r in ok if r.get("losses")]  # a record kept from a summary line has no per-step losses
+    palette = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20").colors  # no two curves share a colour
+    for i, r in enumerate(curves):
+        in_bwd = r["variant"].endswith(IN_BWD_SUFFIX)
+        in_bwd_drawn |= in_bwd
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"], linestyle="--" if in_bwd else "-",
+                linewidth=1.2, color=palette[i % len(palette)])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.set_title(textwrap.fill(f"Loss per step: {title}", 80), fontsize=10)
+    note = " (dashed: optimizer in backward)" if in_bwd_drawn else ""
+    ax.set_title(textwrap.fill(f"Loss per step: {title}{note}", 80), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.lines:  # beside the axes, never over the curves
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     paths.append(str(out_dir / f"{name}_loss.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in ok:
-        if r.get("tok_s") is None or r.get("peak_gib") is None:
-            continue
-        marker = "s" if r["variant"].endswith(IN_BWD_SUFFIX) else "o"
-        ax.scatter(r["peak_gib"], r["tok_s"], marker=marker)
-        ax.annotate(r["variant"], (r["peak_gib"], r["tok_s"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    kind = ok[0]["peak_kind"] if ok else "gpu_alloc"
-    ax.set_xlabel("peak memory, GiB (" + ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS") + ")")
-    ax.set_ylabel("tokens/s (median, steady steps)")
-    ax.set_title(textwrap.fill(f"Memory vs speed: {title} (square = optimizer in backward)", 80), fontsize=10)
-    ax.margins(0.2)
-    ax.grid(alpha=0.3)
+    # One row per variant, three panels: the optimizer state (what the variants change), the peak memory (the state
+    # plus model, gradients, activations; on a CPU the whole process's RSS), and tokens/s. Bars, not a scatter with
+    # labels: nothing overlaps, and a state difference is not hidden by the rest of the memory.
+    rows = [r for r in ok if r.get("tok_s") is not None or r.get("peak_gib") is not None]
+    kind = next((r.get("peak_kind") for r in rows if r.get("peak_kind")), "gpu_alloc")
+    panels = [("opt_state_gib", "optimizer state, GiB", 2), ("peak_gib", "peak memory, GiB (" +
+              ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS, whole process") + ")", 2),
+              ("tok_s", "tokens/s (median, steady steps)", 0)]
+    fig, axes = plt.subplots(1, 3, figsize=(12, max(2.6, 0.9 + 0.42 * len(rows))), sharey=True)
+    labels = [r["variant"] for r in rows]
+    colors = ["tab:orange" if lbl.startswith("optimizers.") else "tab:blue" for lbl in labels]
+    hatches = ["//" if lbl.endswith(IN_BWD_SUFFIX) else "" for lbl in labels]
+    for ax, (key, xlabel, digits) in zip(axes, panels):
+        values = [r.get(key) or 0.0 for r in rows]
+        bars = ax.barh(range(len(rows)), values, color=colors, hatch=hatches, edgecolor="white")
+        for bar, r in zip(bars, rows):
+            v = r.get(key)
+            ax.annotate("-" if v is None else f"{v:,.{digits}f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_xlim(0, (max(values) if values and max(values) > 0 else 1) * 1.25)
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0].set_yticks(range(len(rows)), labels)
+    axes[0].invert_yaxis()
+    legend = [Patch(color="tab:blue", label="third-party"), Patch(color="tab:orange", label="ours (optimizers.*)")]
+    if any(hatches):
+        legend.append(Patch(facecolor="tab:gray", hatch="//", edgecolor="white", label="optimizer in backward"))
+    axes[2].legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.suptitle(textwrap.fill(f"Memory and speed: {title}", 100), fontsize=10)
     fig.tight_layout()
     paths.append(str(out_dir / f"{name}_memory_speed.png"))
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")  # (the legend sits right of the last panel)
     plt.close(fig)
     return paths
 
@@ -361,9 +416,10 @@ def write_reports(result: dict, out_dir: Path, name: str, title: str) -> None:
     records = result["records"]
     table = markdown_table(records)
     commands = result.get("commands") or [result["command"]]
+    warning = f"**Warning: {result['busy_warning']}**\n\n" if result.get("busy_warning") else ""
     (out_dir / f"{name}.md").write_text(
         f"{title}: {result['steps']} steps per variant, {result['hardware']}, {result['date']}\n\n"
-        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + table)
+        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + warning + table)
     plots = plot(records, out_dir, title, name)
     print("\n" + table)
     print(f"wrote {out_dir / (name + '.md')}" + "".join(f", {p}" for p in plots))
@@ -405,8 +461,25 @@ def versions() -> Dict[str, Optional[str]]:
     return out
 
 
+def load_average() -> Optional[List[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
+
+
+def busy_warning(load: Optional[List[float]], cores: Optional[int]) -> Optional[str]:
+    """A warning when other work kept more than a quarter of the cores busy before the runs (1-minute load)."""
+    if not load or not cores or load[0] <= max(0.5, cores / 4):
+        return None
+    return (f"the machine was busy before the runs (load average {load[0]:.2f} on {cores} cores): tokens/s, step "
+            "times and first-step times are noise; rerun on an idle machine")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    now = "\n".join(f"    {k:<8} {v[0]}" for k, v in variants().items())
+    parser = argparse.ArgumentParser(description=__doc__ + f"\nRegistered now:\n{now}\n",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml", help="recipe config (default configs/tiny.yaml)")
     parser.add_argument("--variants", default="all", help="comma-separated short names, full names or class paths")
     parser.add_argument("--in-bwd", action="store_true", help="also run each variant with optimizer_in_bwd=True")
@@ -448,15 +521,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     for o in args.overrides:
         if not ("=" in o or o.startswith("~")):
             parser.error(f"override {o!r} is not key=value or ~key")
-    variants = resolve_variants(args.variants, "only" if args.in_bwd_only else args.in_bwd)
+    runs = resolve_variants(args.variants, "only" if args.in_bwd_only else args.in_bwd)
     if not (REPO_ROOT / args.config).is_file() and not Path(args.config).is_file():
         parser.error(f"--config {args.config} does not exist")
 
     command = shlex.join(["python", "bench/compare.py"] + (argv if argv is not None else sys.argv[1:]))
+    load_start = load_average()
+    warning = busy_warning(load_start, os.cpu_count())
+    if warning:
+        print(f"compare: WARNING: {warning}", flush=True)
     records = []
-    print(f"compare: {len(variants)} variant(s) on {args.config}, {args.steps} steps each; runs in {runs_dir}", flush=True)
-    for i, (name, overrides) in enumerate(variants, 1):
-        prefix = f"[{i}/{len(variants)} {name}]"
+    print(f"compare: {len(runs)} variant(s) on {args.config}, {args.steps} steps each; runs in {runs_dir}", flush=True)
+    for i, (name, overrides) in enumerate(runs, 1):
+        prefix = f"[{i}/{len(runs)} {name}]"
         try:
             rec = run_variant(name, overrides, args, list(args.overrides), runs_dir / slug(name), prefix)
         except Exception as e:  # the harness itself failed for this variant: still a row, not a crash
@@ -469,7 +546,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         old = json.loads(out_path.read_text())
         now = {r["variant"] for r in records}
         kept = [r for r in old.get("records", []) if r["variant"] not in now]
-        order = [v[0] for v in VARIANTS.values()]
+        order = [v[0] for v in variants().values()]
         rank = lambda r: (order.index(r["variant"].replace(IN_BWD_SUFFIX, "")) if r["variant"].replace(  # noqa: E731
             IN_BWD_SUFFIX, "") in order else len(order), r["variant"].endswith(IN_BWD_SUFFIX))
         records = sorted(kept + records, key=rank)
@@ -477,7 +554,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         commands = [command]
 
-    base = next((r for r in records if r["variant"] == VARIANTS["fused"][0] and not r.get("error")), None)
+    base = next((r for r in records if r["variant"] == FUSED and not r.get("error")), None)
     for r in records:
         r["vs_fused_paired"] = paired_ratio(r, base, args.skip_steps) if base and not r.get("error") else None
     title = args.title or config_title(args.config)
@@ -492,6 +569,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "versions": versions(),
         "code": code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average": {"start": load_start, "end": load_average(), "cores": os.cpu_count()},
+        "busy_warning": warning,
         "records": records,
     }
     out_path.write_text(json.dumps(result, indent=1) + "\n")
@@ -500,6 +579,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     failed = [r["variant"] for r in records if r["error"]]
     if failed:
         print(f"{len(failed)} variant(s) failed: {', '.join(failed)}")
+    if warning:
+        print(f"WARNING: {warning}")
     return 0
 
 

@@ -16,6 +16,7 @@ import transformers
 from safetensors import safe_open
 
 from eval.errors import EvalInputError
+from recipes._common import BadInput, hf_weight_files
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format Llama folder)"
@@ -44,6 +45,8 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
         )
 
     for shard in _weight_files(ckpt):
+        if shard.suffix != ".safetensors":
+            continue  # a .bin pickle is opened only by transformers' loader, with weights_only=True
         try:
             with safe_open(str(shard), framework="pt"):
                 pass
@@ -67,19 +70,16 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
-    single, index = ckpt / "model.safetensors", ckpt / "model.safetensors.index.json"
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        try:
-            shards = sorted({ckpt / name for name in json.loads(index.read_text())["weight_map"].values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise EvalInputError(f"checkpoint_dir={ckpt}: {index.name} is malformed ({e!r}): {FIX_CHECKPOINT}")
-        missing = [shard.name for shard in shards if not shard.is_file()]
-        if missing:
-            raise EvalInputError(f"checkpoint_dir={ckpt} is missing weight shards {missing} listed in {index.name} (a partial copy?): {FIX_CHECKPOINT}")
-        return shards
-    raise EvalInputError(f"checkpoint_dir={ckpt} has no model.safetensors or model.safetensors.index.json (a partial checkpoint?): {FIX_CHECKPOINT}")
+    """The folder's weight files by the recipes' one definition (recipes/_common.py: safetensors, or
+    pytorch_model*.bin, which transformers loads with weights_only=True), or an EvalInputError."""
+    try:
+        files = hf_weight_files(ckpt)
+    except BadInput as e:
+        raise EvalInputError(f"checkpoint_dir={ckpt}: {e}") from None
+    if not files:
+        raise EvalInputError(f"checkpoint_dir={ckpt} has no model.safetensors (nor its shards, nor "
+                             f"pytorch_model*.bin; a partial checkpoint?): {FIX_CHECKPOINT}")
+    return files
 
 
 def resolve_device(device: str | None) -> torch.device:

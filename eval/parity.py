@@ -110,10 +110,12 @@ def hardware() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint_dir", required=True)
-    parser.add_argument("--data_dir", default="../shared/data")
+    parser.add_argument("--checkpoint_dir", required=True,
+                        help="an HF checkpoint folder, e.g. the fine-tune recipe's outputs/tiny/epoch_0")
+    parser.add_argument("--data_dir", default="../shared/data",
+                        help="the data folder holding truthfulqa/mc_task.json (default ../shared/data)")
     parser.add_argument("--limit", type=int, default=None, help="first N questions (default: all 817)")
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--batch_size", type=int, default=8, help="requests per forward pass, both paths (default 8)")
     parser.add_argument("--add_bos", action="store_true", help="prepend BOS in both paths (default: no BOS, see docs/eval.md)")
     parser.add_argument("--out", default=None, help="write the numbers here as JSON")
     parser.add_argument("--note", default=None, help="free text stored with the numbers (e.g. how the checkpoint was made)")

@@ -7,6 +7,7 @@ Nothing here knows about models or optimizers; the recipes call it around their 
 import difflib
 import errno
 import json
+import logging
 import math
 import os
 import pickle
@@ -15,7 +16,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 import torch
@@ -26,6 +27,36 @@ class BadInput(ValueError):
 
     recipe_main prints it as one line, ``error: ...``, and exits with status 2.
     """
+
+
+# ------------------------------------------------------------------------------------------------
+# an HF checkpoint folder (the one definition: the recipes' checkpoint_dir / resume folders and eval's)
+# ------------------------------------------------------------------------------------------------
+
+def hf_weight_files(folder: Path) -> List[Path]:
+    """The weight files of an HF-format model folder, in load order; [] if it holds none.
+
+    Safetensors first: ``model.safetensors``, else the shards ``model.safetensors.index.json`` lists (each must
+    exist), else any ``*.safetensors``. Only without safetensors, ``pytorch_model*.bin`` (old HF downloads): those
+    are pickles, which every reader here loads with ``weights_only=True`` (plain tensors, no code). A malformed
+    index or a missing shard is a BadInput naming the folder.
+    """
+    folder = Path(folder)
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            names = json.loads(index.read_text())["weight_map"].values()
+            shards = sorted({folder / str(name) for name in names})
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise BadInput(f"{index} is malformed ({e!r}; a partial copy?): re-copy the checkpoint folder") from None
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise BadInput(f"{folder} is missing weight shards {missing} listed in {index.name} (a partial copy?): "
+                           "re-copy the checkpoint folder")
+        return shards
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,15 +328,24 @@ def recover_run_folder(output_dir: Path, log=None) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def disk_full_error(e: OSError, folder: Path, what: str) -> Optional[BadInput]:
-    """A one-line BadInput for a full disk (ENOSPC/EDQUOT) while writing ``what``; None for other errors."""
-    if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return None
+def disk_full_error(e: BaseException, folder: Path, what: str, need_bytes: int = 0) -> Optional[BadInput]:
+    """A one-line BadInput for a full disk while writing ``what``; None for other errors.
+
+    An OSError says so by its errno (ENOSPC/EDQUOT), but the writers of the weights and the state file do not
+    raise OSError: torch.save's zip writer raises RuntimeError("... file write failed") and safetensors its own
+    error, without an errno. So a failed write also counts as a full disk when, its temporary folder removed, the
+    disk has less free space than the checkpoint needs (``need_bytes``).
+    """
     try:
-        free = shutil.disk_usage(folder).free / 2**30
-        space = f"{free:.2f} GiB free"
+        free = shutil.disk_usage(folder).free
+        space = f"{free / 2**30:.2f} GiB free"
     except OSError:
-        space = "free space unknown"
+        free, space = None, "free space unknown"
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    if not full and not (isinstance(e, Exception) and free is not None and need_bytes and free < need_bytes):
+        return None
+    if need_bytes:
+        space += f", the checkpoint needs about {need_bytes / 2**30:.2f} GiB"
     return BadInput(f"no space left on the disk of {folder} while writing {what} ({space}); nothing was replaced: "
                     "free disk space, or set output_dir=DIR on a disk with room")
 
@@ -327,3 +367,158 @@ def strict_json(record: Dict[str, Any]) -> str:
         return v
 
     return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """A resume from global step ``step``: drop the records after it (the interrupted run's steps the resume trains
+    again), so each step is in ``metrics.jsonl`` once. Returns the number of records dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            later = json.loads(line).get("step", 0) > step
+        except (ValueError, AttributeError, TypeError):
+            later = False  # a line we cannot read is kept as it was
+        if later:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.{_tag()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+# ------------------------------------------------------------------------------------------------
+# the terminal: help, third-party noise, the end-of-run summary
+# ------------------------------------------------------------------------------------------------
+
+
+def fresh_dir_name(output_dir: Path) -> Path:
+    """The first of ``{output_dir}-2``, ``-3``, ... that does not exist (a name to suggest for a new run)."""
+    output_dir = Path(output_dir)
+    n = 2
+    while output_dir.with_name(f"{output_dir.name}-{n}").exists():
+        n += 1
+    return output_dir.with_name(f"{output_dir.name}-{n}")
+
+
+def _flatten(node: Any, prefix: str = "") -> Iterable[tuple]:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_dict(node):
+        for key in node.keys():
+            yield from _flatten(node._get_node(key), f"{prefix}{key}.")
+    else:
+        value = node._value() if hasattr(node, "_value") else node
+        if OmegaConf.is_list(node):
+            value = OmegaConf.to_container(node, resolve=False)
+        yield prefix[:-1], value
+
+
+def print_help_if_asked(doc: str, known_keys: Iterable[str]) -> None:
+    """A recipe's ``__main__``: on ``--help`` / ``-h``, print recipe_help's manual and exit 0."""
+    import sys
+
+    manual = recipe_help(doc, sys.argv, known_keys)
+    if manual is not None:
+        print(manual)
+        sys.exit(0)
+
+
+def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str]) -> Optional[str]:
+    """``--help`` / ``-h`` on a recipe's command line: its docstring (the manual) and every config key with its value
+    in the ``--config`` file; None when not asked for help. The recipe prints it and exits 0."""
+    from omegaconf import OmegaConf
+
+    args = argv[1:]
+    if not ("--help" in args or "-h" in args):
+        return None
+    lines = [doc.rstrip(), ""]
+    config_path = None
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            config_path = args[i + 1]
+        elif a.startswith("--config="):
+            config_path = a.split("=", 1)[1]
+    if config_path is None:
+        lines.append("Give --config FILE (e.g. configs/tiny.yaml) with --help to list that config's keys and values.")
+    elif not Path(config_path).is_file():
+        lines.append(f"--config {config_path}: no such file (the configs are in configs/, e.g. configs/tiny.yaml)")
+    else:
+        cfg = OmegaConf.load(config_path)
+        lines.append(f"Config keys and their values in {config_path} (override with key=value, delete with ~key):")
+        items = list(_flatten(cfg))
+        width = min(max(len(k) for k, _ in items), 40)
+        yaml = {None: "null", True: "true", False: "false"}
+        lines += [f"  {k:<{width}}  {yaml.get(v, v) if isinstance(v, (bool, type(None))) else v}" for k, v in items]
+        unset = [k for k in sorted(set(known_keys)) if k not in cfg]
+        if unset:
+            lines += ["", "Also read by this recipe, not set in this config (their defaults are in the Features list):",
+                      "  " + ", ".join(unset)]
+    return "\n".join(lines)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+# Known third-party messages that say nothing to a user of these recipes, by the logger that emits them. Each is
+# dropped by message, on that logger only, in the processes of our commands (their recipes and eval call this before
+# importing the library); every other message of those libraries still shows.
+#   torchao: its C++ extensions are built for another torch; nothing here uses them (they are CUDA/quantization ops).
+#   bitsandbytes: an optional 4-bit CPU GEMM kernel from the hub; the 8-bit optimizers never use it.
+#   lm-eval: we hand HFLM a loaded model on purpose (eval/harness.py), which is what this warns about.
+KNOWN_NOISE = {
+    "torchao": ("Skipping import of cpp extensions",),
+    "bitsandbytes.backends.cpu.ops": ("pip install kernels",),
+    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",),
+}
+
+
+def quiet_known_noise() -> None:
+    """Drop the KNOWN_NOISE messages (a logging filter on each emitting logger; idempotent)."""
+    for name, fragments in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(*fragments))
+
+
+def run_summary(*, seconds: float, first_step: Optional[int], last_step: Optional[int], first_loss: Optional[float],
+                last_loss: Optional[float], skipped: int, stop: Optional[str], metrics_path: Path,
+                checkpoints: List[Path], wandb_dir: Optional[Path], nothing_left: Optional[str]) -> str:
+    """The paragraph printed at the end of a run: what was trained, in what time, and where its outputs are."""
+    def fmt(s: float) -> str:
+        return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+    if nothing_left:
+        parts = [f"Nothing trained: {nothing_left}, so there was nothing to train (raise epochs or "
+                 f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."]
+    elif first_step is None:
+        parts = [f"Stopped before the first step ({fmt(seconds)})."]
+    else:
+        n = last_step - first_step + 1
+        loss = "" if first_loss is None else f"; loss {first_loss:.4f} at step {first_step} -> {last_loss:.4f} at " \
+                                             f"step {last_step}"
+        how = f"stopped by {stop}" if stop else "done"
+        parts = [f"Run {how}: trained steps {first_step}-{last_step} ({n} step{'s' * (n != 1)}) in {fmt(seconds)}"
+                 f"{loss}" + (f"; {skipped} non-finite step(s) skipped" if skipped else "") + "."]
+    if Path(metrics_path).is_file():
+        parts.append(f"Metrics: {metrics_path}.")
+    if checkpoints:
+        names = ", ".join(p.name for p in checkpoints[:-1])
+        parts.append(f"Checkpoints: {checkpoints[-1]}" + (f" (latest; also {names})" if names else "") + ".")
+    if wandb_dir is not None:
+        parts.append(f"wandb: {wandb_dir} (upload with `wandb sync {wandb_dir}`).")
+    return " ".join(parts)

@@ -1,6 +1,7 @@
 """Score a checkpoint on truthfulqa_mc2 with lm-eval (docs/eval.md).
 
     tune run recipes/evaluate.py --config configs/eval/truthfulqa_mc2.yaml checkpoint_dir=/tmp/tiny/epoch_0
+    tune run recipes/evaluate.py --config configs/eval/truthfulqa_mc2.yaml --help   # this text and the keys
 
 The scoring is lm-eval's: its HF model class (HFLM) runs the loglikelihood requests, its truthfulqa_mc2 task
 builds the 6-shot QA prompt and the choices, and its `process_results_mc2` turns them into the score. This
@@ -20,6 +21,8 @@ Features (each behind a config key):
     - output_dir: where lm-eval's results JSON goes; default {checkpoint_dir}/../eval/{checkpoint name}/.
     - wandb_project: when set, the scores and task config go to a Weights & Biases run.
 The table, the score, the time taken and the results file are printed at the end; lm-eval shows a progress bar.
+lm-eval's warning that HFLM got a loaded model rather than a name is dropped (we hand it one on purpose:
+recipes/_common.py, KNOWN_NOISE).
 """
 
 import sys
@@ -27,12 +30,20 @@ import time
 from pathlib import Path
 
 from omegaconf import DictConfig
-from torchtune import config
 
-from eval import harness
-from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype
-from eval.errors import EvalInputError
-from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec
+from recipes import _common
+
+_common.quiet_known_noise()  # before torchtune and lm-eval are imported (see _common.KNOWN_NOISE)
+
+from torchtune import config  # noqa: E402
+
+from eval import harness  # noqa: E402
+from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
+from eval.errors import EvalInputError  # noqa: E402
+from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
+
+CONFIG_KEYS = ("checkpoint_dir", "tokenizer_path", "data_source", "data_dir", "tasks", "add_bos", "device", "dtype",
+               "batch_size", "limit", "output_dir", "wandb_project")
 
 
 class EvalRecipe:
@@ -103,4 +114,5 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
+    _common.print_help_if_asked(__doc__, CONFIG_KEYS)
     sys.exit(recipe_main())

@@ -56,6 +56,12 @@ step's all-reduce of the loss) and the unknown-key check work as in the single-d
 costs no extra host sync without clipping (the grad norm rides in the loss all-reduce, which is read on the host
 anyway); with clipping it reads the clipped norm once per step.
 
+A failure to write a checkpoint on any rank (a full disk on one node) is the same one-line error on every rank,
+after each has finished its own part (an all-gather of each rank's outcome around the writes and around rank 0's
+rename): no rank is left waiting for a crashed one, and nothing under the checkpoint's name is replaced. A stop
+signal on one rank is acted on at the step boundary where the all-reduced flag shows it, the same on every rank.
+The banner, ``--help``, ``log_level`` and the end-of-run summary work as in the single-device recipe, from rank 0.
+
 Not supported here (each refused before training with one line): ``optimizer_in_bwd=True``,
 ``enable_activation_offloading=True``.
 """
@@ -75,6 +81,11 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+
+from recipes import _common
+
+_common.quiet_known_noise()  # before torchtune imports torchao, in each rank (see _common.KNOWN_NOISE)
+
 from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -82,7 +93,6 @@ from torchtune import config, modules, training, utils
 from torchtune.models import convert_weights
 from tqdm import tqdm
 
-from recipes import _common
 from recipes.full_finetune_single_device import (
     KNOWN_CONFIG_KEYS,
     RECIPE_STATE_FILE,
@@ -90,8 +100,13 @@ from recipes.full_finetune_single_device import (
     BadInput,
     FullFinetuneRecipeSingleDevice,
     NonFiniteStop,
+    _first_line,
     _replace_dir,
     apply_activation_checkpointing,
+    checkpoint_bytes,
+    epoch_label,
+    log_banner,
+    set_log_level,
     model_hf_config,
     optimizer_state_bytes,
     read_hf_weight_files,
@@ -102,6 +117,7 @@ from recipes.full_finetune_single_device import (
 log = utils.get_logger("INFO")
 
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
+RECIPE_PATH = "recipes/full_finetune_distributed.py"
 
 
 def _init_process_group(device: torch.device) -> None:
@@ -137,6 +153,10 @@ def optimizer_state_layout(optimizer: torch.optim.Optimizer) -> str:
         if t.dim() > 0 and not isinstance(t, DTensor):
             return "per_rank"
     return "full"
+
+
+class CheckpointWriteError(BadInput):
+    """A rank could not write its part of a checkpoint (every rank raises it: see _agree_written)."""
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -223,8 +243,13 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
 
         self._metric_logger = self._setup_metric_logger(cfg) if self._rank0 else None
         self._metrics_path = self._output_dir / "metrics.jsonl"
-        if self._rank0 and resume_rng is None and self._metrics_path.exists():
+        if self._rank0 and resume_rng is None and self._resume_dir is None and self._metrics_path.exists():
             self._metrics_path.unlink()
+        if self._rank0 and self._resume_dir is not None:
+            dropped = _common.truncate_metrics(self._metrics_path, self._global_step)
+            if dropped:
+                log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {self._global_step}, which this "
+                         "resume trains again")
         dist.barrier()
         if resume_rng is not None:
             _common.set_rng_state(resume_rng)
@@ -385,10 +410,11 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         self._epoch, self._steps_in_epoch = state["epoch"], state["steps_in_epoch"]
         self._global_step = state["global_step"]
         self._skipped_steps = int(state.get("skipped_steps", 0))
+        utils.log_rank_zero(log, f"Resuming from {self._resume_dir} on {self._world} ranks: global step "
+                                 f"{self._global_step}, step {self._steps_in_epoch} of {self._steps_per_epoch} in "
+                                 f"epoch_{self._epoch}")
         if self._steps_in_epoch >= self._steps_per_epoch:
             self._epoch, self._steps_in_epoch = self._epoch + 1, 0
-        utils.log_rank_zero(log, f"Resuming from {self._resume_dir} on {self._world} ranks: epoch {self._epoch + 1}, "
-                                 f"step {self._steps_in_epoch} of the epoch, global step {self._global_step}")
         if self._rank0:
             self._log_nothing_left()
         return rank_state.get("rng") if saved_world == self._world else None
@@ -448,13 +474,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     def _train(self) -> None:
         params = [p for p in self._model.parameters() if p.requires_grad]
         for epoch in range(self._epoch, self._total_epochs):
-            self._sampler.set_epoch(epoch)
-            start = self._steps_in_epoch if epoch == self._epoch else 0
-            if start:
-                # Each rank skips its own share of the samples already trained on.
-                self._sampler.load_state_dict({"yielded": start * self._accum * self._batch_size})
+            start = self._begin_epoch(epoch)  # (each rank skips its own share of the samples already trained on)
             step_in_epoch = start
-            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=f"epoch {epoch + 1}/{self._total_epochs}",
+            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=epoch_label(epoch, self._total_epochs),
                         dynamic_ncols=True, disable=not self._rank0)
             running_loss, num_tokens, micro = 0.0, 0, 0
             t0 = time.perf_counter()
@@ -484,7 +506,10 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                                       torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64)])
                 dist.all_reduce(totals)
                 total_loss, total_tokens, stop, norm_sum = totals.tolist()
-                if stop and self._stop_signal is None:
+                # Every rank decides from the reduced flag, never from its own: a signal that lands on one rank after
+                # this all-reduce is folded into the next step's, so all ranks stop at the same boundary.
+                stop_now = bool(stop)
+                if stop_now and self._stop_signal is None:
                     self._stop_signal = signal.SIGTERM  # another rank's signal
                 scale = self._world / max(total_tokens, 1)
                 grad_norm = None
@@ -517,6 +542,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                 loss_value = total_loss / total_tokens
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}")
+                self._note_step(loss_value)
                 if self._global_step % self._log_every == 0:
                     record = self._reduced_record(
                         self._global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
@@ -527,23 +553,25 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
-                if self._stop_signal is not None:
-                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
-                    pbar.close()
-                    utils.log_rank_zero(log, f"Stopped by a signal after step {self._global_step}")
+                if self._step_checkpoint(epoch, step_in_epoch, pbar, stop=stop_now):
                     return
-                if self._save_every and self._global_step % self._save_every == 0:
-                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
                 t0 = time.perf_counter()
             pbar.close()
             self.save_checkpoint(f"epoch_{epoch}", epoch, step_in_epoch)
             self._steps_in_epoch = 0
-            if self._stop_signal is not None:
+            if self._any_rank(self._stop_signal is not None):
+                self._log_info(f"Stopped by {self._signal_name()} at the end of epoch_{epoch}")
                 return
 
     # ----------------------------------------------------------------------------------------
     # checkpoints
     # ----------------------------------------------------------------------------------------
+
+    def _log_info(self, message: str) -> None:
+        utils.log_rank_zero(log, message)
+
+    def _signal_name(self) -> str:
+        return "a signal"  # (it may have reached another rank: every rank stops on the all-reduced flag)
 
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
         """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
@@ -565,6 +593,9 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         box = [str(_common.tmp_dir(self._output_dir, name)) if self._rank0 else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
+        # Each rank writes its part; a failure on any rank (a full disk on one node) becomes the same error on all,
+        # after the others have written theirs: no rank waits for a crashed one in a collective.
+        error = None
         try:
             torch.save({"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
                         "rng": _rng_state(self._device)},
@@ -591,36 +622,50 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
                         "optimizer": full_optimizer,
                         "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
                         "rng": _rng_state(self._device),
-                        "config": {
-                            "optimizer": self._cfg_optimizer._component_,
-                            "optimizer_in_bwd": False,
-                            "world_size": self._world,
-                            "batch_size": self._batch_size,
-                            "gradient_accumulation_steps": self._accum,
-                            "seed": self._seed,
-                            "shuffle": self._shuffle,
-                            "max_steps_per_epoch": self._max_steps_per_epoch,
-                            "epochs": self._total_epochs,
-                            "packed": self._packed,
-                            "lr": self._cfg_optimizer.get("lr"),
-                        },
+                        "config": dict(self._saved_config(), optimizer_in_bwd=False, world_size=self._world),
                     },
                     tmp / RECIPE_STATE_FILE,
                 )
-            dist.barrier()  # every rank's file is written
-            if self._rank0:
+        except Exception as e:
+            error = e
+        self._agree_written(error, tmp, final)  # every rank's file is written, or all raise
+        error = None
+        if self._rank0:
+            try:
                 _common.finish_dir(tmp)  # umask modes, fsync of every file and the folder
                 _replace_dir(tmp, final)
-        except BaseException as e:
-            if self._rank0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            full = _common.disk_full_error(e, self._output_dir, final.name) if isinstance(e, OSError) else None
-            if full is not None:
-                raise full from None
-            raise
-        dist.barrier()  # nobody reads or overwrites it before it is in place
+            except Exception as e:
+                error = e
+        self._agree_written(error, tmp, final)  # nobody reads or overwrites it before it is in place
+        self._note_saved(final)
         if self._rank0:
             tqdm.write(f"Saved checkpoint {final}")
+
+    def _agree_written(self, error: Optional[BaseException], tmp: Path, final: Path) -> None:
+        """All ranks learn whether any failed to write; if one did, rank 0 removes the temporary folder and every
+        rank raises the same one-line error (a full disk named as such). Nothing under ``final`` was touched."""
+        message = None
+        if error is not None:
+            # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
+            opt = optimizer_state_bytes(self._optimizers)
+            need = checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
+            full = _common.disk_full_error(error, self._output_dir, final.name, need)
+            message = str(full) if full is not None else (
+                f"rank {self._rank} could not write {final.name} ({_first_line(error)}); nothing was replaced: fix "
+                f"the cause, or set output_dir=DIR to another folder")
+        every: List[Optional[str]] = [None] * self._world
+        dist.all_gather_object(every, message)
+        failed = [m for m in every if m]
+        if failed:
+            if self._rank0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(failed[0])
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any (one small all-reduce)."""
+        t = torch.tensor(float(flag), device=self._device)
+        dist.all_reduce(t)
+        return bool(t.item())
 
     def cleanup(self) -> None:
         super().cleanup()
@@ -630,14 +675,17 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
     recipe = None
     try:
+        set_log_level(cfg, show=rank == 0)  # one banner and one set of progress lines, from rank 0
         recipe = FullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
+        if rank == 0:
+            log_banner(RECIPE_PATH, recipe._output_dir)
         recipe.train()
         recipe.cleanup()
+        if rank == 0:
+            tqdm.write(recipe.summary())
     except BadInput as e:
         # One line from rank 0 (every rank finds the same error), no traceback.
         if rank == 0:
@@ -651,4 +699,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    _common.print_help_if_asked(__doc__, FullFinetuneRecipeDistributed.known_config_keys)
     sys.exit(recipe_main())

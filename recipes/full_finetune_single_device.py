@@ -1,8 +1,12 @@
 """Full fine-tune of a Llama2-architecture model on one device (one GPU, or the CPU for tiny runs).
 
-Launch from the repository root:
+Launch from the repository root, by the file's path:
 
     tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml [key=value ...]
+    tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # this text and the keys
+
+(``tune run full_finetune_single_device``, without the path, and ``tune ls`` are torchtune's own recipe of that
+name, which does not read these configs' keys the same way: always give the path.)
 
 Features (each behind the config key in brackets):
 
@@ -60,7 +64,8 @@ Features (each behind the config key in brackets):
       copied out during backward, so like optimizer-in-backward it needs
       ``gradient_accumulation_steps=1`` and ``clip_grad_norm=null``.
     - Checkpoints [save_every_n_steps, output_dir]: ``{output_dir}/step_{N}/`` every N optimizer
-      steps and ``{output_dir}/epoch_{E}/`` at the end of each epoch, in Hugging Face format
+      steps (``null``, the tiny config's default: none) and ``{output_dir}/epoch_{E}/`` at the end of each
+      epoch, in Hugging Face format
       (config.json, model.safetensors, generation_config.json, tokenizer.model), with the resume
       state beside them in recipe_state.pt. Each is written to a temporary folder and renamed
       into place, so a crash never leaves a half-written checkpoint under a real name.
@@ -68,11 +73,23 @@ Features (each behind the config key in brackets):
       keeps the random init (the tiny config).
     - Resume [resume_from_checkpoint]: a step_N or epoch_E folder; restores the weights, optimizer
       state, lr schedule, data position (epoch and step within it) and RNG, so the run continues
-      with the losses it would have had without the interruption.
+      with the losses it would have had without the interruption. ``metrics.jsonl`` keeps its records up
+      to the checkpoint's step and the resume appends the rest, so each step is recorded once. A
+      checkpoint already at the end of training (the last epoch_E) trains nothing, writes nothing and
+      says so (raise ``epochs`` or ``max_steps_per_epoch`` to go on).
     - Metrics [log_every_n_steps, metric_logger]: every log step one record goes to stdout, to
       ``{output_dir}/metrics.jsonl`` (strict JSON: a NaN or inf is written as null) and to
       ``metric_logger`` (wandb by default, offline when no WANDB_API_KEY is set; ``metric_logger=null``
-      turns it off). A tqdm bar shows progress.
+      turns it off). The wandb run folder holds a copy of the run's resolved config
+      (``files/torchtune_config.yaml``), so it stays self-contained. A tqdm bar shows progress; at the end
+      one paragraph sums the run up: steps trained, time, first and last loss, and where metrics.jsonl,
+      the checkpoints and the wandb folder are. Epochs are named by their checkpoint folders everywhere,
+      from 0 (``epoch_0``, the records' ``epoch: 0``); the bar adds the place in the run, ``epoch_0 (1/2)``.
+    - Terminal output [log_level]: once setup has passed its checks, one line names the recipe file and
+      output_dir (bad input prints only its ``error:`` line); ``log_level=DEBUG`` also prints the config, ``WARNING`` leaves only warnings and errors. Known third-party messages
+      that say nothing here (torchao's skipped C++ extensions, bitsandbytes' optional CPU kernel) are
+      filtered by message (recipes/_common.py: KNOWN_NOISE). ``--help`` prints this manual and every key of
+      the ``--config`` file with its value.
     - Non-finite steps [max_consecutive_skipped_steps]: a step whose loss or global grad norm is not
       finite is skipped (no optimizer step, gradients zeroed, weights and optimizer state untouched; the
       lr schedule and data move on) and counted (``skipped_steps`` in the metrics record; our optimizers'
@@ -87,8 +104,10 @@ Features (each behind the config key in brackets):
       written with non-finite weights.
     - Run folder [output_dir, overwrite, resume_from_checkpoint]: ``{output_dir}/.lock`` keeps a
       second live run out (it is told the first's PID; a lock left by a dead process is taken over). A
-      fresh run refuses a folder that already holds metrics.jsonl or step_*/epoch_* checkpoints unless
-      ``overwrite=True`` (which deletes them first) or it resumes (``resume_from_checkpoint``). At start
+      fresh run refuses a folder that already holds metrics.jsonl or step_*/epoch_* checkpoints (running
+      the same command twice: the error suggests a fresh name, ``{output_dir}-2``) unless
+      ``overwrite=True`` (which deletes them first) or it resumes (``resume_from_checkpoint``). A full
+      disk while saving is one ``error:`` line and leaves the previous checkpoints as they were. At start
       a checkpoint left only under ``.old-*`` by a kill is restored and dead runs' ``.tmp-*`` are deleted.
     - Stop on a signal [SIGTERM, SIGUSR1]: the run saves ``step_N`` at the next step boundary and exits
       0; resuming from it continues with the uninterrupted run's losses.
@@ -123,6 +142,11 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+
+from recipes import _common
+
+_common.quiet_known_noise()  # before torchtune imports torchao (see _common.KNOWN_NOISE)
+
 from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -134,7 +158,7 @@ from torchtune.data import padded_collate_packed, padded_collate_sft
 from torchtune.models import convert_weights
 from tqdm import tqdm
 
-from recipes import _common, _packing
+from recipes import _packing
 from recipes._common import BadInput, check_config_keys, check_finite, load_state_file
 from recipes._packing import PackedSFTDataset, count_trained_tokens
 
@@ -159,8 +183,10 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps",
+    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
 )
+
+RECIPE_PATH = "recipes/full_finetune_single_device.py"
 
 # The settings a resume must share with its checkpoint (the data order and the step's samples depend on them).
 RESUME_MUST_MATCH = ("batch_size", "gradient_accumulation_steps", "seed", "shuffle", "packed", "lr")
@@ -317,17 +343,12 @@ def model_hf_config(model: modules.TransformerDecoder, dtype: torch.dtype, base:
     return hf
 
 
-def _hf_weight_files(folder: Path) -> List[Path]:
-    files = sorted(folder.glob("*.safetensors"))
-    return files or sorted(folder.glob("pytorch_model*.bin"))
-
-
 def read_hf_weight_files(folder: Path) -> Dict[str, torch.Tensor]:
     """Every tensor of an HF folder's weight files; an unreadable file is one BadInput naming it."""
     fix = ("re-copy or re-download it, or point checkpoint_dir / resume_from_checkpoint at another folder "
            "(an earlier step_N or epoch_E)")
     state: Dict[str, torch.Tensor] = {}
-    for f in _hf_weight_files(folder):
+    for f in _common.hf_weight_files(folder):
         if f.suffix == ".safetensors":
             try:
                 state.update(load_file(str(f)))
@@ -403,6 +424,39 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def epoch_label(epoch: int, total: int) -> str:
+    """How an epoch is named in every message: by its checkpoint folder (0-based, as the ``epoch`` of the metrics
+    records), with its place in the run: ``epoch_0 (1/2)``."""
+    return f"epoch_{epoch} ({epoch + 1}/{total})"
+
+
+def checkpoint_bytes(model_sd: Dict[str, torch.Tensor], optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """About what one checkpoint takes on disk: the weights plus the optimizer state."""
+    weights = sum(v.numel() * v.element_size() for v in model_sd.values() if isinstance(v, torch.Tensor))
+    return weights + optimizer_state_bytes(optimizers)
+
+
+def log_config(logger, cfg: DictConfig) -> Optional[Path]:
+    """The run's config to the metric logger; for wandb, returns the run's folder.
+
+    torchtune's WandBLogger.log_config writes ``{output_dir}/torchtune_config.yaml`` and ``wandb.save``s it, which
+    puts an absolute symlink to it into the run's files/ (and warns "Symlinked 1 file"): a later run into the same
+    folder overwrites what that link shows. Here the run's folder gets a copy of its own config instead.
+    """
+    if type(logger).__name__ != "WandBLogger":
+        logger.log_config(cfg)
+        return None
+    import wandb
+
+    if wandb.run is None:
+        return None
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    wandb.run.config.update(resolved, allow_val_change=logger.config_allow_val_change)
+    # Files in the run's files/ folder are uploaded with the run (at its end, or by `wandb sync`).
+    (Path(wandb.run.dir) / "torchtune_config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    return Path(wandb.run.dir).parent
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -572,6 +626,13 @@ class FullFinetuneRecipeSingleDevice:
         self._skipped_steps = 0  # non-finite steps skipped so far (kept across a resume)
         self._consecutive_skips = 0
         self._stop_signal: Optional[int] = None  # SIGTERM/SIGUSR1 received: save at the next step boundary
+        # For the end-of-run summary: (step, loss) of the first and last step this process trained, checkpoints.
+        self._t_start = time.perf_counter()
+        self._first_trained: Optional[tuple] = None
+        self._last_trained: Optional[tuple] = None
+        self._saved: List[Path] = []
+        self._wandb_dir: Optional[Path] = None
+        self._nothing_left: Optional[str] = None
 
     @staticmethod
     def _check_hyperparameters(cfg: DictConfig) -> None:
@@ -655,8 +716,13 @@ class FullFinetuneRecipeSingleDevice:
         self._metric_logger = self._setup_metric_logger(cfg)
         self._metrics_path = self._output_dir / "metrics.jsonl"
         if resume_state is None and self._metrics_path.exists():
-            self._metrics_path.unlink()  # a fresh run starts a fresh file; a resumed one appends
+            self._metrics_path.unlink()  # a fresh run starts a fresh file
         if resume_state is not None:
+            # A resumed one keeps the records up to its checkpoint's step and appends: each step is logged once.
+            dropped = _common.truncate_metrics(self._metrics_path, self._global_step)
+            if dropped:
+                log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {self._global_step}, which this "
+                         "resume trains again")
             # RNG last, so nothing in setup shifts it after the restore.
             rng = resume_state["rng"]
             _common.set_rng_state(rng)
@@ -691,8 +757,9 @@ class FullFinetuneRecipeSingleDevice:
             _common.clear_run_folder(self._output_dir)
             log.info(f"overwrite=True: deleted the earlier run's {used} in {self._output_dir}")
             return None
-        return (f"output_dir={self._output_dir} already holds a run ({used}); set output_dir=DIR to a new folder, "
-                "overwrite=True to replace it, or resume_from_checkpoint=FOLDER to continue it")
+        return (f"output_dir={self._output_dir} already holds a run ({used}); set a new folder (e.g. output_dir="
+                f"{_common.fresh_dir_name(self._output_dir)}), overwrite=True to replace it, or "
+                f"resume_from_checkpoint={self._output_dir}/step_N (or epoch_E) to continue it")
 
     def _check_run_folder(self) -> None:
         error = self._used_folder_error()
@@ -752,7 +819,7 @@ class FullFinetuneRecipeSingleDevice:
         ckpt = cfg.get("checkpoint_dir")
         self._checkpoint_dir = Path(ckpt) if ckpt else None
         if self._checkpoint_dir is not None:
-            if not self._checkpoint_dir.is_dir() or not _hf_weight_files(self._checkpoint_dir):
+            if not self._checkpoint_dir.is_dir() or not _common.hf_weight_files(self._checkpoint_dir):
                 raise BadInput(
                     f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
                     "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random init"
@@ -923,6 +990,13 @@ class FullFinetuneRecipeSingleDevice:
         return {"batch_size": self._batch_size, "gradient_accumulation_steps": self._accum, "seed": self._seed,
                 "shuffle": self._shuffle, "packed": self._packed, "lr": self._cfg_optimizer.get("lr")}
 
+    def _saved_config(self) -> Dict[str, Any]:
+        """The run's settings as recipe_state.pt keeps them: what a resume checks, plus what it reports.
+        batch_size is this process's (the distributed recipe adds world_size and compares the global batch)."""
+        return {**self._resume_settings(), "batch_size": self._batch_size,
+                "optimizer": self._cfg_optimizer._component_, "optimizer_in_bwd": self._optimizer_in_bwd,
+                "max_steps_per_epoch": self._max_steps_per_epoch, "epochs": self._total_epochs}
+
     def _check_resume_settings(self, saved: Dict[str, Any]) -> None:
         now = self._resume_settings()
         for key in RESUME_MUST_MATCH:
@@ -938,10 +1012,11 @@ class FullFinetuneRecipeSingleDevice:
 
     def _log_nothing_left(self) -> None:
         if self._epoch >= self._total_epochs:
-            tqdm.write(
+            self._nothing_left = (
                 f"resume_from_checkpoint={self._resume_dir} is at global step {self._global_step}, already the end of "
-                f"training (epochs={self._total_epochs}, max_steps_per_epoch={self._max_steps_per_epoch}): nothing "
-                "to train. Raise epochs or max_steps_per_epoch to train further")
+                f"training with epochs={self._total_epochs}, max_steps_per_epoch={self._max_steps_per_epoch}")
+            log.warning(f"{self._nothing_left}: nothing to train, nothing will be written. To train further, raise "
+                        "epochs or max_steps_per_epoch (the lr schedule then differs from the finished run's)")
 
     def _load_resume_state(self, cfg: DictConfig) -> dict:
         state = self._read_state_file(self._resume_dir / RECIPE_STATE_FILE)
@@ -970,12 +1045,10 @@ class FullFinetuneRecipeSingleDevice:
         self._epoch, self._steps_in_epoch = state["epoch"], state["steps_in_epoch"]
         self._global_step = state["global_step"]
         self._skipped_steps = int(state.get("skipped_steps", 0))
+        log.info(f"Resuming from {self._resume_dir}: global step {self._global_step}, step {self._steps_in_epoch} "
+                 f"of {self._steps_per_epoch} in epoch_{self._epoch}")
         if self._steps_in_epoch >= self._steps_per_epoch:
             self._epoch, self._steps_in_epoch = self._epoch + 1, 0
-        log.info(
-            f"Resuming from {self._resume_dir}: epoch {self._epoch + 1}, step {self._steps_in_epoch} of the epoch, "
-            f"global step {self._global_step}"
-        )
         self._log_nothing_left()
         return state
 
@@ -991,7 +1064,7 @@ class FullFinetuneRecipeSingleDevice:
                 cfg_logger.mode = "offline"
                 log.info("wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)")
         logger = config.instantiate(cfg_logger)
-        logger.log_config(cfg)
+        self._wandb_dir = log_config(logger, cfg)
         return logger
 
     # ----------------------------------------------------------------------------------------
@@ -1084,6 +1157,16 @@ class FullFinetuneRecipeSingleDevice:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _begin_epoch(self, epoch: int) -> int:
+        """Point the sampler at `epoch`; in a resumed epoch, skip the samples the interrupted run already trained
+        on (checkpoints sit on optimizer-step boundaries, so this is a whole number of micro-batches; with
+        several ranks, each skips its own share). Returns the step the epoch starts from."""
+        self._sampler.set_epoch(epoch)
+        start = self._steps_in_epoch if epoch == self._epoch else 0
+        if start:
+            self._sampler.load_state_dict({"yielded": start * self._accum * self._batch_size})
+        return start
+
     def _train(self) -> None:
         if self._compile:
             log.info("compile=True: the first steps compile and are slow")
@@ -1091,14 +1174,9 @@ class FullFinetuneRecipeSingleDevice:
         t_start, first_step_s, first_logged = time.perf_counter(), None, False
         timer = StepTimer(self._device)
         for epoch in range(self._epoch, self._total_epochs):
-            self._sampler.set_epoch(epoch)
-            start = self._steps_in_epoch if epoch == self._epoch else 0
-            if start:
-                # Skip the samples the interrupted run already trained on (checkpoints sit on
-                # optimizer-step boundaries, so this is a whole number of micro-batches).
-                self._sampler.load_state_dict({"yielded": start * self._accum * self._batch_size})
+            start = self._begin_epoch(epoch)
             step_in_epoch = start
-            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=f"epoch {epoch + 1}/{self._total_epochs}",
+            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=epoch_label(epoch, self._total_epochs),
                         dynamic_ncols=True)
             running_loss = 0.0
             t0 = time.perf_counter()
@@ -1154,6 +1232,7 @@ class FullFinetuneRecipeSingleDevice:
 
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}")
+                self._note_step(loss_value)
                 if first_step_s is None:
                     first_step_s = time.perf_counter() - t_start
                 if self._global_step % self._log_every == 0:
@@ -1189,28 +1268,42 @@ class FullFinetuneRecipeSingleDevice:
                     break
                 # A periodic checkpoint that falls on an epoch's last step is skipped: the epoch
                 # checkpoint written just after holds the same state.
-                if self._stop_signal is not None:
-                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
-                    pbar.close()
-                    log.info(f"Stopped by {signal.Signals(self._stop_signal).name} after step {self._global_step}; "
-                             f"continue with resume_from_checkpoint={self._output_dir / f'step_{self._global_step}'}")
+                if self._step_checkpoint(epoch, step_in_epoch, pbar, stop=self._stop_signal is not None):
                     return
-                if self._save_every and self._global_step % self._save_every == 0:
-                    self.save_checkpoint(f"step_{self._global_step}", epoch, step_in_epoch)
                 t0 = time.perf_counter()
             pbar.close()
             self.save_checkpoint(f"epoch_{epoch}", epoch, step_in_epoch)
             self._steps_in_epoch = 0
             if self._stop_signal is not None:
-                log.info(f"Stopped by {signal.Signals(self._stop_signal).name} at the end of epoch {epoch}")
+                self._log_info(f"Stopped by {self._signal_name()} at the end of epoch_{epoch}")
                 return
 
     # ----------------------------------------------------------------------------------------
     # checkpoints
     # ----------------------------------------------------------------------------------------
 
+    def _step_checkpoint(self, epoch: int, step_in_epoch: int, pbar, *, stop: bool) -> bool:
+        """At a step boundary: the periodic step_N checkpoint, or on a stop signal a last one and True (stop)."""
+        name = f"step_{self._global_step}"
+        if stop:
+            self.save_checkpoint(name, epoch, step_in_epoch)
+            pbar.close()
+            self._log_info(f"Stopped by {self._signal_name()} after step {self._global_step}; continue with "
+                           f"resume_from_checkpoint={self._output_dir / name}")
+            return True
+        if self._save_every and self._global_step % self._save_every == 0:
+            self.save_checkpoint(name, epoch, step_in_epoch)
+        return False
+
+    def _signal_name(self) -> str:
+        return signal.Signals(self._stop_signal).name if self._stop_signal is not None else "a signal"
+
+    def _log_info(self, message: str) -> None:
+        log.info(message)
+
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
         """Write ``{output_dir}/{name}/`` atomically: build it in a temp folder, then rename."""
+        started = time.perf_counter()
         final = self._output_dir / name
         model_sd = self._model.state_dict()
         check_finite_weights(model_sd, final, self._global_step)
@@ -1243,18 +1336,7 @@ class FullFinetuneRecipeSingleDevice:
                         k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)
                     },
                     "rng": rng,
-                    "config": {
-                        "optimizer": self._cfg_optimizer._component_,
-                        "optimizer_in_bwd": self._optimizer_in_bwd,
-                        "batch_size": self._batch_size,
-                        "gradient_accumulation_steps": self._accum,
-                        "seed": self._seed,
-                        "shuffle": self._shuffle,
-                        "max_steps_per_epoch": self._max_steps_per_epoch,
-                        "epochs": self._total_epochs,
-                        "packed": self._packed,
-                        "lr": self._cfg_optimizer.get("lr"),
-                    },
+                    "config": self._saved_config(),
                 },
                 tmp / RECIPE_STATE_FILE,
             )
@@ -1262,26 +1344,65 @@ class FullFinetuneRecipeSingleDevice:
             _replace_dir(tmp, final)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            full = _common.disk_full_error(e, self._output_dir, final.name) if isinstance(e, OSError) else None
+            full = _common.disk_full_error(e, self._output_dir, final.name, checkpoint_bytes(model_sd, self._optimizers))
             if full is not None:
                 raise full from None
             raise
-        tqdm.write(f"Saved checkpoint {final}")
+        self._note_saved(final)
+        size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+        tqdm.write(f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)")
+
+    # -- the end of a run ------------------------------------------------------------------------
+
+    def _note_step(self, loss: float) -> None:
+        self._last_trained = (self._global_step, loss)
+        self._first_trained = self._first_trained or self._last_trained
+
+    def _note_saved(self, folder: Path) -> None:
+        self._saved = [p for p in self._saved if p != folder] + [folder]
+
+    def summary(self) -> str:
+        """One paragraph: the steps trained, time, first and last loss, and where metrics, checkpoints, wandb are."""
+        first, last = self._first_trained or (None, None), self._last_trained or (None, None)
+        stop = signal.Signals(self._stop_signal).name if self._stop_signal is not None else None
+        return _common.run_summary(
+            seconds=time.perf_counter() - self._t_start, first_step=first[0], last_step=last[0], first_loss=first[1],
+            last_loss=last[1], skipped=self._skipped_steps, stop=stop, metrics_path=self._metrics_path,
+            checkpoints=self._saved, wandb_dir=self._wandb_dir, nothing_left=self._nothing_left)
 
     def cleanup(self) -> None:
         if self._metric_logger is not None:
             self._metric_logger.close()
 
 
+def set_log_level(cfg: DictConfig, show: bool = True) -> None:
+    """``log_level``; at DEBUG the config is printed (torchtune's recipes print it always, 56 lines before any
+    ``error:``). ``show=False`` (the distributed recipe's ranks other than 0): warnings only."""
+    level = str(cfg.get("log_level", "INFO")).upper()
+    if level not in ("DEBUG", "INFO", "WARNING"):
+        raise BadInput(f"log_level={cfg.get('log_level')!r} is not a level; use log_level=INFO (default), DEBUG (also "
+                       "prints the config) or WARNING")
+    log.setLevel(level if show else "WARNING")
+    log.debug("Config:\n" + OmegaConf.to_yaml(cfg))
+
+
+def log_banner(recipe_path: str, output_dir: Path) -> None:
+    """One line, once setup has passed every check, naming the recipe by its file: torchtune's own recipe of the
+    same name (``tune run full_finetune_single_device``, no path) prints a "Running FullFinetuneRecipe..." dump."""
+    log.info(f"Training with {recipe_path} (this repository's recipe; --help lists its config keys) into {output_dir}")
+
+
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    config.log_config(recipe_name="FullFinetuneRecipeSingleDevice", cfg=cfg)
     recipe = None
     try:
+        set_log_level(cfg)
         recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
         recipe.setup(cfg=cfg)
+        log_banner(RECIPE_PATH, recipe._output_dir)
         recipe.train()
         recipe.cleanup()
+        tqdm.write(recipe.summary())
     except BadInput as e:
         # One line, no traceback: the message already names the value and the fix.
         tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
@@ -1292,4 +1413,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    _common.print_help_if_asked(__doc__, KNOWN_CONFIG_KEYS)
     sys.exit(recipe_main())

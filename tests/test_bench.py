@@ -1,5 +1,6 @@
 """bench/compare.py on the tiny config: the outputs have their structure and their numbers come from the runs."""
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -99,8 +100,35 @@ def test_variant_names_and_in_bwd_overrides():
                      "torchao.optim.AdamW8bit", "torchao.optim.AdamW8bit+in_bwd"]
     assert variants[1][1] == ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "optimizer_in_bwd=True",
                               "clip_grad_norm=null"]
-    assert len(compare.resolve_variants("all", in_bwd=False)) == len(compare.VARIANTS) == 10
     assert [v[0] for v in compare.resolve_variants("bnb8", in_bwd="only")] == ["bitsandbytes.optim.AdamW8bit+in_bwd"]
+
+
+def test_our_rows_come_from_the_registry_at_call_time(monkeypatch):
+    """The anchors, then every optimizers.VARIANTS entry as registered when resolved: one registered at runtime is in
+    `all` and has its key; without a registry, the four built-in rows."""
+    import optimizers
+
+    ours = [(v.component, v.overrides) for v in optimizers.VARIANTS.values()]
+    assert compare.resolve_variants("all") == list(compare.ANCHORS.values()) + ours
+    extra = dataclasses.replace(next(iter(optimizers.VARIANTS.values())), key="ours_test", component="my.pkg.AdamW")
+    optimizers.register(extra)
+    try:
+        assert compare.resolve_variants("all")[-1] == ("my.pkg.AdamW", ["optimizer=my.pkg.AdamW"])
+        assert compare.resolve_variants("ours_test") == [("my.pkg.AdamW", ["optimizer=my.pkg.AdamW"])]
+    finally:
+        optimizers.VARIANTS.pop("ours_test", None)
+    monkeypatch.delattr(optimizers, "VARIANTS")
+    assert len(compare.resolve_variants("all")) == len(compare.ANCHORS) + 4 == 10
+
+
+def test_busy_machine_is_recorded_and_warned(bench_run):
+    _, out_dir = bench_run
+    result = json.loads((out_dir / "compare.json").read_text())
+    assert len(result["load_average"]["start"]) == 3 and result["load_average"]["cores"] >= 1
+    assert compare.busy_warning([0.1, 0.1, 0.1], 2) is None
+    assert "busy before the runs (load average 3.00 on 2 cores)" in compare.busy_warning([3.0, 2.0, 1.0], 2)
+    table = (out_dir / "compare.md").read_text()
+    assert ("**Warning: " in table) == (result["busy_warning"] is not None)
 
 
 def test_summary_prefers_gpu_peak():

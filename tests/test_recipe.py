@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import optimizers
 from conftest import kill_once_saved, read_metrics, recipe_env, run_recipe, wandb_history
 
 RTOL = 1e-4
@@ -45,23 +46,32 @@ OPTIMIZER_CASES = [
     ("torchao-AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"],
      [10.581151008605957, 9.888410568237305, 9.10706615447998, 8.58837890625, 8.647028923034668,
       8.03925895690918], []),
-    # Ours: on CPU the plain-PyTorch path (the Triton kernel is held to it in tests/test_optimizers.py).
-    ("ours-AdamW8bit", ["optimizer=optimizers.AdamW8bit"],
-     [10.581151008605957, 9.88840103149414, 9.05556583404541, 8.488266944885254, 8.5391845703125,
-      7.893004894256592], []),
-    ("ours-AdamW4bit", ["optimizer=optimizers.AdamW4bit"],
-     [10.581151008605957, 9.88840103149414, 9.054448127746582, 8.47649097442627, 8.524319648742676,
-      7.8692498207092285], []),
-    ("ours-AdamWFp8", ["optimizer=optimizers.AdamWFp8"],
-     [10.581151008605957, 9.88840103149414, 9.055978775024414, 8.488475799560547, 8.53968334197998,
-      7.895044803619385], []),
-    ("ours-AdamW", ["optimizer=optimizers.AdamW"],
-     [10.581151008605957, 9.88840103149414, 9.055523872375488, 8.488167762756348, 8.539460182189941,
-      7.893132209777832], []),
     ("torchao-AdamWFp8", ["optimizer=torchao.optim.AdamWFp8"],
      [10.581151008605957, 9.888410568237305, 9.061450958251953, 8.493914604187012, 8.549219131469727,
       7.910982608795166], []),
 ]
+
+# Ours, by key of optimizers.VARIANTS: on CPU the plain-PyTorch path (the Triton kernel is held to it in
+# tests/test_optimizers.py). Every registered variant gets a case (our_cases); one without recorded losses here fails
+# with the instruction to record them.
+OUR_LOSSES = {
+    "ours8": [10.581151008605957, 9.88840103149414, 9.05556583404541, 8.488266944885254, 8.5391845703125,
+              7.893004894256592],
+    "ours4": [10.581151008605957, 9.88840103149414, 9.054448127746582, 8.47649097442627, 8.524319648742676,
+              7.8692498207092285],
+    "oursfp8": [10.581151008605957, 9.88840103149414, 9.055978775024414, 8.488475799560547, 8.53968334197998,
+                7.895044803619385],
+    "ours16": [10.581151008605957, 9.88840103149414, 9.055523872375488, 8.488167762756348, 8.539460182189941,
+               7.893132209777832],
+}
+
+
+def our_cases() -> list:
+    """(id, overrides, expected losses or None, marks) for every registered variant, read at collection time."""
+    return [(f"ours-{v.cls.__name__}", v.overrides, OUR_LOSSES.get(v.key), []) for v in optimizers.VARIANTS.values()]
+
+
+OPTIMIZER_CASES += our_cases()
 
 METRIC_KEYS = {"step", "loss", "lr", "tokens_per_second", "peak_rss_gib", "optimizer_step_ms",
                "optimizer_state_bytes", "grad_norm"}
@@ -83,6 +93,7 @@ def reference_run(tmp_path_factory):
 def test_optimizer_losses(recipe_runner, overrides, expected):
     run = recipe_runner(*overrides)
     assert run.ok, run.stderr[-3000:]
+    assert expected is not None, f"no recorded losses for {overrides}: add {run.losses} to OUR_LOSSES"
     assert run.losses == pytest.approx(expected, rel=RTOL)
 
 
@@ -125,6 +136,27 @@ def test_wandb_offline_run_holds_logged_loss(reference_run):
     assert len(runs) == 1, "expected one offline wandb run (no WANDB_API_KEY in the test env)"
     history = wandb_history(runs[0])
     assert [row["loss"] for row in history] == pytest.approx(reference_run.losses, rel=1e-9)
+
+
+def test_wandb_folder_holds_a_copy_of_the_config_and_the_run_ends_with_a_summary(reference_run):
+    """The offline run folder is self-contained (a copy of this run's config, not a link a later run overwrites),
+    the config is not dumped on the terminal, and the last output is one paragraph pointing at every output."""
+    from omegaconf import OmegaConf
+
+    out = reference_run.output_dir
+    run_dir = next((out / "wandb").glob("offline-run-*"))
+    saved = run_dir / "files" / "torchtune_config.yaml"
+    assert saved.is_file() and not saved.is_symlink()
+    cfg = OmegaConf.load(saved)
+    assert cfg.output_dir == str(out) and cfg.save_every_n_steps == 2 and cfg.model.num_layers == 1
+    text = reference_run.stdout + reference_run.stderr
+    assert "resolved config" not in text and "\nbatch_size: " not in text
+    summary = reference_run.stdout.strip().splitlines()[-1]
+    losses = reference_run.losses
+    assert summary.startswith("Run done: trained steps 1-6 (6 steps) in ")
+    assert f"loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step 6" in summary
+    assert f"Metrics: {out / 'metrics.jsonl'}" in summary and f"Checkpoints: {out / 'epoch_0'} (latest; also " \
+        "step_2, step_4)" in summary and f"wandb: {run_dir}" in summary
 
 
 def test_checkpoint_loads_in_transformers_with_same_logits(reference_run):

@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -235,7 +236,8 @@ def test_fresh_run_into_a_used_folder_refuses_unless_overwrite(run, tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     result = run()
     assert result.returncode == 2
-    for words in ("already holds a run", "output_dir=DIR", "overwrite=True", "resume_from_checkpoint="):
+    for words in ("already holds a run", f"(e.g. output_dir={out}-2)", "overwrite=True",
+                  f"resume_from_checkpoint={out}/step_N"):
         assert words in result.error
     assert (out / "epoch_0" / "model.safetensors").read_bytes() == b"old"
 
@@ -341,6 +343,41 @@ def test_full_disk_while_saving_is_one_line(run, tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith((".tmp-", "epoch_"))]
 
 
+def _tmpfs_mount_works(where: Path) -> str:
+    """'' if this user can mount a tmpfs in a private user+mount namespace (``unshare -rm``), else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) here"
+    where.mkdir(exist_ok=True)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(where)],
+                           capture_output=True, text=True, timeout=60)
+    return "" if probe.returncode == 0 else (
+        f"cannot mount a tmpfs as this user (unshare -rm + mount -t tmpfs: {probe.stderr.strip()[:200]}; user "
+        "namespaces disabled or restricted here): the fake-ENOSPC test above covers the message")
+
+
+def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """The recipe on a tmpfs too small for two checkpoints (FAST: about 50 MB each, weights plus AdamW state): step_2
+    fits, step_4 does not. The real writers (safetensors, torch.save's zip writer) report a full disk without an
+    errno, so this is what tells the recipe's check apart from a faked OSError."""
+    disk = tmp_path / "disk"
+    why = _tmpfs_mount_works(disk)
+    if why:
+        pytest.skip(why)
+    out, kept = disk / "out", tmp_path / "kept"
+    command = recipe_command(out, "save_every_n_steps=2")
+    # In the namespace: mount, run, and copy what is left out of the tmpfs (it goes with the namespace).
+    script = 'mount -t tmpfs -o size=80m tmpfs "$0" && "$@"; rc=$?; cp -r "$0/out" "$1"; exit $rc'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script.replace('"$1"', shlex.quote(str(kept))), str(disk),
+                           *command], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    run = RecipeRun(proc.returncode, proc.stdout, proc.stderr, kept, read_metrics(kept))
+    assert run.error.startswith(f"error: no space left on the disk of {out} while writing step_4 (")
+    assert "Traceback" not in run.stderr
+    assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["step_2"]  # no .tmp-* left, nothing replaced
+    weights = load_file(kept / "step_2" / "model.safetensors")
+    assert weights and torch.load(kept / "step_2" / "recipe_state.pt", weights_only=True)["global_step"] == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. checkpoint protocol
 # ------------------------------------------------------------------------------------------------
@@ -417,3 +454,4 @@ def test_resume_past_the_end_trains_nothing(base, run, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "nothing to train" in result.stderr + result.stdout
     assert result.metrics == [] and not list((tmp_path / "out").glob("epoch_*"))
+    assert result.stdout.strip().splitlines()[-1].startswith("Nothing trained: resume_from_checkpoint=")
