@@ -2,8 +2,8 @@
 # Builds .devsite/: a trimmed, unpacked site folder for the H200 device machine, whose image has torch,
 # triton, transformers, safetensors and sentencepiece but not torchtune, torchao, bitsandbytes, datasets,
 # omegaconf or torchdata. A device call carries at most 64 MiB, so we copy the pure-Python packages and
-# only bitsandbytes' CUDA 13.0 library, and xz-compress the Alpaca file. Run from the repo root with the
-# project's venv active; then `run` with carry=[".devsite"] and PYTHONPATH=.devsite/site.
+# only bitsandbytes' CUDA 13.0 library, lm-eval as a tarball, and xz-compress the data files. Run from the repo
+# root with the project's venv active; then `run` with carry=[".devsite"] and `source bench/device/setup.sh` first.
 set -euo pipefail
 SITE=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 OUT=.devsite
@@ -21,7 +21,14 @@ for pkg in torchtune torchao bitsandbytes datasets dill multiprocess omegaconf t
   cp -r "$SITE"/${pkg}-*.dist-info "$OUT/site/"
 done
 find "$OUT" -name '__pycache__' -prune -exec rm -rf {} +
+# lm-eval and what it imports that the image lacks, as one xz tarball (lm-eval's task YAMLs alone are ~70 MB
+# unpacked); bench/device/setup.sh unpacks it into $OUT/site.
+EVAL_PKGS="lm_eval nltk rouge_score chardet defusedxml pytz sniffio sqlitedict.py word2number more_itertools
+  pytablewriter dataproperty mbstrdecoder pathvalidate tabledata tcolorpy typepy evaluate"
+(cd "$SITE" && tar --exclude=__pycache__ -cJf "$OLDPWD/$OUT/eval_site.tar.xz" $EVAL_PKGS \
+  $(for p in $EVAL_PKGS; do n=${p%.py}; ls -d ${n}-*.dist-info 2>/dev/null || true; done))
 DATA=${DATA_DIR:-../shared/data}
 xz -T2 -6 -c "$DATA/alpaca/alpaca_data.json" > "$OUT/data/alpaca_data.json.xz"
 cp "$DATA/llama2_tokenizer/tokenizer.model" "$OUT/data/"
+xz -T2 -6 -c "$DATA/truthfulqa/mc_task.json" > "$OUT/data/mc_task.json.xz"
 du -sh "$OUT"
