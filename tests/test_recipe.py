@@ -159,6 +159,22 @@ def test_wandb_folder_holds_a_copy_of_the_config_and_the_run_ends_with_a_summary
         "step_2, step_4)" in summary and f"wandb: {run_dir}" in summary
 
 
+def test_saved_checkpoint_lines_report_size_and_time(reference_run):
+    """Each checkpoint is announced with its size and write time, in the form bench/pipeline.py reads (its SAVED
+    pattern): the sizes are the folders' on disk."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import pipeline
+
+    found = [m for m in map(pipeline.SAVED.search, reference_run.stdout.splitlines()) if m]
+    assert [Path(m.group(1)).name for m in found] == ["step_2", "step_4", "epoch_0"]
+    for m in found:
+        assert m.group(2) is not None and float(m.group(3)) >= 0, m.group(0)
+        folder = Path(m.group(1))
+        assert float(m.group(2)) == pytest.approx(pipeline.folder_bytes(folder) / 1e9, abs=0.006), m.group(0)
+
+
 def test_checkpoint_loads_in_transformers_with_same_logits(reference_run):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
