@@ -358,13 +358,16 @@ class Regime:
                     for name, buf in self.model.named_buffers():
                         buf.copy_(self.fp32_buffers[name])
 
-    def loss(self, batch):
+    def loss(self, batch, reduction: str = "mean"):
+        """Cross-entropy of a batch as the recipe computes it (token t predicts t+1), logits in fp32; fp32 weights
+        run under bf16 autocast. Packed batches carry their block mask and positions, unpacked ones neither."""
         import torch
 
         labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.float32):
             logits = self.model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
+                               reduction=reduction)
 
     def heldout_loss(self) -> float:
         import torch
@@ -373,15 +376,11 @@ class Regime:
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         with torch.no_grad():
             for b in self.heldout:
-                labels = F.pad(b["labels"][:, 1:], (0, 1), value=-100)
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.float32):
-                    logits = self.model(b["tokens"])
-                total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                         ignore_index=-100, reduction="sum").double()
+                total += self.loss(b, reduction="sum").double()
         self.model.train()
         return float(total) / self.heldout_tokens
 
-    def train(self, opt, batches, lr, warmup, cosine, clip=None):
+    def train(self, opt, batches, warmup, cosine, clip=None):
         """Step `opt` over `batches`; returns the per-step losses and the mean wall time per step."""
         import torch
 
@@ -423,7 +422,7 @@ def run_regime(args, argv) -> int:
     # The shared starting point: fp32 master weights, bf16 autocast, fused AdamW.
     init_loss = reg.heldout_loss()
     opt = torch.optim.AdamW(reg.model.parameters(), lr=args.pretrain_lr, weight_decay=0.0, fused=device.type == "cuda")
-    pre_losses, pre_step_s, _ = reg.train(opt, reg.pre_batches, args.pretrain_lr, warmup=30, cosine=True, clip=1.0)
+    pre_losses, pre_step_s, _ = reg.train(opt, reg.pre_batches, warmup=30, cosine=True, clip=1.0)
     del opt
     state = {k: v.detach().clone() for k, v in reg.model.state_dict().items()}
     start_loss = {"fp32": reg.heldout_loss()}
@@ -480,7 +479,7 @@ def run_regime(args, argv) -> int:
                "reference": key == "ref", "error": None, "heldout_start": start_loss[dtype]}
         try:
             opt = build(list(reg.model.parameters()), args.lr)
-            losses, step_s, first = reg.train(opt, reg.ft_batches, args.lr, warmup=20, cosine=False)
+            losses, step_s, first = reg.train(opt, reg.ft_batches, warmup=20, cosine=False)
             rec.update(heldout_loss=reg.heldout_loss(), final_train_loss=sum(losses[-50:]) / len(losses[-50:]),
                        ms_per_step=1e3 * step_s, first_step_s=first, losses=[round(x, 4) for x in losses])
             nonfinite = getattr(opt, "nonfinite_count", None)

@@ -235,12 +235,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     step_dir = run_dir / f"step_{args.save_every}"
     resume = [py, RECIPE, "--config", args.config, *common, f"resume_from_checkpoint={step_dir}",
               f"tokenizer.path={step_dir / 'tokenizer.model'}", "checkpoint_dir=null"]
-    before = dict(first)
     st = run_stage("resume", resume, logs / "pipeline_resume.log", args.timeout)
     second = losses(run_dir)
-    replay = [s for s in sorted(before) if s > args.save_every]
+    replay = [s for s in sorted(first) if s > args.save_every]
     st["losses"] = {s: second[s]["loss"] for s in replay if s in second}
-    diffs = [abs(second[s]["loss"] - before[s]["loss"]) for s in replay if s in second]
+    diffs = [abs(second[s]["loss"] - first[s]["loss"]) for s in replay if s in second]
     st["steps_compared"] = len(diffs)
     if diffs and len(diffs) == len(replay):
         result["loss_max_abs_diff"] = max(diffs)

@@ -102,6 +102,7 @@ from recipes.full_finetune_single_device import (
     NonFiniteStop,
     _first_line,
     _replace_dir,
+    announce_saved,
     apply_activation_checkpointing,
     checkpoint_bytes,
     epoch_label,
@@ -246,10 +247,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         if self._rank0 and resume_rng is None and self._resume_dir is None and self._metrics_path.exists():
             self._metrics_path.unlink()
         if self._rank0 and self._resume_dir is not None:
-            dropped = _common.truncate_metrics(self._metrics_path, self._global_step)
-            if dropped:
-                log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {self._global_step}, which this "
-                         "resume trains again")
+            self._trim_metrics_for_resume()
         dist.barrier()
         if resume_rng is not None:
             _common.set_rng_state(resume_rng)
@@ -576,6 +574,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
         """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
         recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place."""
+        started = time.perf_counter()
         final = self._output_dir / name
         local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self._model.state_dict().items()}
         bad = torch.tensor(float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())),
@@ -639,7 +638,7 @@ class FullFinetuneRecipeDistributed(FullFinetuneRecipeSingleDevice):
         self._agree_written(error, tmp, final)  # nobody reads or overwrites it before it is in place
         self._note_saved(final)
         if self._rank0:
-            tqdm.write(f"Saved checkpoint {final}")
+            announce_saved(final, started)
 
     def _agree_written(self, error: Optional[BaseException], tmp: Path, final: Path) -> None:
         """All ranks learn whether any failed to write; if one did, rank 0 removes the temporary folder and every

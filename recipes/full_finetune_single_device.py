@@ -459,6 +459,13 @@ def log_config(logger, cfg: DictConfig) -> Optional[Path]:
     return Path(wandb.run.dir).parent
 
 
+def announce_saved(final: Path, started: float) -> None:
+    """The line that reports a checkpoint in place: its folder, size on disk and write time (bench/pipeline.py
+    reads it)."""
+    size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+    tqdm.write(f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)")
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished checkpoint folder into place.
 
@@ -718,11 +725,7 @@ class FullFinetuneRecipeSingleDevice:
         if resume_state is None and self._metrics_path.exists():
             self._metrics_path.unlink()  # a fresh run starts a fresh file
         if resume_state is not None:
-            # A resumed one keeps the records up to its checkpoint's step and appends: each step is logged once.
-            dropped = _common.truncate_metrics(self._metrics_path, self._global_step)
-            if dropped:
-                log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {self._global_step}, which this "
-                         "resume trains again")
+            self._trim_metrics_for_resume()
             # RNG last, so nothing in setup shifts it after the restore.
             rng = resume_state["rng"]
             _common.set_rng_state(rng)
@@ -989,6 +992,13 @@ class FullFinetuneRecipeSingleDevice:
         """What RESUME_MUST_MATCH compares, for this run (saved under the same names in recipe_state.pt)."""
         return {"batch_size": self._batch_size, "gradient_accumulation_steps": self._accum, "seed": self._seed,
                 "shuffle": self._shuffle, "packed": self._packed, "lr": self._cfg_optimizer.get("lr")}
+
+    def _trim_metrics_for_resume(self) -> None:
+        """A resumed run keeps the records up to its checkpoint's step and appends: each step is logged once."""
+        dropped = _common.truncate_metrics(self._metrics_path, self._global_step)
+        if dropped:
+            log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {self._global_step}, which this resume "
+                     "trains again")
 
     def _saved_config(self) -> Dict[str, Any]:
         """The run's settings as recipe_state.pt keeps them: what a resume checks, plus what it reports.
@@ -1349,8 +1359,7 @@ class FullFinetuneRecipeSingleDevice:
                 raise full from None
             raise
         self._note_saved(final)
-        size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
-        tqdm.write(f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)")
+        announce_saved(final, started)
 
     # -- the end of a run ------------------------------------------------------------------------
 
