@@ -16,7 +16,7 @@ import transformers
 from safetensors import safe_open
 
 from eval.errors import EvalInputError
-from recipes._common import BadInput, hf_weight_files
+from finetune_base import BadInput, hf_weight_files
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format Llama folder)"
@@ -70,7 +70,7 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
-    """The folder's weight files by the recipes' one definition (recipes/_common.py: safetensors, or
+    """The folder's weight files by the recipes' one definition (finetune_base: safetensors, or
     pytorch_model*.bin, which transformers loads with weights_only=True), or an EvalInputError."""
     try:
         files = hf_weight_files(ckpt)

@@ -1,9 +1,9 @@
-from recipes._common import BadInput
+from finetune_base import BadInput
 
 
 class EvalInputError(BadInput):
     """A bad input to the eval (checkpoint, data file, task name, option).
 
-    The recipes' one bad-input error (recipes/_common.py), under the eval's name: the message names the offending
+    The recipes' one bad-input error (finetune_base), under the eval's name: the message names the offending
     value and the fix; the recipe prints it as one line and exits non-zero.
     """

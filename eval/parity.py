@@ -78,9 +78,15 @@ def run_lm_eval_hf(checkpoint_dir, data_dir, *, limit=None, batch_size=8, add_bo
     return results, call
 
 
+def tune_command() -> str:
+    """torchtune's `tune` of this Python's environment (found without an activated venv), else the one on PATH."""
+    beside = Path(sys.executable).with_name("tune")
+    return str(beside) if beside.is_file() else "tune"
+
+
 def our_command(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8, add_bos=False) -> list[str]:
     return [
-        "tune", "run", "recipes/evaluate.py", "--config", "configs/eval/truthfulqa_mc2.yaml",
+        tune_command(), "run", "recipes/evaluate.py", "--config", "configs/eval/truthfulqa_mc2.yaml",
         f"checkpoint_dir={checkpoint_dir}", f"data_dir={data_dir}", f"output_dir={output_dir}",
         f"limit={'null' if limit is None else limit}", f"batch_size={batch_size}", f"add_bos={add_bos}", "device=cpu", "dtype=fp32",
     ]  # fmt: skip

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -227,3 +228,37 @@ class PackedSFTDataset(Dataset):
 def count_trained_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY_IGNORE_IDX) -> int:
     """Tokens the recipe trains on in a [batch, seq] label tensor: position t predicts label t+1."""
     return int((labels[..., 1:] != ignore_index).sum())
+
+
+def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, cache_dir: Optional[Path],
+                 cache_parts: dict, log) -> PackedSFTDataset:
+    """``dataset.packed=True``: tokenize every sample once (or load them from the cache) and pack them into rows of
+    ``max_seq_len`` (the tokenizer's) tokens.
+
+    ``cache_parts`` are what the samples depend on besides the data (``cache_key``'s arguments: the dataset config,
+    the data files, the tokenizer file); ``cache_dir=None`` caches nothing. A cache file that is unreadable or does
+    not match the dataset's length is rebuilt; one that cannot be written costs the next run time, nothing else.
+    """
+    from finetune_base import BadInput
+
+    if max_seq_len is None:
+        raise BadInput("dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
+                       "than it are truncated by the tokenizer")
+    samples, t0, cache_file = None, time.perf_counter(), None
+    if cache_dir is not None:
+        cache_file = cache_dir / f"samples-{cache_key(max_seq_len=max_seq_len, **cache_parts)}.npz"
+        samples = TokenizedSamples.load(cache_file) if cache_file.is_file() else None
+        if samples is not None and len(samples) != len(ds):
+            samples = None
+    source = "cache" if samples is not None else "tokenized"
+    if samples is None:
+        samples = TokenizedSamples.from_dataset(ds)
+        if cache_file is not None:
+            try:
+                samples.save(cache_file)
+            except OSError as e:
+                log.warning(f"could not write the pack cache {cache_file} ({e.strerror or e}); continuing")
+    packed = PackedSFTDataset(samples, max_seq_len=max_seq_len, padding_idx=padding_idx)
+    log.info(f"Packed {len(samples)} samples into {len(packed)} rows of {max_seq_len} tokens "
+             f"({packed.fill():.1%} filled; {source} in {time.perf_counter() - t0:.1f} s)")
+    return packed

@@ -22,7 +22,7 @@ Features (each behind a config key):
     - wandb_project: when set, the scores and task config go to a Weights & Biases run.
 The table, the score, the time taken and the results file are printed at the end; lm-eval shows a progress bar.
 lm-eval's warning that HFLM got a loaded model rather than a name is dropped (we hand it one on purpose:
-recipes/_common.py, KNOWN_NOISE).
+recipes/_reporting.py, KNOWN_NOISE).
 """
 
 import sys
@@ -31,9 +31,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipes import _common
+from recipes import _reporting
 
-_common.quiet_known_noise()  # before torchtune and lm-eval are imported (see _common.KNOWN_NOISE)
+_reporting.quiet_known_noise()  # before torchtune and lm-eval are imported (see _reporting.KNOWN_NOISE)
 
 from torchtune import config  # noqa: E402
 
@@ -114,5 +114,5 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    _common.print_help_if_asked(__doc__, CONFIG_KEYS)
+    _reporting.print_help_if_asked(__doc__, CONFIG_KEYS)
     sys.exit(recipe_main())

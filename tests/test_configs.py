@@ -53,7 +53,7 @@ def test_config_loads_and_components_import(path, tmp_path):
 
 @pytest.mark.parametrize("path", FINETUNE_CONFIGS, ids=str)
 def test_finetune_config_instantiates(path, tmp_path):
-    from recipes.full_finetune_single_device import resolve_optimizer
+    from recipes._settings import resolve_optimizer
 
     cfg = load(path, tmp_path)
     header = (REPO_ROOT / path).read_text().split("\n\n")[0]
@@ -73,7 +73,7 @@ def test_finetune_config_instantiates(path, tmp_path):
 
     loss = config.instantiate(cfg.loss)
     params = [torch.nn.Parameter(torch.zeros(4, 4, dtype=dtype))]
-    optimizer = config.instantiate(resolve_optimizer(cfg.optimizer), params)
+    optimizer = resolve_optimizer(cfg.optimizer).build(params)
     scheduler = config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=100)
     assert scheduler.get_last_lr()[0] >= 0 and loss.ignore_index == -100
     _get_component_from_path(cfg.metric_logger._component_)

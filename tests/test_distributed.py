@@ -287,7 +287,7 @@ def test_a_live_lock_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_one_torchao_warning_per_two_rank_run(runs):
-    """The ranks filter torchao's "Skipping import of cpp extensions" (recipes/_common.py, KNOWN_NOISE); only the
+    """The ranks filter torchao's "Skipping import of cpp extensions" (recipes/_reporting.py, KNOWN_NOISE); only the
     `tune` launcher, which imports torchtune before any recipe code runs, still prints it once."""
     run = runs("torch.optim.AdamW")
     assert (run.stdout + run.stderr).count("Skipping import of cpp extensions") <= 1

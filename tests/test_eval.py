@@ -28,6 +28,8 @@ from eval.harness import HFLM  # noqa: E402  (lm-eval's class; the import says w
 from eval.parity import reference_task_config, run_lm_eval_hf  # noqa: E402
 from eval.truthfulqa import TASK_NAME, local_task_config  # noqa: E402
 
+from conftest import TUNE  # noqa: E402  (the `tune` beside this Python: no activated venv needed)
+
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 MC_TASK = DATA_DIR / "truthfulqa" / "mc_task.json"
 TOKENIZER = DATA_DIR / "llama2_tokenizer" / "tokenizer.model"
@@ -138,7 +140,7 @@ def test_requests_tokenized_like_sentencepiece_and_lm_eval_hf(tiny_checkpoint, a
 def test_parity_with_lm_eval_hf(tiny_checkpoint, tmp_path):
     out = tmp_path / "eval_out"
     cmd = [
-        "tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}",
+        TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}",
         f"data_dir={DATA_DIR}", f"output_dir={out}", f"limit={LIMIT}", "batch_size=4", "device=cpu", "dtype=fp32",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
@@ -181,16 +183,16 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
     from safetensors.torch import load_file
 
     import eval.checkpoint as ec
-    from recipes import _common
+    import finetune_base
 
-    assert ec.hf_weight_files is _common.hf_weight_files
+    assert ec.hf_weight_files is finetune_base.hf_weight_files
     score = {}
     for kind in ("safetensors", "bin"):
         ckpt = _copy(tiny_checkpoint, tmp_path / kind)
         if kind == "bin":
             torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
             (ckpt / "model.safetensors").unlink()
-        assert [f.name for f in _common.hf_weight_files(ckpt)] == (["pytorch_model.bin"] if kind == "bin"
+        assert [f.name for f in finetune_base.hf_weight_files(ckpt)] == (["pytorch_model.bin"] if kind == "bin"
                                                                     else ["model.safetensors"])
         cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
                                                             "device": "cpu", "limit": 2, "output_dir": str(ckpt / "e")})
@@ -203,8 +205,8 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
     (broken / "model.safetensors").rename(broken / "model-00001-of-00002.safetensors")
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    with pytest.raises(_common.BadInput, match="model-00002-of-00002.safetensors"):
-        _common.hf_weight_files(broken)
+    with pytest.raises(finetune_base.BadInput, match="model-00002-of-00002.safetensors"):
+        finetune_base.hf_weight_files(broken)
     with pytest.raises(ec.EvalInputError, match=f"checkpoint_dir={broken}.*model-00002-of-00002"):
         ec.check_checkpoint(broken)
 
@@ -306,7 +308,7 @@ def test_unsupported_task_and_options(capsys, tiny_checkpoint):
 
 def test_hub_out_of_reach(tiny_checkpoint):
     """data_source=hub runs lm-eval's task as-is; without the hub that is one message pointing at data_source=local."""
-    cmd = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "data_source=hub", "limit=1"]
+    cmd = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "data_source=hub", "limit=1"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**_tune_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -314,7 +316,7 @@ def test_hub_out_of_reach(tiny_checkpoint):
 
 
 def test_bad_input_exit_status_from_the_command_line(tiny_checkpoint):
-    cmd = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "tasks=[mmlu]"]
+    cmd = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "tasks=[mmlu]"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: tasks=['mmlu']: unsupported task")
@@ -331,10 +333,10 @@ def test_recipe_checkpoint_evaluates(tmp_path):
     assert train.ok, train.stderr[-3000:]
     (checkpoint,) = run_dir.glob("epoch_0")  # CONVENTIONS.md: {output_dir}/epoch_{E}/, HF format
 
-    evaluate = ["tune", "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={checkpoint}", f"data_dir={DATA_DIR}", "limit=4", "device=cpu"]
+    evaluate = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={checkpoint}", f"data_dir={DATA_DIR}", "limit=4", "device=cpu"]
     proc = subprocess.run(evaluate, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (recipes/_common.py, KNOWN_NOISE)
+    # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (recipes/_reporting.py, KNOWN_NOISE)
     assert "`pretrained` model kwarg is not of type" not in proc.stdout + proc.stderr
     (results_file,) = (run_dir / "eval" / "epoch_0").glob("results_*.json")  # the default output_dir
     score = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]

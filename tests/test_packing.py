@@ -151,7 +151,8 @@ def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
     """Checked in-process (the recipe's own classes, fast); the subprocess test below shows the one-line exit 2."""
     from omegaconf import OmegaConf
 
-    from recipes.full_finetune_single_device import BadInput, FullFinetuneRecipeSingleDevice
+    from finetune_base import BadInput
+    from recipes.full_finetune_single_device import FullFinetuneRecipeSingleDevice
 
     cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "tiny.yaml"),
                           {"data_dir": str(DATA_DIR), "output_dir": str(tmp_path / "out"), "metric_logger": None},

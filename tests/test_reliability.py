@@ -93,7 +93,7 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
 
     import bitsandbytes.optim
     import optimizers
-    from recipes import _common
+    from recipes import _checkpoint
 
     def roundtrip(obj):
         buf = io.BytesIO()
@@ -110,10 +110,10 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
         roundtrip(opt.state_dict())
     import numpy as np
     np.random.seed(3)
-    state = roundtrip(_common.rng_state())
+    state = roundtrip(_checkpoint.rng_state())
     expected = np.random.rand()
     np.random.seed(4)
-    _common.set_rng_state(state)
+    _checkpoint.set_rng_state(state)
     assert np.random.rand() == expected
 
 
@@ -167,7 +167,7 @@ def test_consecutive_nonfinite_steps_stop_the_run(run, tmp_path):
 
 
 def test_nonfinite_weights_are_never_written(tmp_path):
-    from recipes.full_finetune_single_device import BadInput, check_finite_weights
+    from recipes._checkpoint import BadInput, check_finite_weights
 
     check_finite_weights({"w": torch.ones(3)}, tmp_path / "step_1", 1)
     with pytest.raises(BadInput, match="not finite .*refused to write"):
@@ -178,13 +178,13 @@ def test_nonfinite_weights_are_never_written(tmp_path):
     ("optimizer.lr=.nan", "optimizer.lr=nan must be a positive number"),  # (YAML spells NaN and inf with a dot)
     ("optimizer.lr=.inf", "optimizer.lr=inf must be a positive number"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
-    ("optimizer.eps=0", "optimizer.eps=0 must be a finite number > 0"),
+    ("optimizer.eps=0", "optimizer.eps=0 must be a positive number"),
     ("lr_scheduler.num_warmup_steps=-1", "lr_scheduler.num_warmup_steps=-1 must be a finite number >= 0"),
     ("clip_grad_norm=.inf", "clip_grad_norm=inf must be a positive number"),
     ("save_every_n_steps=0", "save_every_n_steps=0 must be a positive integer or null"),
     ("seed=-1", "seed=-1 must be a non-negative integer"),
     ("seed=1.5", "seed=1.5 must be a non-negative integer"),
-    ("model.num_layers=0", "model.num_layers=0 must be an integer >= 1"),
+    ("model.num_layers=0", "model.num_layers=0 must be a positive integer"),
     ("max_consecutive_skipped_steps=0", "max_consecutive_skipped_steps=0 must be a positive integer"),
 ])
 def test_hyperparameters_are_checked(run, override, words):
@@ -219,7 +219,7 @@ def test_live_lock_refuses_naming_its_pid_and_stale_one_is_taken_over(run, tmp_p
     assert result.returncode == 2
     assert f"in use by a live run (PID {other_process.pid}" in result.error
 
-    from recipes._common import OutputDirLock
+    from recipes._run_folder import OutputDirLock
 
     (out / ".lock").write_text(json.dumps({"pid": dead_pid()}))
     lock = OutputDirLock(out)
@@ -262,10 +262,9 @@ def test_unknown_key_suggests_the_closest(run):
 def test_known_keys_cover_every_config_file():
     from omegaconf import OmegaConf
 
-    from recipes.full_finetune_distributed import FullFinetuneRecipeDistributed
-    from recipes.full_finetune_single_device import KNOWN_CONFIG_KEYS
+    from recipes._settings import DISTRIBUTED_CONFIG_KEYS, KNOWN_CONFIG_KEYS
 
-    known = set(FullFinetuneRecipeDistributed.known_config_keys)
+    known = set(DISTRIBUTED_CONFIG_KEYS)
     for path in [*(REPO_ROOT / "configs").glob("*.yaml"), *(REPO_ROOT / "configs" / "llama2").glob("*.yaml")]:
         keys = set(OmegaConf.load(path).keys())
         assert keys <= known, (path, keys - known)
@@ -331,12 +330,12 @@ def test_checkpoint_of_another_size_and_pickled_bin_are_one_line(base, tmp_path,
 
 
 def test_full_disk_while_saving_is_one_line(run, tmp_path, monkeypatch):
-    import recipes.full_finetune_single_device as recipe
+    from recipes import _hf_format
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(recipe, "save_file", full)
+    monkeypatch.setattr(_hf_format, "save_file", full)
     result = run("max_steps_per_epoch=1")
     assert result.returncode == 2
     assert f"no space left on the disk of {tmp_path / 'out'} while writing epoch_0" in result.error
@@ -384,25 +383,25 @@ def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_recovery_restores_old_and_removes_dead_tmp(tmp_path, other_process, monkeypatch):
-    from recipes import _common
+    from recipes import _run_folder
 
     dead = dead_pid()
     (tmp_path / f".old-step_2-{dead}-abcd1234").mkdir()
     (tmp_path / f".old-step_2-{dead}-abcd1234" / "model.safetensors").write_text("w")
     (tmp_path / f".tmp-step_4-{dead}-abcd1234").mkdir()
     (tmp_path / f".tmp-step_6-{other_process.pid}-abcd1234").mkdir()
-    _common.recover_run_folder(tmp_path)
+    _run_folder.recover_run_folder(tmp_path)
     assert (tmp_path / "step_2" / "model.safetensors").read_text() == "w"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-step_6-{other_process.pid}-abcd1234", "step_2"]
 
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    a, b = _common.tmp_dir(tmp_path, "step_8"), _common.tmp_dir(tmp_path, "step_8")
+    a, b = _run_folder.tmp_dir(tmp_path, "step_8"), _run_folder.tmp_dir(tmp_path, "step_8")
     assert a != b  # a PID plus a random part: never the same name twice
     (a / "f").write_text("x")
-    _common.finish_dir(a)
-    _common.replace_dir(a, tmp_path / "step_2")
+    _run_folder.finish_dir(a)
+    _run_folder.replace_dir(a, tmp_path / "step_2")
     assert len(synced) >= 3 and (tmp_path / "step_2" / "f").exists()
 
 

@@ -107,7 +107,7 @@ def test_help_reaches_the_recipe_through_tune_run():
 
 
 def test_known_third_party_noise_is_dropped_by_message_only():
-    from recipes import _common
+    from recipes import _reporting
 
     seen = []
 
@@ -115,7 +115,7 @@ def test_known_third_party_noise_is_dropped_by_message_only():
         def emit(self, record):
             seen.append((record.name, record.getMessage()))
 
-    _common.quiet_known_noise()
+    _reporting.quiet_known_noise()
     handler = Keep()
     loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes.backends.cpu.ops",
                                                     "lm_eval.models.huggingface")]

@@ -1,0 +1,56 @@
+"""The device and the model as both fine-tune recipes prepare them: the CUDA allocator and memory cap, activation
+checkpointing, torch.compile, the chunked loss's output split. The recipes build the model (on the device, or on the
+meta device before sharding) and load its weights; everything else about it is here.
+"""
+
+import os
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torchtune import training
+
+from recipes._settings import Settings
+
+
+def prepare_device(settings: Settings) -> None:
+    """On a GPU: expandable segments unless the user configured the allocator, and ``device_memory_limit_gib``.
+
+    Without expandable segments, a training step's changing allocation sizes leave the caching allocator holding
+    far more than it uses (98 GiB reserved for 71 GiB allocated, measured at 7B with AC off): reserved memory is
+    what runs out on a card. Set before the first allocation; any setting of ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``), even an empty one, is left alone. The memory cap makes the caching allocator refuse
+    to grow past that share of the card: a run that fits here fits a card of that size (the CUDA context,
+    ~0.5 GiB, comes on top on a real card).
+    """
+    if settings.device.type != "cuda":
+        return
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if settings.memory_limit_gib is not None:
+        total = torch.cuda.get_device_properties(settings.device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(settings.memory_limit_gib / total, settings.device)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, every_n: int = 1) -> int:
+    """Recompute the activations of one transformer layer in every ``every_n`` in the backward pass.
+
+    Layers every_n - 1, 2 * every_n - 1, ... (0-based) are wrapped; every_n=1 wraps all of them. Each checkpointed
+    layer keeps only its input (tokens x dim) instead of every intermediate, for one more forward pass of that layer
+    in the backward. Returns the number of layers checkpointed.
+    """
+    count = 0
+    for i, layer in enumerate(model.layers):
+        if (i + 1) % every_n == 0:
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                 preserve_rng_state=False)
+            count += 1
+    return count
+
+
+def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, settings: Settings, verbose: bool = True) -> None:
+    """Compile the loss with the model (``compile``) and split the output projection into the chunks torchtune's
+    chunked cross-entropy takes (it then never holds the fp32 logits of a whole batch)."""
+    if settings.compile:
+        training.compile_loss(loss_fn, verbose=verbose)
+    if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+        model.set_num_output_chunks(loss_fn.num_output_chunks)

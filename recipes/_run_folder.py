@@ -1,0 +1,399 @@
+"""The run folder (``output_dir``): one live run per folder, no silent reuse, and checkpoints that appear only whole.
+
+Part of the checkpoint component (``_checkpoint.py`` writes through ``RunFolder.publish``). The protocol:
+
+- ``claim``: create the folder, check it is writable, take ``.lock`` (a lock left by a dead process is taken
+  over), and repair what a killed run left: a checkpoint that exists only under ``.old-*`` is restored, dead runs'
+  ``.tmp-*`` folders are deleted.
+- ``refuse_reuse``: a fresh run refuses a folder that holds an earlier run's results (``metrics.jsonl``,
+  ``step_*`` / ``epoch_*``) unless ``overwrite=True`` (which deletes them) or it resumes.
+- ``publish``: a checkpoint is written into ``.tmp-NAME-PID-RANDOM``, every file and the folder fsynced, then
+  renamed into place; an existing folder of that name is renamed aside first and deleted only after, so at every
+  moment a complete checkpoint exists on disk. A full disk is one ``error:`` line and replaces nothing.
+
+Several processes (the distributed recipe's ranks) agree through a ``Ranks`` object: rank 0 owns the folder and
+every rank learns the outcome, so no rank waits in a collective for one that failed. ``Ranks()`` is one process.
+"""
+
+import atexit
+import errno
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from finetune_base import BadInput
+
+LOCK_FILE = ".lock"
+CHECKPOINT_PREFIXES = ("step_", "epoch_")
+METRICS_FILE = "metrics.jsonl"
+
+
+class Ranks:
+    """How the processes of one run agree. This one is a single process; ``DistributedRanks`` spans a group."""
+
+    rank, world = 0, 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        return value
+
+    def gather(self, value: Any) -> List[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        return [value]
+
+    def agree(self, error: Optional[str]) -> None:
+        """Raise ``BadInput(error)`` on every rank if rank 0 found one (the others pass None)."""
+        error = self.broadcast(error)
+        if error:
+            raise BadInput(error)
+
+
+class DistributedRanks(Ranks):
+    """The ranks of the default ``torch.distributed`` process group (objects travel pickled between our own
+    processes only)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: Any) -> List[Any]:
+        every: List[Any] = [None] * self.world
+        self._dist.all_gather_object(every, value)
+        return every
+
+
+class CheckpointWriteError(BadInput):
+    """A rank could not write its part of a checkpoint (every rank raises it, with the same message)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# the lock
+# ------------------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (field 22 of /proc/PID/stat), which tells a reused PID from the original."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_alive(owner: Dict[str, Any]) -> bool:
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return False
+    started = owner.get("start")
+    return started is None or _start_time(pid) in (None, started)
+
+
+class OutputDirLock:
+    """``{output_dir}/.lock``: one live run per folder. A lock left by a dead process is taken over."""
+
+    def __init__(self, output_dir: Path):
+        self.path = Path(output_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> None:
+        me = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    owner = {}
+                if not isinstance(owner, dict):
+                    owner = {}
+                if owner.get("pid") == me["pid"]:  # this process (an in-process rerun): ours already
+                    self.held = True
+                    return
+                if _owner_alive(owner):
+                    raise BadInput(
+                        f"output_dir={self.path.parent} is in use by a live run (PID {owner['pid']}, lock file "
+                        f"{self.path}); wait for it, stop it, or set output_dir=DIR to another folder") from None
+                # stale: its owner is dead. Remove it and try again (O_EXCL: only one taker wins).
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise BadInput(f"could not take the lock {self.path} (contended); retry, or set output_dir=DIR")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            owner = json.loads(self.path.read_text())
+            if owner.get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+# ------------------------------------------------------------------------------------------------
+# folders: reuse, temporary names, publishing, recovery
+# ------------------------------------------------------------------------------------------------
+
+
+def used_run_folder(output_dir: Path) -> Optional[str]:
+    """What marks ``output_dir`` as holding an earlier run's results (metrics.jsonl, step_*/epoch_*), or None."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    found = [p.name for p in sorted(output_dir.iterdir())
+             if p.name == METRICS_FILE or (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES))]
+    return ", ".join(found[:4]) + (" ..." if len(found) > 4 else "") if found else None
+
+
+def clear_run_folder(output_dir: Path) -> None:
+    """overwrite=True: remove the earlier run's metrics.jsonl and step_*/epoch_* checkpoints."""
+    for p in Path(output_dir).iterdir():
+        if p.name == METRICS_FILE:
+            p.unlink()
+        elif p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES):
+            shutil.rmtree(p)
+
+
+def fresh_dir_name(output_dir: Path) -> Path:
+    """The first of ``{output_dir}-2``, ``-3``, ... that does not exist (a name to suggest for a new run)."""
+    output_dir = Path(output_dir)
+    n = 2
+    while output_dir.with_name(f"{output_dir.name}-{n}").exists():
+        n += 1
+    return output_dir.with_name(f"{output_dir.name}-{n}")
+
+
+def tag() -> str:
+    """A suffix no other run can produce: this PID plus a random part (a PID alone is reused)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def tmp_dir(output_dir: Path, name: str) -> Path:
+    path = Path(output_dir) / f".tmp-{name}-{tag()}"
+    path.mkdir()
+    return path
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finish_dir(tmp: Path) -> None:
+    """Give the files umask modes and flush them and the folder to disk, so a rename publishes complete data."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
+        fsync_path(f)
+    tmp.chmod(0o777 & ~umask)
+    fsync_path(tmp)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished checkpoint folder into place.
+
+    rename(2) cannot replace a non-empty folder, so an existing one is first renamed aside (``.old-NAME-TAG``) and
+    deleted only after the new one is in place: at every moment a complete checkpoint exists on disk, under its
+    name or, for the instant between the two renames, under .old-*; recover_run_folder restores that one.
+    """
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{tag()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_path(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+        fsync_path(final.parent)
+
+
+def _tag_pid(name: str, prefix: str) -> Optional[int]:
+    # .tmp-{name}-{pid}-{hex} / .old-{name}-{pid}-{hex}
+    parts = name[len(prefix):].rsplit("-", 2)
+    try:
+        return int(parts[-2]) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def recover_run_folder(output_dir: Path, log=None) -> None:
+    """At the start of a run (the lock held): restore a checkpoint a kill left only under ``.old-*`` (between the
+    two renames of replace_dir), and delete the ``.tmp-*`` / leftover ``.old-*`` folders of dead runs."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return
+    for p in sorted(output_dir.iterdir()):
+        for prefix in (".tmp-", ".old-"):
+            if not (p.is_dir() and p.name.startswith(prefix)):
+                continue
+            pid = _tag_pid(p.name, prefix)
+            if pid is not None and pid != os.getpid() and _pid_alive(pid):
+                continue  # another live process's work (it cannot be a run on this folder: we hold the lock)
+            name = p.name[len(prefix):].rsplit("-", 2)[0]
+            final = output_dir / name
+            if prefix == ".old-" and not final.exists():
+                os.replace(p, final)
+                if log is not None:
+                    log.warning(f"restored {final} from {p.name} (a run was stopped between two renames)")
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def disk_full_error(e: BaseException, folder: Path, what: str, need_bytes: int = 0) -> Optional[BadInput]:
+    """A one-line BadInput for a full disk while writing ``what``; None for other errors.
+
+    An OSError says so by its errno (ENOSPC/EDQUOT), but the writers of the weights and the state file do not
+    raise OSError: torch.save's zip writer raises RuntimeError("... file write failed") and safetensors its own
+    error, without an errno. So a failed write also counts as a full disk when, its temporary folder removed, the
+    disk has less free space than the checkpoint needs (``need_bytes``).
+    """
+    try:
+        free = shutil.disk_usage(folder).free
+        space = f"{free / 2**30:.2f} GiB free"
+    except OSError:
+        free, space = None, "free space unknown"
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    if not full and not (isinstance(e, Exception) and free is not None and need_bytes and free < need_bytes):
+        return None
+    if need_bytes:
+        space += f", the checkpoint needs about {need_bytes / 2**30:.2f} GiB"
+    return BadInput(f"no space left on the disk of {folder} while writing {what} ({space}); nothing was replaced: "
+                    "free disk space, or set output_dir=DIR on a disk with room")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class RunFolder:
+    """``output_dir`` as one run owns it: ``claim`` it, ``refuse_reuse``, ``publish`` checkpoints, ``release``."""
+
+    def __init__(self, path: Path, ranks: Ranks = Ranks()):
+        self.path = Path(path)
+        self.ranks = ranks
+        self._lock: Optional[OutputDirLock] = None
+
+    def claim(self, log=None) -> None:
+        """Rank 0 creates the folder, checks it is writable, takes its lock and repairs it; every rank learns
+        whether that failed."""
+        error = None
+        if self.ranks.main:
+            try:
+                self._claim(log)
+            except BadInput as e:
+                error = str(e)
+        self.ranks.agree(error)
+
+    def _claim(self, log) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
+                pass
+        except OSError as e:
+            raise BadInput(f"output_dir={self.path} is not writable ({e.strerror or e}); set output_dir=DIR to a "
+                           "folder you can write") from None
+        self._lock = OutputDirLock(self.path)
+        self._lock.acquire()
+        atexit.register(self._lock.release)
+        recover_run_folder(self.path, log)
+
+    def refuse_reuse(self, *, resuming: bool, overwrite: bool, log=None) -> None:
+        """A fresh run into a folder holding an earlier run's results: refused, or cleared with overwrite=True.
+        A resume continues its run, in the same folder or a new one."""
+        error = None
+        if self.ranks.main and not resuming:
+            used = used_run_folder(self.path)
+            if used is not None and overwrite:
+                clear_run_folder(self.path)
+                if log is not None:
+                    log.info(f"overwrite=True: deleted the earlier run's {used} in {self.path}")
+            elif used is not None:
+                error = (f"output_dir={self.path} already holds a run ({used}); set a new folder (e.g. output_dir="
+                         f"{fresh_dir_name(self.path)}), overwrite=True to replace it, or "
+                         f"resume_from_checkpoint={self.path}/step_N (or epoch_E) to continue it")
+        self.ranks.agree(error)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def publish(self, name: str, write: Callable[[Path], None], need_bytes: Callable[[], int]) -> Path:
+        """``{path}/{name}/``, built by every rank's ``write(tmp)`` in one temporary folder and renamed into place
+        by rank 0, or nothing at all. A failure on any rank is the same error on every rank, raised after each has
+        finished its own part; the temporary folder is removed and nothing under ``name`` is replaced.
+        ``need_bytes()`` (this rank's share of the checkpoint) is asked only to tell a full disk."""
+        final = self.path / name
+        tmp = Path(self.ranks.broadcast(str(tmp_dir(self.path, name)) if self.ranks.main else None))
+        error = None
+        try:
+            write(tmp)
+        except Exception as e:
+            error = e
+        except BaseException:  # Ctrl-C mid-write: leave no temporary folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._agree_written(error, tmp, final, need_bytes)  # every rank's file is written, or all raise
+        error = None
+        if self.ranks.main:
+            try:
+                finish_dir(tmp)  # umask modes, fsync of every file and the folder
+                replace_dir(tmp, final)
+            except Exception as e:
+                error = e
+        self._agree_written(error, tmp, final, need_bytes)  # nobody reads or overwrites it before it is in place
+        return final
+
+    def _agree_written(self, error: Optional[Exception], tmp: Path, final: Path,
+                       need_bytes: Callable[[], int]) -> None:
+        message, full = None, None
+        if error is not None:
+            if self.ranks.main:
+                shutil.rmtree(tmp, ignore_errors=True)  # (first: its bytes would hide how full the disk is)
+            full = disk_full_error(error, self.path, final.name, need_bytes())
+            if full is None and self.ranks.world == 1:
+                raise error  # one process: an unexpected failure keeps its traceback
+            message = str(full) if full is not None else (
+                f"rank {self.ranks.rank} could not write {final.name} ({_first_line(error)}); nothing was replaced: "
+                "fix the cause, or set output_dir=DIR to another folder")
+        failed = [m for m in self.ranks.gather(message) if m]
+        if failed:
+            if self.ranks.main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(failed[0]) from None
