@@ -44,7 +44,9 @@ from typing import Callable, Dict, List, Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "bench" / "results"
 SCRATCH = REPO_ROOT / "outputs" / "bench"
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"  # the default data folder: ../shared/data beside the checkout
+# The default data folder, as the configs name it: beside the checkout, relative to the repository root, where every
+# run starts (so a result records no machine's path). repo_path() finds it for the files a benchmark opens itself.
+DATA_DIR = "../shared/data"
 # The code a result depends on. bench/results/ is excluded: it is what the benchmarks write, and a --merge into a
 # committed file would otherwise make the next run of the same matrix refuse to start.
 CODE_PATHS = ["recipes", "optimizers", "eval", "configs", "bench", ":(exclude)bench/results"]
@@ -53,6 +55,11 @@ PACKAGES = ["torch", "triton", "torchtune", "torchao", "bitsandbytes", "transfor
 # else is installed (and ahead of torchtune's own `recipes` package).
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+def repo_path(path) -> Path:
+    """A path as the runs see it: a relative one is taken from the repository root."""
+    return REPO_ROOT / path
 
 
 def scratch(name: str) -> str:

@@ -40,9 +40,7 @@ The JSON records the load average before the first and after the last run (`load
 busy machine makes tokens/s and step times noise: when the load before the runs exceeds a quarter of the cores,
 compare.py says so on the terminal, in the JSON (`busy_warning`) and above the table.
 
-Variants (`--variants`, comma-separated short names or full names; `all` = every one): the third-party anchors
-below, then ours, every key of `optimizers.VARIANTS` as registered when the variants are resolved (the end of
---help lists them), then any other dotted path, e.g. my.pkg.MyAdamW, run as optimizer=my.pkg.MyAdamW:
+Variants (`--variants`, comma-separated short names or full names; `all` = every one), the third-party anchors:
 """
 
 from __future__ import annotations
@@ -70,6 +68,8 @@ IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch \d+ \| loss (\S+)")
 
 __doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in harness.ANCHORS.items()) + """
+then ours, every key of `optimizers.VARIANTS` as registered when the variants are resolved (the end of --help lists
+them), and any other dotted path, e.g. my.pkg.MyAdamW, run as optimizer=my.pkg.MyAdamW.
 
 `--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd");
 `--in-bwd-only` runs just those.

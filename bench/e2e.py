@@ -194,8 +194,8 @@ def epoch_tokens(args) -> Optional[int]:
 
         from recipes import _packing
 
-        tok_path = Path(args.checkpoint_dir) / "tokenizer.model"
-        data = str(Path(args.data_dir) / "alpaca" / "alpaca_data.json")
+        tok_path = harness.repo_path(args.checkpoint_dir) / "tokenizer.model"
+        data = str(harness.repo_path(args.data_dir) / "alpaca" / "alpaca_data.json")
         tok = llama2_tokenizer(str(tok_path), max_seq_len=512, prompt_template=None)
         ds = alpaca_dataset(tok, source="json", data_files=data, split="train", train_on_input=True)
         samples = _packing.TokenizedSamples.from_dataset(ds)
@@ -253,10 +253,10 @@ def plot(records: List[dict], path: Path, hardware: str) -> None:
 def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--make-checkpoint", metavar="DIR", help="write an HF-format Llama2-7B with random values and exit")
-    ap.add_argument("--tokenizer", default=str(harness.DATA_DIR / "llama2_tokenizer" / "tokenizer.model"),
+    ap.add_argument("--tokenizer", default=f"{harness.DATA_DIR}/llama2_tokenizer/tokenizer.model",
                     help="tokenizer.model copied into --make-checkpoint's folder")
     ap.add_argument("--checkpoint-dir", help="the HF checkpoint every row loads")
-    ap.add_argument("--data-dir", default=str(harness.DATA_DIR), help="holds alpaca/alpaca_data.json")
+    ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json")
     ap.add_argument("--stock-dir", help="torchtune's recipes folder (its full_finetune_single_device.py, configs/)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps per row")
@@ -288,7 +288,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.make_checkpoint:
-        make_checkpoint(Path(args.make_checkpoint), Path(args.tokenizer))
+        make_checkpoint(Path(args.make_checkpoint), harness.repo_path(args.tokenizer))
         return
     prov = harness.provenance(__file__, argv, args.allow_dirty)
     old = harness.earlier(args.out, args.merge)

@@ -163,7 +163,7 @@ def run_row(row: tuple, args, base: List[str], prefix: str) -> dict:
     if not rec["error"]:
         k = min(args.last_k, len(losses))
         rec["final_train_loss"] = sum(losses[-k:]) / k
-        data_dir = Path(args.data_dir).resolve()
+        data_dir = harness.repo_path(args.data_dir)
         try:
             rec.update(heldout_loss(run_dir / "epoch_0", data_dir / "alpaca" / "alpaca_data.json",
                                     data_dir / "llama2_tokenizer" / "tokenizer.model",
@@ -186,7 +186,7 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per variant")
     parser.add_argument("--last-k", type=int, default=10, help="final_train_loss = mean of the last K steps")
     parser.add_argument("--heldout", type=int, default=200, help="last N Alpaca records, left out of training")
-    parser.add_argument("--data-dir", default=str(harness.DATA_DIR))
+    parser.add_argument("--data-dir", default=harness.DATA_DIR)
     parser.add_argument("--runs-dir", default="/tmp/loss_parity_runs", help="the recipe runs' folders")
     parser.add_argument("--out", default=harness.scratch("loss_parity.json"),
                         help="results JSON (default outputs/bench/loss_parity.json)")
@@ -226,8 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     have_ref = any(r["key"] == "ref" for r in kept)
     table, _ = rows()
     chosen = [r for r in table if (r[0] == "ref" and not have_ref) or (r[0] != "ref" and r[0] in args.keys)]
-    base = PARITY_OVERRIDES + [f"data_dir={Path(args.data_dir).resolve()}",
-                               f"dataset.split=train[:-{args.heldout}]"] + args.overrides
+    base = PARITY_OVERRIDES + [f"data_dir={args.data_dir}", f"dataset.split=train[:-{args.heldout}]"] + args.overrides
     records = []
     for i, row in enumerate(chosen, 1):
         records.append(dict(run_row(row, args, base, f"[{i}/{len(chosen)} {row[0]}]"), code=prov["code"]))

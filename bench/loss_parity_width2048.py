@@ -85,7 +85,7 @@ class Regime:
         shape = dict(REGIME, embed_dim=args.width, num_layers=args.layers, num_heads=args.width // 128,
                      num_kv_heads=args.width // 128, max_seq_len=args.seq_len)
         self.shape = shape
-        data_dir = Path(args.data_dir).resolve()
+        data_dir = harness.repo_path(args.data_dir)
         data_file = str(data_dir / "alpaca" / "alpaca_data.json")
         tok = llama2_tokenizer(str(data_dir / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=args.seq_len,
                                prompt_template=None)
@@ -206,7 +206,7 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--heldout", type=int, default=2000, help="last N Alpaca records, left out of training")
     parser.add_argument("--train-records", type=int, default=None,
                         help="train on the first N records only (default: all but the held-out ones; for tests)")
-    parser.add_argument("--data-dir", default=str(harness.DATA_DIR))
+    parser.add_argument("--data-dir", default=harness.DATA_DIR)
     parser.add_argument("--out", default=harness.scratch("loss_parity_width2048.json"),
                         help="results JSON (default outputs/bench/loss_parity_width2048.json)")
     parser.add_argument("--plot", default=None, help="plot PNG (default: beside --out)")

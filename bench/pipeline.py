@@ -89,7 +89,8 @@ def lm_eval_hf(checkpoint_dir: str, data_dir: str, device: str, dtype: str, batc
     start = time.perf_counter()
     model_args = f"pretrained={Path(checkpoint_dir).resolve()},add_bos_token=False,dtype={dtype}"
     with tempfile.TemporaryDirectory() as tmp:
-        task = reference_task_config(write_hub_jsonl(Path(data_dir) / DATA_FILE, Path(tmp) / "truthfulqa_mc.jsonl"))
+        task = reference_task_config(write_hub_jsonl(harness.repo_path(data_dir) / DATA_FILE,
+                                                     Path(tmp) / "truthfulqa_mc.jsonl"))
         results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=[task],
                                           task_manager=lm_eval.tasks.TaskManager(include_defaults=False),
                                           batch_size=batch_size, device=device, limit=limit, log_samples=False)
@@ -110,7 +111,7 @@ def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/llama2/7B_full_80gb.yaml")
     ap.add_argument("--checkpoint-dir", default=None, help="the HF folder to fine-tune (null: the config's)")
-    ap.add_argument("--data-dir", default=str(harness.DATA_DIR))
+    ap.add_argument("--data-dir", default=harness.DATA_DIR)
     ap.add_argument("--work", default="/tmp/pipeline", help="run folder root (replaced)")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps of the fine-tune")
     ap.add_argument("--save-every", type=int, default=3, help="save_every_n_steps: the step checkpoint resumed from")
@@ -149,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     logs = work / "logs"
     logs.mkdir(parents=True)
-    run_dir, data_dir = work / "run", Path(args.data_dir).resolve()
+    run_dir, data_dir = work / "run", args.data_dir  # (relative: from the repository root, where each stage runs)
     common = [f"data_dir={data_dir}", f"output_dir={run_dir}", "metric_logger=null",
               f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={args.save_every}", "log_every_n_steps=1",
               f"pack_cache_dir={work / 'packs'}", *args.overrides]
