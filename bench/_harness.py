@@ -235,8 +235,8 @@ def run(cmd: List[str], log, *, timeout: Optional[float] = None, until: Optional
 
     on_line(line, seconds since start) sees every line as it comes. until() is polled: once true, the run's work is
     done and the process is killed (a recipe that has logged its last step need not write its end-of-epoch
-    checkpoint, 40 GB at 7B). timeout: seconds before it is killed as a failure. The process gets its own session,
-    so a kill reaches its children too (torchrun's ranks, compile workers). Kills are SIGKILL: the recipes answer
+    checkpoint, 40 GB at 7B). timeout: seconds before it is killed as a failure. The process leads its own process
+    group, so a kill reaches its children too (torchrun's ranks, compile workers). Kills are SIGKILL: the recipes answer
     SIGTERM by saving a checkpoint, the very thing a stop is for avoiding.
     """
     # Recorded with "python" for the interpreter: its path is this machine's, its version is in `versions`.
@@ -268,7 +268,7 @@ def run(cmd: List[str], log, *, timeout: Optional[float] = None, until: Optional
                     result.stopped = True
                     break
                 reader.join(poll_s)  # a sleep that ends early when the output does
-        finally:  # also on Ctrl-C: the child is in its own session and would not see it
+        finally:  # also on Ctrl-C, which the child, in a process group of its own, would not see
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
