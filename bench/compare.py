@@ -5,11 +5,11 @@
         --steps 15 --out bench/results/llama2_7b_h200.json checkpoint_dir=null tokenizer.path=...
     (docs/llama2_7b_h200.md has the exact H200 commands; bench/results/README.md indexes every result)
 
-Each variant is one `tune run recipes/full_finetune_single_device.py --config CONFIG optimizer=... key=value ...`
-in a fresh subprocess (so peak memory, compile caches and allocator state never leak between variants), or
-`python -m recipes.full_finetune_single_device ...` where there is no `tune` script. The `key=value` (or `~key`)
-arguments after the flags go to every run; the variant's own optimizer keys come after them and win. The run is
-stopped once its last step is logged, before the recipe's end-of-epoch checkpoint (--keep-checkpoints: not).
+Each variant is one `python -m recipes.full_finetune_single_device --config CONFIG optimizer=... key=value ...` (with
+--nproc N, `recipes.full_finetune_distributed` under torchrun) in a fresh process, so peak memory, compile caches and
+allocator state never leak between variants. The `key=value` (or `~key`) arguments after the flags go to every run;
+the variant's own optimizer keys come after them and win. The run is stopped once its last step is logged, before
+the recipe's end-of-epoch checkpoint (--keep-checkpoints: not).
 
 Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and records:
 
@@ -23,95 +23,62 @@ Per variant it reads `{output_dir}/metrics.jsonl` (docs/CONVENTIONS.md) and reco
                    metrics record: the first step with its compilation / autotuning and first batch
     opt_step_ms    median optimizer_step_ms over the same steady steps (null with optimizer-in-backward)
     losses         the loss of every logged step
+    command        the recipe command the variant ran
 
 A variant whose run fails (import error, bad kwarg, out of memory, crash) becomes a row with `error` set; the
-other variants still run. Outputs, under --out-dir (or beside --out): the JSON (`--out`, default
-`{out_dir}/compare.json`, with command, hardware, library versions and date), `compare.md` (the table),
-`compare_loss.png` (loss curves overlaid) and `compare_memory_speed.png` (three bar panels per variant: optimizer
-state GiB, peak memory GiB, tokens/s; the state is what the variants change, the peak adds the model, gradients,
-activations and, on a CPU, the whole process).
+other variants still run. Outputs: the JSON (`--out`, default `{out_dir}/compare.json`; with the command, hardware,
+library versions, date and commit, see bench/_harness.py) and, in --out-dir (default: beside --out, else
+outputs/bench/compare), `compare.md` (the table), `compare_loss.png` (loss curves overlaid) and
+`compare_memory_speed.png` (three bar panels per variant: optimizer state GiB, peak memory GiB, tokens/s; the state is
+what the variants change, the peak adds the model, gradients, activations and, on a CPU, the whole process). The
+runs' own folders go to --runs-dir (default `{out_dir}/runs`, or outputs/bench/compare/runs when only --out is given:
+a results folder holds results, not training runs).
 With `--merge`, records already in `--out` for variants not run now are kept, so a long matrix can be run in
-pieces (e.g. one device call per few variants) into one file.
+pieces (e.g. one device call per few variants) into one file; each record carries the `code` it ran.
 
 The JSON records the load average before the first and after the last run (`load_average`: 1, 5 and 15 min). A
 busy machine makes tokens/s and step times noise: when the load before the runs exceeds a quarter of the cores,
 compare.py says so on the terminal, in the JSON (`busy_warning`) and above the table.
 
-Variants (`--variants`, comma-separated short names or full names; `all` = every one): the third-party anchors
-below, then ours, read from `optimizers.VARIANTS` when the variants are resolved (a variant registered with
-`optimizers.register(...)` before that is in `all` and has its key):
+Variants (`--variants`, comma-separated short names or full names; `all` = every one), the third-party anchors:
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
-import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RECIPE = "recipes/full_finetune_single_device.py"
-DIST_RECIPE = "recipes/full_finetune_distributed.py"
+import _harness as harness
 
-# The third-party anchors: short name -> (variant name = the _component_ path, with torch's backend in brackets;
-# overrides). Our variants come from the registry, optimizers.VARIANTS (see variants()).
-ANCHORS: Dict[str, tuple] = {
-    "fused": ("torch.optim.AdamW(fused=True)", ["optimizer=torch.optim.AdamW", "optimizer.fused=True"]),
-    "foreach": ("torch.optim.AdamW(foreach=True)",
-                ["optimizer=torch.optim.AdamW", "optimizer.fused=False", "optimizer.foreach=True"]),
-    "bnb8": ("bitsandbytes.optim.AdamW8bit", ["optimizer=bitsandbytes.optim.AdamW8bit"]),
-    "ao8": ("torchao.optim.AdamW8bit", ["optimizer=torchao.optim.AdamW8bit"]),
-    "ao4": ("torchao.optim.AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"]),
-    "aofp8": ("torchao.optim.AdamWFp8", ["optimizer=torchao.optim.AdamWFp8"]),
-}
-FUSED = ANCHORS["fused"][0]
-# Ours when the registry cannot be read (an optimizers package without VARIANTS, or none importable).
-OURS_FALLBACK: Dict[str, tuple] = {
-    "ours8": ("optimizers.AdamW8bit", ["optimizer=optimizers.AdamW8bit"]),
-    "ours4": ("optimizers.AdamW4bit", ["optimizer=optimizers.AdamW4bit"]),
-    "oursfp8": ("optimizers.AdamWFp8", ["optimizer=optimizers.AdamWFp8"]),
-    "ours16": ("optimizers.AdamW", ["optimizer=optimizers.AdamW"]),
-}
-
-
-def variants() -> Dict[str, tuple]:
-    """Every row by short name: the anchors, then ours from ``optimizers.VARIANTS`` as it is now (read at each call,
-    so a variant registered at runtime is included)."""
-    try:
-        import optimizers
-    except ImportError:
-        optimizers = None
-    registry = getattr(optimizers, "VARIANTS", None)
-    if not registry:
-        return {**ANCHORS, **OURS_FALLBACK}
-    ours = {key: (v.component, list(getattr(v, "overrides", None) or [f"optimizer={v.component}"]))
-            for key, v in registry.items()}
-    return {**ANCHORS, **ours}
+RECIPE, DIST_RECIPE = "full_finetune_single_device", "full_finetune_distributed"
+FUSED = harness.ANCHORS["fused"][0]
 # Optimizer-in-backward: one optimizer per parameter, stepped in the gradient hook. The recipe refuses it with
 # clipping or gradient accumulation, so the in-backward run turns clipping off (a config that accumulates
 # gradients gets the recipe's error in that row rather than a silently smaller batch).
 IN_BWD_SUFFIX = "+in_bwd"
 IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
+STEP_LINE = re.compile(r"\bstep (\d+) \| epoch \d+ \| loss (\S+)")
 
-__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in ANCHORS.items()) + """
-    ours16, ours8, ours4, oursfp8, ...: every key of optimizers.VARIANTS (--help lists them as registered now)
-    any other dotted path, e.g. my.pkg.MyAdamW: run as optimizer=my.pkg.MyAdamW
+__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in harness.ANCHORS.items()) + """
+then ours, every key of `optimizers.VARIANTS` as registered when the variants are resolved (the end of --help lists
+them), and any other dotted path, e.g. my.pkg.MyAdamW, run as optimizer=my.pkg.MyAdamW.
 
 `--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd");
 `--in-bwd-only` runs just those.
 """
+
+
+def variants() -> Dict[str, tuple]:
+    """Every row by short name: (variant name, overrides), the anchors, then ours from ``optimizers.VARIANTS``."""
+    return {**harness.ANCHORS, **{v.key: (v.component, v.overrides) for v in harness.ours()}}
 
 
 def resolve_variants(spec: str, in_bwd=False) -> List[tuple]:
@@ -142,28 +109,6 @@ def resolve_variants(spec: str, in_bwd=False) -> List[tuple]:
 
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", name).strip("_")
-
-
-def recipe_launcher(nproc: int = 0) -> List[str]:
-    """`tune run recipes/...py`, or, where torchtune is on PYTHONPATH without its `tune` script (the device
-    machine's copied site folder), `python -m recipes.full_finetune_single_device`, which parses the same args.
-    With nproc >= 1: the distributed recipe on nproc processes (`tune run --nproc_per_node N`, or torchrun)."""
-    recipe = DIST_RECIPE if nproc else RECIPE
-    exe = Path(sys.executable).with_name("tune")
-    tune = str(exe) if exe.exists() else shutil.which("tune")
-    if tune:
-        return [tune, "run"] + (["--nproc_per_node", str(nproc)] if nproc else []) + [recipe]
-    module = recipe[:-3].replace("/", ".")
-    if nproc:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m", module]
-    return [sys.executable, "-m", module]
-
-
-def read_metrics(output_dir: Path) -> List[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _median(values) -> Optional[float]:
@@ -209,86 +154,44 @@ def paired_ratio(rec: dict, base: dict, skip_steps: int) -> Optional[float]:
     return statistics.median(ratios) if ratios else None
 
 
-def run_variant(name: str, overrides: List[str], args, passthrough: List[str], run_dir: Path, log_prefix: str) -> dict:
+def run_variant(name: str, overrides: List[str], args, run_dir: Path, log_prefix: str) -> dict:
     """Run the recipe once for a variant; return its record (error set on failure)."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = recipe_launcher(getattr(args, "nproc", 0)) + ["--config", args.config, f"output_dir={run_dir}", "epochs=1"]
-    if args.steps:
-        cmd.append(f"max_steps_per_epoch={args.steps}")
-    if not args.wandb:
-        cmd.append("metric_logger=null")
+    settings = ["--config", args.config, f"output_dir={run_dir}", "epochs=1"]
+    settings += [f"max_steps_per_epoch={args.steps}"] if args.steps else []
+    settings += [] if args.wandb else ["metric_logger=null"]
     # The variant's keys last, so they win over the passthrough.
-    cmd += passthrough + overrides
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_SILENT="true")
-    log_path = run_dir / "run.log"
-    t_start = time.perf_counter()
-    t_setup_done, t_first_record = None, None
-    tail: List[str] = []
-    print(f"{log_prefix} start: {shlex.join(cmd)}", flush=True)
-    timed_out = stopped = False
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1)
-        timer = None
-        if args.timeout:
-            def kill():
-                nonlocal timed_out
-                timed_out = True
-                proc.kill()
-            timer = threading.Timer(args.timeout, kill)
-            timer.start()
-        for line in proc.stdout:  # text mode splits tqdm's \r updates into lines too
-            now = time.perf_counter()
-            log.write(line)
-            line = line.rstrip("\n")
-            if "epoch " in line and "it/s" in line or "s/it" in line:
-                continue  # tqdm bar updates: in the log file, not in the tail or the console
-            tail = (tail + [line])[-40:]
-            if t_setup_done is None and "Optimizer: " in line:
-                t_setup_done = now
-            m = re.search(r"\bstep (\d+) \| epoch \d+ \| loss (\S+)", line)
-            if m:
-                if t_first_record is None:
-                    t_first_record = now
-                if not args.quiet:
-                    print(f"{log_prefix}   step {m.group(1)} loss {float(m.group(2)):.4f}"
-                          f" ({now - t_start:.0f} s)", flush=True)
-                if args.steps and int(m.group(1)) == args.steps and not args.keep_checkpoints:
-                    # Every number is logged: stop the run before its end-of-epoch checkpoint (for Llama2-7B
-                    # about 40 GB and minutes of writing). The recipe prints the record before it appends it
-                    # to metrics.jsonl, so wait for the file first.
-                    deadline = time.perf_counter() + 30
-                    while len(read_metrics(run_dir)) < args.steps and time.perf_counter() < deadline:
-                        time.sleep(0.1)
-                    stopped = True
-                    proc.terminate()
-        proc.wait()
-        if timer is not None:
-            timer.cancel()
-    wall = time.perf_counter() - t_start
-    metrics = read_metrics(run_dir)
-    record = {"variant": name, "overrides": overrides, "returncode": proc.returncode, "wall_s": wall,
-              "stopped_before_checkpoint": stopped,
-              "output_dir": str(run_dir), "error": None}
+    cmd = harness.recipe_command(DIST_RECIPE if args.nproc else RECIPE, *settings, *args.overrides, *overrides,
+                                 nproc=args.nproc)
+    marks: Dict[str, float] = {}
+
+    def on_line(line: str, t: float) -> None:
+        if "setup" not in marks and "Optimizer: " in line:
+            marks["setup"] = t
+        m = STEP_LINE.search(line)
+        if m:
+            marks.setdefault("first_step", t)
+            if not args.quiet:
+                print(f"{log_prefix}   step {m.group(1)} loss {float(m.group(2)):.4f} ({t:.0f} s)", flush=True)
+
+    def last_step_logged() -> bool:
+        metrics = harness.read_metrics(run_dir)
+        return bool(metrics) and metrics[-1].get("step", 0) >= args.steps
+
+    print(f"{log_prefix} start: {' '.join(cmd)}", flush=True)
+    until = last_step_logged if args.steps and not args.keep_checkpoints else None
+    run = harness.run(cmd, run_dir / "run.log", timeout=args.timeout, until=until, on_line=on_line)
+    metrics = harness.read_metrics(run_dir)
+    record = {"variant": name, "overrides": overrides, "command": run.command, "returncode": run.returncode,
+              "wall_s": run.wall_s, "stopped_before_checkpoint": run.stopped, "output_dir": str(run_dir),
+              "error": run.error()}
     record.update(summarize(metrics, args.skip_steps))
-    record["first_step_s"] = (t_first_record - t_setup_done) if (t_setup_done and t_first_record) else None
-    expected = args.steps
-    if (proc.returncode != 0 and not stopped) or timed_out or not metrics or (expected and len(metrics) < expected
-                                                            and args.log_every_one):
-        error_lines = [ln for ln in tail if ln.startswith("error:")]
-        error_lines = error_lines or [ln for ln in tail if re.match(r"^\w*(Error|Exception)\b", ln)]
-        if timed_out:
-            msg = f"timed out after {args.timeout:.0f} s"
-        elif error_lines:
-            msg = error_lines[-1]
-        elif proc.returncode != 0:
-            msg = f"exit status {proc.returncode}: " + (tail[-1] if tail else "")
-        else:
-            msg = f"logged {len(metrics)} of {expected} steps"
-        record["error"] = msg[:500]
-        record["log_tail"] = tail[-15:]
+    record["first_step_s"] = marks["first_step"] - marks["setup"] if len(marks) == 2 else None
+    if record["error"] is None and (not metrics or (args.steps and len(metrics) < args.steps and args.log_every_one)):
+        record["error"] = f"logged {len(metrics)} of {args.steps} steps"
+    if record["error"]:
+        record["log_tail"] = list(run.tail)[-15:]
     if not args.keep_checkpoints:
         # Whatever checkpoint the recipe began (a run stopped early leaves a .tmp-* folder) or wrote.
         for ckpt in list(run_dir.glob("epoch_*")) + list(run_dir.glob("step_*")) + list(run_dir.glob(".tmp-*")):
@@ -297,7 +200,7 @@ def run_variant(name: str, overrides: List[str], args, passthrough: List[str], r
         f"peak {_fmt(record['peak_gib'], 2)} GiB, {_fmt(record['tok_s'], 0)} tok/s, first step "
         f"{_fmt(record['first_step_s'], 1)} s, opt step {_fmt(record['opt_step_ms'], 1)} ms, "
         f"final loss {_fmt(record['losses'][-1], 4)}")
-    print(f"{log_prefix} done in {wall:.0f} s: {status}", flush=True)
+    print(f"{log_prefix} done in {run.wall_s:.0f} s: {status}", flush=True)
     return record
 
 
@@ -307,41 +210,34 @@ def _fmt(v, digits: int) -> str:
     return f"{v:,.{digits}f}"
 
 
-
 def _final_loss(r: dict):
     """The last step's loss; a record kept without per-step losses carries only ``final_loss``."""
     return r["losses"][-1] if r.get("losses") else r.get("final_loss")
 
+
 def markdown_table(records: List[dict]) -> str:
     base = next((r for r in records if r["variant"] == FUSED and not r["error"]), None)
     kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
-    mem = "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)"
-    lines = [f"| AdamW | {mem} | tokens/s | vs fused | vs fused, paired | first step s | opt step ms | state GiB | "
-             "final loss | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    headers = ["AdamW", "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)", "tokens/s",
+               "vs fused", "vs fused, paired", "first step s", "opt step ms", "state GiB", "final loss", "error"]
+    rows = []
     for r in records:
         if r["error"]:
-            lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | - | {r['error'].replace('|', '/')} |")
+            rows.append([r["variant"]] + ["-"] * 8 + [r["error"]])
             continue
         rel = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and r["tok_s"] and base["tok_s"] else "-"
         paired = r.get("vs_fused_paired")
-        lines.append(
-            f"| {r['variant']} | {_fmt(r['peak_gib'], 2)} | {_fmt(r['tok_s'], 0)} | {rel} | "
-            f"{'-' if paired is None else f'{paired:.3f}x'} | {_fmt(r['first_step_s'], 1)} | "
-            f"{_fmt(r['opt_step_ms'], 1)} | {_fmt(r['opt_state_gib'], 2)} | {_fmt(_final_loss(r), 4)} | |")
-    return "\n".join(lines) + "\n"
+        rows.append([r["variant"], _fmt(r["peak_gib"], 2), _fmt(r["tok_s"], 0), rel,
+                     "-" if paired is None else f"{paired:.3f}x", _fmt(r["first_step_s"], 1),
+                     _fmt(r["opt_step_ms"], 1), _fmt(r["opt_state_gib"], 2), _fmt(_final_loss(r), 4), ""])
+    return harness.table(headers, rows)
 
 
 def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") -> List[str]:
     """{name}_loss.png (loss per step, overlaid) and {name}_memory_speed.png; returns the paths."""
-    try:
-        import matplotlib
-    except ImportError:  # e.g. the device machine's image: plot here later with --replot FILE.json
-        print("matplotlib is not installed: no plots (make them elsewhere with --replot FILE.json)")
+    plt = harness.pyplot()
+    if plt is None:  # e.g. the device machine's image: plot here later with --replot FILE.json
         return []
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
@@ -425,41 +321,6 @@ def write_reports(result: dict, out_dir: Path, name: str, title: str) -> None:
     print(f"wrote {out_dir / (name + '.md')}" + "".join(f", {p}" for p in plots))
 
 
-def code_version() -> str:
-    """The repository commit the runs used, with "+dirty" if recipes/ or optimizers/ had uncommitted changes."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "recipes", "optimizers"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")
-
-
-def hardware() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        return f"{torch.cuda.device_count()}x {p.name} ({p.total_memory / 2**30:.0f} GiB), {os.cpu_count()} CPU cores"
-    return f"CPU only: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def versions() -> Dict[str, Optional[str]]:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "torchtune", "torchao", "bitsandbytes", "triton"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            try:  # a copied site folder (the device) may lack dist-info
-                out[pkg] = getattr(__import__(pkg), "__version__", None)
-            except Exception:
-                out[pkg] = None
-    return out
-
 
 def load_average() -> Optional[List[float]]:
     try:
@@ -476,7 +337,7 @@ def busy_warning(load: Optional[List[float]], cores: Optional[int]) -> Optional[
             "times and first-step times are noise; rerun on an idle machine")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parse_args(argv: Optional[List[str]] = None):
     now = "\n".join(f"    {k:<8} {v[0]}" for k, v in variants().items())
     parser = argparse.ArgumentParser(description=__doc__ + f"\nRegistered now:\n{now}\n",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -488,9 +349,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--nproc", type=int, default=0,
                         help="run the distributed recipe (FSDP2) on this many processes / GPUs instead")
     parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tok/s and opt-step medians")
-    parser.add_argument("--out-dir", default=None, help="folder for the table, plots and runs (default: beside --out)")
+    parser.add_argument("--out-dir", default=None,
+                        help="folder for the table, plots and runs (default: beside --out, else outputs/bench/compare)")
     parser.add_argument("--out", default=None, help="JSON results file (default {out-dir}/compare.json)")
-    parser.add_argument("--runs-dir", default=None, help="where each variant's output_dir goes (default {out-dir}/runs)")
+    parser.add_argument("--runs-dir", default=None,
+                        help="where each variant's output_dir goes (default {out-dir}/runs; outputs/bench/compare/runs "
+                             "when only --out is given)")
     parser.add_argument("--merge", action="store_true", help="keep records in --out of variants not run now")
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="let each run write its epoch_0/ checkpoint and keep it (by default a run is stopped "
@@ -501,81 +365,82 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="one line per variant instead of one per step")
     parser.add_argument("--name", default="compare", help="file stem of the table and plots (default compare)")
     parser.add_argument("--replot", metavar="JSON", default=None,
-                        help="run nothing: write the table and plots of an existing results JSON into --out-dir")
+                        help="run nothing: write the table and plots of an existing results JSON into --out-dir "
+                             "(default outputs/bench/compare)")
+    harness.add_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     args = parser.parse_args(argv)
     args.log_every_one = not any(o.startswith("log_every_n_steps=") for o in args.overrides)
-
-    if args.replot:
-        result = json.loads(Path(args.replot).read_text())
-        out_dir = Path(args.out_dir or Path(args.replot).parent)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_reports(result, out_dir, args.name, args.title or config_title(result["config"]))
-        return 0
-    if args.out is None and args.out_dir is None:
-        parser.error("give --out-dir DIR or --out FILE.json")
-    out_dir = Path(args.out_dir) if args.out_dir else Path(args.out).parent
-    out_path = Path(args.out) if args.out else out_dir / "compare.json"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs_dir = Path(args.runs_dir) if args.runs_dir else out_dir / "runs"
+    scratch = Path(harness.scratch("compare"))
+    given_dir = args.out_dir
+    args.out_dir = Path(given_dir or (Path(args.out).parent if args.out and not args.replot else scratch))
+    args.out = Path(args.out or args.out_dir / "compare.json")
+    # Training runs go into an --out-dir given, never beside a results file named by --out alone.
+    args.runs_dir = Path(args.runs_dir or Path(given_dir or scratch) / "runs")
     for o in args.overrides:
         if not ("=" in o or o.startswith("~")):
             parser.error(f"override {o!r} is not key=value or ~key")
-    runs = resolve_variants(args.variants, "only" if args.in_bwd_only else args.in_bwd)
-    if not (REPO_ROOT / args.config).is_file() and not Path(args.config).is_file():
+    if not args.replot and not (harness.REPO_ROOT / args.config).is_file() and not Path(args.config).is_file():
         parser.error(f"--config {args.config} does not exist")
+    return args
 
-    command = shlex.join(["python", "bench/compare.py"] + (argv if argv is not None else sys.argv[1:]))
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_reports(result, args.out_dir, args.name, args.title or config_title(result["config"]))
+        return 0
+    runs = resolve_variants(args.variants, "only" if args.in_bwd_only else args.in_bwd)
+    prov = harness.provenance(__file__, argv, args.allow_dirty)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     load_start = load_average()
     warning = busy_warning(load_start, os.cpu_count())
     if warning:
         print(f"compare: WARNING: {warning}", flush=True)
     records = []
-    print(f"compare: {len(runs)} variant(s) on {args.config}, {args.steps} steps each; runs in {runs_dir}", flush=True)
+    print(f"compare: {len(runs)} variant(s) on {args.config}, {args.steps} steps each; runs in {args.runs_dir}",
+          flush=True)
     for i, (name, overrides) in enumerate(runs, 1):
         prefix = f"[{i}/{len(runs)} {name}]"
         try:
-            rec = run_variant(name, overrides, args, list(args.overrides), runs_dir / slug(name), prefix)
+            rec = run_variant(name, overrides, args, args.runs_dir / slug(name), prefix)
         except Exception as e:  # the harness itself failed for this variant: still a row, not a crash
             rec = {"variant": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}", "losses": [],
                    "peak_gib": None, "tok_s": None, "first_step_s": None, "opt_step_ms": None}
             print(f"{prefix} FAILED: {rec['error']}", flush=True)
+        rec["code"] = prov["code"]  # per record: a --merge file can hold rows of several commits
         records.append(rec)
 
-    if args.merge and out_path.exists():
-        old = json.loads(out_path.read_text())
+    old = harness.earlier(args.out, args.merge)
+    if old:
         now = {r["variant"] for r in records}
-        kept = [r for r in old.get("records", []) if r["variant"] not in now]
         order = [v[0] for v in variants().values()]
-        rank = lambda r: (order.index(r["variant"].replace(IN_BWD_SUFFIX, "")) if r["variant"].replace(  # noqa: E731
-            IN_BWD_SUFFIX, "") in order else len(order), r["variant"].endswith(IN_BWD_SUFFIX))
-        records = sorted(kept + records, key=rank)
-        commands = old.get("commands", [old.get("command")]) + [command]
-    else:
-        commands = [command]
 
+        def rank(r):
+            base = r["variant"].removesuffix(IN_BWD_SUFFIX)
+            return order.index(base) if base in order else len(order), r["variant"].endswith(IN_BWD_SUFFIX)
+
+        records = sorted([r for r in old.get("records", []) if r["variant"] not in now] + records, key=rank)
     base = next((r for r in records if r["variant"] == FUSED and not r.get("error")), None)
     for r in records:
         r["vs_fused_paired"] = paired_ratio(r, base, args.skip_steps) if base and not r.get("error") else None
-    title = args.title or config_title(args.config)
     result = {
-        "command": command,
-        "commands": commands,
+        **prov,
+        "commands": harness.commands(old, prov["command"]),
         "config": args.config,
         "overrides": list(args.overrides),
         "steps": args.steps,
         "skip_steps": args.skip_steps,
-        "hardware": hardware(),
-        "versions": versions(),
-        "code": code_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_average": {"start": load_start, "end": load_average(), "cores": os.cpu_count()},
         "busy_warning": warning,
         "records": records,
     }
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    write_reports(result, out_dir, args.name, title)
-    print(f"wrote {out_path}")
+    harness.write_json(args.out, result)
+    write_reports(result, args.out_dir, args.name, args.title or config_title(args.config))
+    print(f"wrote {args.out}")
     failed = [r["variant"] for r in records if r["error"]]
     if failed:
         print(f"{len(failed)} variant(s) failed: {', '.join(failed)}")

@@ -2,7 +2,7 @@
 
     python bench/e2e.py --make-checkpoint /tmp/llama2-7b-random          # HF-format Llama2-7B, random values
     python bench/e2e.py --checkpoint-dir /tmp/llama2-7b-random --data-dir /tmp/data \\
-        --stock-dir .devsite/site/recipes --rows stock_80gb,ours_80gb_8bit,ours_80gb_4bit \\
+        --stock-dir .devsite/site/recipes --rows stock_80gb,ours_80gb,ours_80gb_8bit \\
         --steps 20 --skip-steps 5 --out bench/results/llama2_7b_e2e_h200.json --merge
 
 Each row is one fresh process (no compile cache, allocator state or peak counter leaks between rows), run for
@@ -10,10 +10,12 @@ Each row is one fresh process (no compile cache, allocator state or peak counter
 (no end-of-epoch checkpoint). Our rows run ``python -m recipes.full_finetune_single_device`` with a config from
 ``configs/llama2/``; the stock rows run torchtune's own ``full_finetune_single_device.py`` with its
 ``7B_full_low_memory.yaml`` and the flags named in ROWS (``--stock-dir`` is torchtune's ``recipes`` folder; its
-``tune`` CLI is not needed). Per row the JSON keeps compare.py's keys (``variant``, ``tok_s``, ``peak_gib``,
-``peak_reserved_gib``) plus:
+``tune`` CLI is not needed). The JSON (``--out``, default outputs/bench/llama2_7b_e2e.json; rewritten after every
+row) opens with the command, hardware, versions, date and commit (bench/_harness.py); per row it keeps compare.py's
+keys (``variant``, ``tok_s``, ``peak_gib``, ``peak_reserved_gib``) plus:
 
     name, config, memory_class  the row, the config file it ran (stem) and its class (80gb, 24gb, seed)
+    command, code, measured_at  the row's recipe command, and the commit and date of the run that measured it
     vs_stock                    tok_s over the same class's stock row measured in the same invocation
     first_step_s                wall time of the first step (compilation included)
     mfu                         6 x 6.738e9 x tok_s / 989e12 (dense bf16 peak of an H100/H200)
@@ -28,20 +30,17 @@ first label, which it trains on from the previous sample's last token (0.7 % mor
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import _harness as harness
+
+REPO_ROOT = harness.REPO_ROOT
 N_PARAMS = 6.738e9  # Llama2-7B
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 
@@ -94,16 +93,16 @@ def command(name: str, args, out: Path) -> List[str]:
     if kind == "stock":
         shards = sorted(p.name for p in ck.glob("*.safetensors"))
         stock = Path(args.stock_dir)
-        return [sys.executable, str(stock / "full_finetune_single_device.py"), "--config",
-                str(stock / "configs" / "llama2" / f"{config}.yaml"), f"output_dir={out}",
-                f"checkpointer.checkpoint_dir={ck}", f"checkpointer.checkpoint_files=[{','.join(shards)}]",
-                "tokenizer.max_seq_len=512", "dataset.source=json", "dataset.split=train",
-                f"dataset.data_files={data / 'alpaca' / 'alpaca_data.json'}", "log_every_n_steps=1",
-                f"metric_logger.log_dir={out / 'logs'}", *common, *overrides]
-    return [sys.executable, "-m", "recipes.full_finetune_single_device", "--config",
-            str(REPO_ROOT / "configs" / "llama2" / f"{config}.yaml"), f"output_dir={out}", f"checkpoint_dir={ck}",
-            f"data_dir={data}", "metric_logger=null", f"pack_cache_dir={args.pack_cache_dir}", "log_every_n_steps=1",
-            *common, *overrides]
+        return harness.recipe_command(
+            stock / "full_finetune_single_device.py", "--config", str(stock / "configs" / "llama2" / f"{config}.yaml"),
+            f"output_dir={out}", f"checkpointer.checkpoint_dir={ck}",
+            f"checkpointer.checkpoint_files=[{','.join(shards)}]", "tokenizer.max_seq_len=512", "dataset.source=json",
+            "dataset.split=train", f"dataset.data_files={data / 'alpaca' / 'alpaca_data.json'}", "log_every_n_steps=1",
+            f"metric_logger.log_dir={out / 'logs'}", *common, *overrides)
+    return harness.recipe_command(
+        "full_finetune_single_device", "--config", f"configs/llama2/{config}.yaml",
+        f"output_dir={out}", f"checkpoint_dir={ck}", f"data_dir={data}", "metric_logger=null",
+        f"pack_cache_dir={args.pack_cache_dir}", "log_every_n_steps=1", *common, *overrides)
 
 
 def _number(text: str) -> float:
@@ -112,10 +111,7 @@ def _number(text: str) -> float:
 
 def read_records(kind: str, out: Path) -> List[dict]:
     if kind == "ours":
-        path = out / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return harness.read_metrics(out)
     records = []
     for log in sorted((out / "logs").glob("*.txt")) if (out / "logs").exists() else []:
         for line in log.read_text().splitlines():
@@ -136,30 +132,23 @@ def run_row(name: str, args, runs: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = command(name, args, out)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    row = {"name": name, "kind": kind, "config": config, "memory_class": memory_class, "overrides": overrides,
-           "command": " ".join(cmd)}
+    row = {"name": name, "kind": kind, "config": config, "memory_class": memory_class, "overrides": overrides}
     t0 = time.monotonic()
-    with open(out / "log.txt", "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        first_at = None
-        while proc.poll() is None and time.monotonic() - t0 < args.timeout:
-            records = read_records(kind, out)
-            if records and first_at is None:
-                first_at = time.monotonic()
-            if len(records) >= args.steps:
-                break
-            time.sleep(0.5)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    first_at = None
+
+    def done() -> bool:  # polled: every step logged (and when the first one was)
+        nonlocal first_at
+        records = read_records(kind, out)
+        if records and first_at is None:
+            first_at = time.monotonic()
+        return len(records) >= args.steps
+
+    run = harness.run(cmd, out / "log.txt", timeout=args.timeout, until=done, env={"WANDB_MODE": "disabled"})
     records = read_records(kind, out)
-    row["wall_s"] = round(time.monotonic() - t0, 1)
-    log_text = (out / "log.txt").read_text(errors="replace")
+    row["command"], row["wall_s"] = run.command, run.wall_s
     if len(records) < args.steps:
-        tail = [line for line in log_text.splitlines() if line.strip()][-3:]
-        row["error"] = f"{len(records)} of {args.steps} steps logged in {row['wall_s']} s: " + " / ".join(tail)[-600:]
+        why = run.error() or " / ".join(list(run.tail)[-3:])
+        row["error"] = f"{len(records)} of {args.steps} steps logged in {row['wall_s']} s: " + why[-600:]
         return row
     steady = records[args.skip_steps:]
     tok_s = statistics.median(r["tokens_per_second"] for r in steady)
@@ -180,6 +169,7 @@ def run_row(name: str, args, runs: Path) -> dict:
         graphs = [r["compiled_graphs"] for r in records]
         row["compiled_graphs"] = graphs
         row["recompiles_after_step_2"] = graphs[-1] - graphs[min(1, len(graphs) - 1)]
+    log_text = (out / "log.txt").read_text(errors="replace")
     m = re.search(r"Packed (\d+) samples into (\d+) rows of (\d+) tokens \(([\d.]+)% filled", log_text)
     if m:
         row["pack_rows"], row["pack_fill"] = int(m.group(2)), float(m.group(4)) / 100
@@ -204,8 +194,8 @@ def epoch_tokens(args) -> Optional[int]:
 
         from recipes import _packing
 
-        tok_path = Path(args.checkpoint_dir) / "tokenizer.model"
-        data = str(Path(args.data_dir) / "alpaca" / "alpaca_data.json")
+        tok_path = harness.repo_path(args.checkpoint_dir) / "tokenizer.model"
+        data = str(harness.repo_path(args.data_dir) / "alpaca" / "alpaca_data.json")
         tok = llama2_tokenizer(str(tok_path), max_seq_len=512, prompt_template=None)
         ds = alpaca_dataset(tok, source="json", data_files=data, split="train", train_on_input=True)
         samples = _packing.TokenizedSamples.from_dataset(ds)
@@ -216,38 +206,36 @@ def epoch_tokens(args) -> Optional[int]:
 
 
 def table(records: List[dict]) -> str:
-    lines = ["| row | config | AdamW | tokens/s | vs stock | MFU | peak alloc / reserved GiB | first step s | "
-             "epoch h |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in records:
         if r.get("error"):
-            lines.append(f"| {r['name']} | {r['config']} | | error: {r['error'][:120]} | | | | | |")
+            rows.append([r["name"], r["config"], "", f"error: {r['error'][:120]}", "", "", "", "", ""])
             continue
-        vs = f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-"
-        eh = f"{r['epoch_hours']:.2f}" if r.get("epoch_hours") else "-"
-        fs = f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-"
-        lines.append(f"| {r['name']} | {r['config']} | {r['variant']} | {r['tok_s']:,.0f} | {vs} | {r['mfu']:.2f} | "
-                     f"{r['peak_gib']:.1f} / {r['peak_reserved_gib']:.1f} | {fs} | {eh} |")
-    return "\n".join(lines)
+        rows.append([r["name"], r["config"], r["variant"], f"{r['tok_s']:,.0f}",
+                     f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-", f"{r['mfu']:.2f}",
+                     f"{r['peak_gib']:.1f} / {r['peak_reserved_gib']:.1f}",
+                     f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-",
+                     f"{r['epoch_hours']:.2f}" if r.get("epoch_hours") else "-"])
+    return harness.table(["row", "config", "AdamW", "tokens/s", "vs stock", "MFU", "peak alloc / reserved GiB",
+                          "first step s", "epoch h"], rows)
 
 
-def plot(records: List[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(records: List[dict], path: Path, hardware: str) -> None:
+    plt = harness.pyplot()
     ok = [r for r in records if not r.get("error")]
+    if plt is None or not ok:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {"80gb": "tab:blue", "24gb": "tab:green", "seed": "tab:gray"}
     names = [r["name"] for r in ok]
-    bars = ax1.barh(names, [r["tok_s"] for r in ok], color=[colors[r["memory_class"]] for r in ok],
+    bars = ax1.barh(names, [r["tok_s"] for r in ok], color=[colors.get(r["memory_class"], "tab:purple") for r in ok],
                     hatch=None, edgecolor=["black" if r["kind"] == "stock" else "none" for r in ok])
     for bar, r in zip(bars, ok):
         ax1.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
                  f" {r['tok_s']:,.0f}  ({r['peak_reserved_gib']:.0f} GiB)", va="center", fontsize=8)
     ax1.invert_yaxis()
     ax1.set_xlabel("trained tokens / s (median of steady steps)")
-    ax1.set_title("Llama2-7B, 1x H200 (outlined: torchtune stock); color = memory class")
+    ax1.set_title(f"Llama2-7B, {hardware.split(',')[0]} (outlined: torchtune stock); color = memory class", fontsize=9)
     ax1.set_xlim(0, max(r["tok_s"] for r in ok) * 1.35)
     for r in ok:
         steps = range(1, len(r["losses"]) + 1)
@@ -259,15 +247,16 @@ def plot(records: List[dict], path: Path) -> None:
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
-def main() -> None:
+def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--make-checkpoint", metavar="DIR", help="write an HF-format Llama2-7B with random values and exit")
-    ap.add_argument("--tokenizer", default=str(REPO_ROOT.parent / "shared/data/llama2_tokenizer/tokenizer.model"),
+    ap.add_argument("--tokenizer", default=f"{harness.DATA_DIR}/llama2_tokenizer/tokenizer.model",
                     help="tokenizer.model copied into --make-checkpoint's folder")
     ap.add_argument("--checkpoint-dir", help="the HF checkpoint every row loads")
-    ap.add_argument("--data-dir", default=str(REPO_ROOT.parent / "shared/data"), help="holds alpaca/alpaca_data.json")
+    ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json")
     ap.add_argument("--stock-dir", help="torchtune's recipes folder (its full_finetune_single_device.py, configs/)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps per row")
@@ -275,56 +264,59 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row before it is stopped as an error")
     ap.add_argument("--runs-dir", default="/tmp/e2e_runs", help="output_dir of each row")
     ap.add_argument("--pack-cache-dir", default="/tmp/e2e_pack_cache", help="our rows' pack cache (shared)")
-    ap.add_argument("--out", default="bench/results/llama2_7b_e2e.json", help="the JSON written")
+    ap.add_argument("--out", default=harness.scratch("llama2_7b_e2e.json"),
+                    help="the JSON written (default outputs/bench/llama2_7b_e2e.json)")
     ap.add_argument("--plot", help="PNG of tokens/s and loss curves (default: beside --out)")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows that this run does not re-measure")
-    args = ap.parse_args()
+    harness.add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     if args.make_checkpoint:
-        make_checkpoint(Path(args.make_checkpoint), Path(args.tokenizer))
-        return
+        return args
     if not args.checkpoint_dir:
         ap.error("--checkpoint-dir is required (make one with --make-checkpoint DIR)")
-    names = [n for n in args.rows.split(",") if n]
-    unknown = [n for n in names if n not in ROWS]
+    args.names = [n for n in args.rows.split(",") if n]
+    unknown = [n for n in args.names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
-    if any(ROWS[n][0] == "stock" for n in names) and not args.stock_dir:
+    if any(ROWS[n][0] == "stock" for n in args.names) and not args.stock_dir:
         ap.error("stock rows need --stock-dir (torchtune's recipes folder)")
+    return args
 
-    runs = Path(args.runs_dir)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = Path(args.out)
-    kept = []
-    if args.merge and out.exists():
-        kept = [r for r in json.loads(out.read_text())["records"] if r["name"] not in names]
-    import torch
 
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.make_checkpoint:
+        make_checkpoint(Path(args.make_checkpoint), harness.repo_path(args.tokenizer))
+        return
+    prov = harness.provenance(__file__, argv, args.allow_dirty)
+    old = harness.earlier(args.out, args.merge)
+    kept = [r for r in old.get("records", []) if r["name"] not in args.names]
     doc = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": started,
-        "hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "versions": {"torch": torch.__version__, **_versions()},
+        **prov,
+        "commands": harness.commands(old, prov["command"]),
         "weights": "random values (HF-format Llama2-7B made by transformers; no real weights on this machine)",
         "steps": args.steps,
         "skip_steps": args.skip_steps,
         "epoch_trained_tokens": None,
         "records": kept,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     records = []
-    for name in names:
-        row = run_row(name, args, runs)
-        row["measured_at"] = started
+    for name in args.names:
+        row = run_row(name, args, Path(args.runs_dir))
+        row["measured_at"], row["code"] = prov["date"], prov["code"]
         records.append(row)
         print(f"{name}: " + (f"error {row['error']}" if row.get("error") else
                              f"{row['tok_s']:,.0f} tok/s, {row['peak_gib']} / {row['peak_reserved_gib']} GiB, "
                              f"first step {row.get('first_step_s')} s, wall {row['wall_s']} s"), flush=True)
         _finish(doc, kept, records, None)
-        out.write_text(json.dumps(doc, indent=1) + "\n")  # after every row: a stopped run keeps what it measured
+        harness.write_json(args.out, doc)  # after every row: a stopped run keeps what it measured
     _finish(doc, kept, records, epoch_tokens(args))
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    harness.write_json(args.out, doc)
     print(table(doc["records"]))
-    plot(doc["records"], Path(args.plot) if args.plot else out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    plot(doc["records"], Path(args.plot), prov["hardware"])
 
 
 def _finish(doc: dict, kept: List[dict], records: List[dict], tokens: Optional[int]) -> None:
@@ -339,18 +331,6 @@ def _finish(doc: dict, kept: List[dict], records: List[dict], tokens: Optional[i
                 r["epoch_hours"] = round(tokens / r["tok_s"] / 3600, 3)
     doc["epoch_trained_tokens"] = tokens or doc["epoch_trained_tokens"]
     doc["records"] = kept + records
-
-
-def _versions() -> Dict[str, str]:
-    from importlib import metadata
-
-    found = {}
-    for pkg in ("triton", "torchtune", "torchao", "bitsandbytes", "transformers"):
-        try:
-            found[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 
 The default variants are torch's AdamW, every variant registered in ``optimizers.VARIANTS`` (their config paths, in
 registration order) and the field's 8-bit, 4-bit and FP8 AdamWs; ``--variants`` takes any of those names, a
-registered short key (``ours8``) or ``optimizers.AdamW8bit(tile_blocks=2)``-style names with keyword arguments.
+registered short key (``ours8``) or ``optimizers.AdamW8bit(tile_blocks=2)``-style names with keyword arguments. The
+JSON (``--out``, default outputs/bench/optimizer_step.json) opens with the command, hardware, versions, date and
+commit (bench/_harness.py).
 
 Parameters are the 291 tensors of Llama2-7B (6.738 B) in bf16 at random values with random bf16 gradients
 (no weights are needed to time an optimizer). For each variant, in this order, in the same process: build the
@@ -21,11 +23,8 @@ Variants that fail (missing library, error) are recorded with their error instea
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _harness as harness
 
 
 def llama2_7b_shapes() -> list[tuple[int, ...]]:
@@ -49,26 +48,8 @@ def small_shapes() -> list[tuple[int, ...]]:
 
 
 def make_variant(name: str, params):
-    """name -> optimizer over params. The name is the config's `_component_` path (plus kwargs)."""
-    lr = 1e-5
-    if name == "torch.optim.AdamW(fused=True)":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    if name == "torch.optim.AdamW(foreach=True)":
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
-    variant = registered(name)
-    if variant is not None:
-        _, _, kw = name.partition("(")
-        kwargs = eval(f"dict({kw[:-1]})") if kw else {}  # noqa: S307 - our own fixed variant strings
-        return variant.cls(params, lr=lr, **{**variant.kwargs, **kwargs})
-    if name.startswith("torchao.optim."):
-        import torchao.optim
-
-        return getattr(torchao.optim, name.split(".")[-1])(params, lr=lr)
-    if name.startswith("bitsandbytes.optim."):
-        import bitsandbytes.optim
-
-        return getattr(bitsandbytes.optim, name.split(".")[-1])(params, lr=lr)
-    raise ValueError(f"unknown variant {name}")
+    """name -> optimizer over params. The name is the config's `_component_` path (plus kwargs) or a registered key."""
+    return harness.make_optimizer(name, params, lr=1e-5)
 
 
 def time_variant(name, shapes, steps, warmup, device):
@@ -118,36 +99,28 @@ def time_variant(name, shapes, steps, warmup, device):
     return rec
 
 
-def registered(name: str):
-    """The ``optimizers.Variant`` that ``name`` (a short key or a config path, optionally with "(kwargs)") names, or
-    None."""
-    import optimizers
-
-    base = name.partition("(")[0]
-    for v in optimizers.VARIANTS.values():
-        if base in (v.key, v.component):
-            return v
-    return None
-
-
 def default_variants() -> list[str]:
     """torch's AdamW, then ours (``optimizers.VARIANTS``, read now), then the field's."""
-    import optimizers
-
-    return (["torch.optim.AdamW(fused=True)", "torch.optim.AdamW(foreach=True)"]
-            + [v.component for v in optimizers.VARIANTS.values()]
-            + ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit", "torchao.optim.AdamWFp8",
-               "bitsandbytes.optim.AdamW8bit"])
+    anchors = [harness.ANCHORS[k][0] for k in ("fused", "foreach", "ao8", "ao4", "aofp8", "bnb8")]
+    return anchors[:2] + [v.component for v in harness.ours()] + anchors[2:]
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="*", default=None, help="default: see default_variants()")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--shapes", choices=["llama2_7b", "small"], default="llama2_7b")
-    ap.add_argument("--out", default=None, help="write the JSON here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=harness.scratch("optimizer_step.json"),
+                    help="write the JSON here (default outputs/bench/optimizer_step.json)")
+    harness.add_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    prov = harness.provenance(__file__, argv, args.allow_dirty)
     if args.variants is None:
         args.variants = default_variants()
     if not torch.cuda.is_available():
@@ -166,29 +139,16 @@ def main(argv=None):
             torch.cuda.empty_cache()
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    print("\n| variant | step ms | device ms | host ms | first step s | state GiB |\n|---|---|---|---|---|---|")
-    for r in records:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:60]} | | | | |")
-        else:
-            print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['device_ms']:.1f} | {r['host_ms']:.1f} | "
-                  f"{r['first_step_s']:.1f} | "
-                  f"{r['state_gib']:.2f} |")
-    if args.out:
-        import triton
-
-        out = dict(
-            command="python " + " ".join([os.path.relpath(__file__)] + (argv or sys.argv[1:])),
-            hardware=f"{torch.cuda.get_device_name()}, {platform.machine()}",
-            date=datetime.date.today().isoformat(),
-            params=n, tensors=len(shapes), param_dtype="bfloat16",
-            versions=dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version()),
-            note="Llama2-7B parameter shapes at random values (no weights needed to time an optimizer step).",
-            records=records,
-        )
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    print("\n" + harness.table(
+        ["variant", "step ms", "device ms", "host ms", "first step s", "state GiB"],
+        [[r["variant"], f"failed: {r['error'][:60]}", "", "", "", ""] if "error" in r else
+         [r["variant"], f"{r['step_ms']:.1f}", f"{r['device_ms']:.1f}", f"{r['host_ms']:.1f}",
+          f"{r['first_step_s']:.1f}", f"{r['state_gib']:.2f}"] for r in records]))
+    harness.write_json(args.out, dict(
+        prov, params=n, tensors=len(shapes), param_dtype="bfloat16",
+        note="Llama2-7B parameter shapes at random values (no weights needed to time an optimizer step).",
+        records=records))
+    print(f"wrote {args.out}")
     return records
 
 

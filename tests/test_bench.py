@@ -1,4 +1,7 @@
-"""bench/compare.py on the tiny config: the outputs have their structure and their numbers come from the runs."""
+"""bench/compare.py on the tiny config: the outputs have their structure and their numbers come from the runs.
+
+bench/_harness.py (provenance, the dirty-tree refusal, default output folders) and the other benchmarks' smoke runs
+are tested in tests/test_bench_harness.py."""
 
 import dataclasses
 import json
@@ -10,6 +13,7 @@ import pytest
 from conftest import DATA_DIR, FAST, REPO_ROOT, read_metrics, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
+import _harness as harness  # noqa: E402
 import compare  # noqa: E402
 
 # Ours at 16 bits: its CPU (plain-PyTorch) step is the quickest of our formats.
@@ -22,7 +26,8 @@ BROKEN = "no_such_package.AdamW"
 def bench_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "bench/compare.py", "--config", "configs/tiny.yaml", "--variants", f"fused,ours16,{BROKEN}",
-           "--steps", str(STEPS), "--out-dir", str(out_dir), f"data_dir={DATA_DIR}",
+           # --allow-dirty: the suite runs on a working tree, committed or not
+           "--steps", str(STEPS), "--out-dir", str(out_dir), "--allow-dirty", f"data_dir={DATA_DIR}",
            *[o for o in FAST if not o.startswith("max_steps_per_epoch=")]]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
     return proc, out_dir
@@ -37,10 +42,15 @@ def test_compare_runs_and_reports(bench_run):
     assert f"step {STEPS} loss" in proc.stdout
 
     result = json.loads((out_dir / "compare.json").read_text())
-    for key in ("command", "hardware", "versions", "date", "records", "config", "steps"):
+    for key in ("command", "hardware", "versions", "date", "code", "records", "config", "steps"):
         assert key in result
     assert result["versions"]["torch"]
+    assert result["command"].startswith("python bench/compare.py --config configs/tiny.yaml")
     assert [r["variant"] for r in result["records"]] == [FUSED, OURS, BROKEN]
+    # each record: the recipe command it ran, and the code (a --merge file can mix commits)
+    for rec in result["records"]:
+        assert rec["code"] == result["code"]
+        assert rec["command"].startswith("python -m recipes.full_finetune_single_device --config configs/tiny.yaml")
 
 
 @pytest.mark.parametrize("variant", [FUSED, OURS])
@@ -87,10 +97,14 @@ def test_plots_written(bench_run):
 
 
 def test_nproc_launches_the_distributed_recipe():
-    single, dist = compare.recipe_launcher(), compare.recipe_launcher(2)
-    assert any("full_finetune_single_device" in a for a in single)
+    single = harness.recipe_command(compare.RECIPE, "--config", "c.yaml")
+    dist = harness.recipe_command(compare.DIST_RECIPE, "--config", "c.yaml", nproc=2)
+    assert single[1:] == ["-m", "recipes.full_finetune_single_device", "--config", "c.yaml"]
     assert any("full_finetune_distributed" in a for a in dist) and not any("single_device" in a for a in dist)
-    assert dist[dist.index("--nproc_per_node") + 1] == "2"
+    assert dist[dist.index("--nproc_per_node") + 1] == "2" and dist[-2:] == ["--config", "c.yaml"]
+    # a recipe file (torchtune's stock one, or ours by path) runs as a script
+    assert harness.recipe_command("/x/recipes/full_finetune_single_device.py")[1:] == [
+        "/x/recipes/full_finetune_single_device.py"]
 
 
 def test_variant_names_and_in_bwd_overrides():
@@ -105,11 +119,11 @@ def test_variant_names_and_in_bwd_overrides():
 
 def test_our_rows_come_from_the_registry_at_call_time(monkeypatch):
     """The anchors, then every optimizers.VARIANTS entry as registered when resolved: one registered at runtime is in
-    `all` and has its key; without a registry, the four built-in rows."""
+    `all` and has its key; bench/ has no list of ours of its own, so an empty registry leaves only the anchors."""
     import optimizers
 
     ours = [(v.component, v.overrides) for v in optimizers.VARIANTS.values()]
-    assert compare.resolve_variants("all") == list(compare.ANCHORS.values()) + ours
+    assert compare.resolve_variants("all") == list(harness.ANCHORS.values()) + ours
     extra = dataclasses.replace(next(iter(optimizers.VARIANTS.values())), key="ours_test", component="my.pkg.AdamW")
     optimizers.register(extra)
     try:
@@ -117,8 +131,10 @@ def test_our_rows_come_from_the_registry_at_call_time(monkeypatch):
         assert compare.resolve_variants("ours_test") == [("my.pkg.AdamW", ["optimizer=my.pkg.AdamW"])]
     finally:
         optimizers.VARIANTS.pop("ours_test", None)
-    monkeypatch.delattr(optimizers, "VARIANTS")
-    assert len(compare.resolve_variants("all")) == len(compare.ANCHORS) + 4 == 10
+    monkeypatch.setattr(optimizers, "VARIANTS", {})
+    assert compare.resolve_variants("all") == list(harness.ANCHORS.values())
+    with pytest.raises(SystemExit, match="unknown variant 'ours8'"):
+        compare.resolve_variants("ours8")
 
 
 def test_busy_machine_is_recorded_and_warned(bench_run):

@@ -1,0 +1,254 @@
+"""bench/_harness.py and the benchmarks that had no test: provenance, the dirty-tree refusal, where results go by
+default, the subprocess runner, and CPU smoke runs of bench/pipeline.py and bench/loss_parity_width2048.py."""
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DATA_DIR, FAST, REPO_ROOT, recipe_env
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import _harness as harness  # noqa: E402
+
+SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step"]
+# The fewest arguments each script needs to start a run (compare's config: the real one, by absolute path, so that
+# the copy below finds it).
+MINIMAL = {"compare": ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--variants", "fused"],
+           "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"]}
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A git repository with bench/ (this checkout's scripts), a recipe and a committed result: clean."""
+    root = tmp_path / "repo"
+    (root / "recipes").mkdir(parents=True)
+    (root / "recipes" / "r.py").write_text("x = 1\n")
+    shutil.copytree(REPO_ROOT / "bench", root / "bench", ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (root / "bench" / "results").mkdir()
+    (root / "bench" / "results" / "r.json").write_text("{}\n")
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "init")
+    return root
+
+
+def test_clean_tree_records_the_commit(repo):
+    assert harness.code_version(repo) == (git(repo, "rev-parse", "HEAD"), None)
+
+
+def test_dirty_tree_is_refused_unless_allowed(repo):
+    head = git(repo, "rev-parse", "HEAD")
+    (repo / "recipes" / "r.py").write_text("x = 2\n")
+    with pytest.raises(harness.DirtyTree, match=r"uncommitted changes in recipes/r.py: .*--allow-dirty"):
+        harness.code_version(repo)
+    assert harness.code_version(repo, allow_dirty=True) == (head + "+dirty", None)
+    git(repo, "add", "recipes/r.py")  # staged is still uncommitted
+    with pytest.raises(harness.DirtyTree):
+        harness.code_version(repo)
+
+
+def test_results_and_untracked_files_do_not_make_a_tree_dirty(repo):
+    (repo / "bench" / "results" / "r.json").write_text('{"records": []}\n')  # what a --merge run does
+    (repo / "recipes" / "new.py").write_text("")
+    assert harness.code_version(repo) == (git(repo, "rev-parse", "HEAD"), None)
+
+
+def test_code_is_null_with_a_reason_where_git_cannot_tell(repo, tmp_path, monkeypatch):
+    code, note = harness.code_version(tmp_path / "copied_tree")
+    assert code is None and "no .git" in note
+    with monkeypatch.context() as m:
+        m.setenv("PATH", str(tmp_path / "no_bin"))  # no git program
+        code, note = harness.code_version(repo)
+    assert code is None and note.startswith("git failed")
+    (repo / ".git" / "HEAD").write_text("garbage\n")  # a broken repository
+    code, note = harness.code_version(repo)
+    assert code is None and note.startswith("git failed: ")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_refuses_a_dirty_tree(repo, script):
+    """Each script asks before any work: in a copy whose bench/ has an uncommitted change, it stops with one line."""
+    with open(repo / "bench" / "_harness.py", "a") as f:
+        f.write("# an uncommitted edit\n")
+    proc = subprocess.run([sys.executable, f"bench/{script}.py", *MINIMAL.get(script, [])], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("error: uncommitted changes in bench/_harness.py: commit them so "
+                                                    "the result names the code it ran, or pass --allow-dirty")
+    assert not (repo / "outputs").exists()
+
+
+def test_provenance_fields(monkeypatch):
+    prov = harness.provenance(str(REPO_ROOT / "bench" / "e2e.py"), ["--rows", "a b"], allow_dirty=True)
+    assert prov["command"] == "python bench/e2e.py --rows 'a b'"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", prov["date"])
+    assert re.search(r"\d+ CPU cores$", prov["hardware"])
+    if not torch.cuda.is_available():
+        assert prov["hardware"].startswith("CPU only: ")
+    assert list(prov["versions"]) == ["python"] + harness.PACKAGES
+    assert prov["versions"]["torch"] == torch.__version__
+    assert prov["versions"]["torchtune"] == "0.6.1"
+    if prov["code"] is None:  # e.g. a copied tree without .git
+        assert prov["code_note"]
+    else:
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", prov["code"]) and "code_note" not in prov
+
+    def dirty(root, allow_dirty):
+        raise harness.DirtyTree("uncommitted changes")
+
+    monkeypatch.setattr(harness, "code_version", dirty)
+    with pytest.raises(SystemExit) as e:
+        harness.provenance(str(REPO_ROOT / "bench" / "e2e.py"), [], allow_dirty=False)
+    assert e.value.code == 2
+
+
+def _paths(args) -> list:
+    return [Path(v).resolve() for v in vars(args).values() if isinstance(v, (str, Path)) and "/" in str(v)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_benchmark_writes_into_results_or_docs_by_default(script):
+    """With no --out, every file a benchmark writes (its JSON, plot, run folders) lies outside bench/results/ and
+    docs/: a trial run never overwrites a committed figure. Only an explicit --out bench/results/... writes there."""
+    module = __import__(script)
+    args = module.parse_args(MINIMAL.get(script, []))
+    assert Path(args.out).resolve().is_relative_to(harness.SCRATCH)
+    for path in _paths(args):
+        assert not path.is_relative_to(harness.RESULTS) and not path.is_relative_to(REPO_ROOT / "docs"), path
+    told = module.parse_args(MINIMAL.get(script, []) + ["--out", "bench/results/x.json"])
+    assert Path(told.out) == Path("bench/results/x.json")
+
+
+def test_compare_puts_runs_in_scratch_when_only_out_is_given():
+    import compare
+
+    args = compare.parse_args(["--out", "bench/results/x.json"])
+    assert args.out_dir == Path("bench/results") and args.runs_dir.resolve().is_relative_to(harness.SCRATCH)
+    assert compare.parse_args(["--out-dir", "/tmp/o"]).runs_dir == Path("/tmp/o/runs")
+
+
+def test_run_streams_stops_and_times_out(tmp_path):
+    lines = []
+    script = "import time\nfor i in range(100):\n    print('line', i, flush=True)\n    time.sleep(0.05)\n"
+    run = harness.run([sys.executable, "-c", script], tmp_path / "a.log", on_line=lambda line, t: lines.append(line),
+                      until=lambda: len(lines) >= 3)
+    assert run.stopped and run.error() is None and run.returncode != 0  # killed, but its work was done
+    assert lines[:3] == ["line 0", "line 1", "line 2"] and "line 0" in (tmp_path / "a.log").read_text()
+    assert run.command.startswith("python -c ")  # the interpreter's path is this machine's: not recorded
+
+    run = harness.run([sys.executable, "-c", script], tmp_path / "b.log", timeout=1)
+    assert run.timed_out and run.error() == "timed out after 1 s"
+
+    fail = "print('working'); print('error: the config says x; set y', flush=True); raise SystemExit(2)"
+    run = harness.run([sys.executable, "-c", fail], tmp_path / "c.log")
+    assert run.returncode == 2 and run.error() == "error: the config says x; set y"
+    run = harness.run([sys.executable, "-c", "import no_such_module"], tmp_path / "d.log")
+    assert run.error() == "ModuleNotFoundError: No module named 'no_such_module'"
+
+
+def test_make_optimizer_reads_names_and_the_registry():
+    import optimizers
+
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    opt = harness.make_optimizer("torch.optim.AdamW(fused=True, betas=(0.8, 0.9))", p, lr=0.5)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] and opt.defaults["betas"] == (0.8, 0.9)
+    assert opt.defaults["lr"] == 0.5
+    for v in optimizers.VARIANTS.values():
+        assert type(harness.make_optimizer(v.key, p)) is v.cls
+        assert harness.make_optimizer(f"{v.component}(stochastic_round=False)", p).stochastic_round is False
+    assert [v.key for v in harness.ours()] == list(optimizers.VARIANTS)
+
+
+def test_pipeline_smoke(tmp_path):
+    """bench/pipeline.py on the tiny config without its two eval stages (with them it takes about a minute of CPU,
+    lm-eval's start-up mostly): train with a step and an epoch checkpoint, then resume and reproduce the losses."""
+    out = tmp_path / "pipeline.json"
+    overrides = [o for o in FAST if not o.startswith("max_steps_per_epoch=")]
+    proc = subprocess.run(
+        [sys.executable, "bench/pipeline.py", "--config", "configs/tiny.yaml", "--data-dir", str(DATA_DIR),
+         "--work", str(tmp_path / "work"), "--steps", "4", "--save-every", "2", "--no-eval", "--timeout", "300",
+         "--out", str(out), "--allow-dirty", *overrides],
+        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["loss_max_abs_diff"] == 0.0
+    assert list(result["stages"]) == ["train", "resume"]
+    train = result["stages"]["train"]
+    assert train["rc"] == 0 and sorted(train["losses"]) == ["1", "2", "3", "4"]
+    assert set(train["checkpoints"]) == {"step_2", "epoch_0"}
+    assert [Path(s["path"]).name for s in train["saves"]] == ["step_2", "epoch_0"]
+    assert result["stages"]["resume"]["steps_compared"] == 2
+    assert result["stages"]["resume"]["command"].startswith("python recipes/full_finetune_single_device.py")
+    for key in ("command", "hardware", "versions", "date", "code"):
+        assert key in result
+
+
+def test_loss_parity_width2048_smoke(tmp_path):
+    """The width-2048 benchmark at toy size on the CPU (width 128, 1 layer, 32 training records, 2 + 3 steps): it
+    pre-trains, fine-tunes the reference and one of ours from the same state, scores, and writes its JSON and plot."""
+    out = tmp_path / "w.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/loss_parity_width2048.py", "--device", "cpu", "--width", "128", "--layers", "1",
+         "--seq-len", "64", "--batch", "2", "--steps", "3", "--pretrain-steps", "2", "--pretrain-batch", "2",
+         "--heldout", "8", "--train-records", "32", "--variants", "ours16", "--data-dir", str(DATA_DIR),
+         "--out", str(out), "--allow-dirty"],
+        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["key"] for r in result["records"]] == ["ref", "ours16"]
+    ref, ours = result["records"]
+    assert ref["reference"] and ref["gap_vs_ref"] == 0.0 and ref["share_of_ref_gain"] == 1.0
+    assert ours["error"] is None and len(ours["losses"]) == 3 and ours["dtype"] == "bf16"
+    assert ours["gap_vs_ref"] == (ours["heldout_loss"] - ref["heldout_loss"]) / ref["heldout_loss"]
+    assert "the first 32 records" in result["data"]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+# Stands in for torchtune's full_finetune_single_device.py: logs as its DiskLogger does, then never ends (as a recipe
+# writing its end-of-epoch checkpoint), or fails first when asked.
+FAKE_STOCK = '''
+import pathlib, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+if "fail=True" in sys.argv:
+    raise ValueError("no such optimizer")
+log_dir = pathlib.Path(args["metric_logger.log_dir"])
+log_dir.mkdir(parents=True)
+with open(log_dir / "log_1.txt", "w") as f:
+    for step in range(1, int(args["max_steps_per_epoch"]) + 1):
+        f.write(f"Step {step} | loss:{3 - step / 10} lr:2e-05 tokens_per_second_per_gpu:{1000 * step}.0 "
+                "peak_memory_alloc:tensor(10.5, device='cuda:0') peak_memory_reserved:12.0\\n")
+        f.flush()
+time.sleep(600)
+'''
+
+
+def test_e2e_stock_row_stops_once_its_steps_are_logged(tmp_path, monkeypatch):
+    """bench/e2e.py's stock rows read torchtune's log file; the row is stopped once every step is there (well before
+    the fake's 600 s, which the 120 s timeout would otherwise turn into an error)."""
+    import e2e
+
+    stock = tmp_path / "stock"
+    (stock / "configs" / "llama2").mkdir(parents=True)
+    (stock / "full_finetune_single_device.py").write_text(FAKE_STOCK)
+    args = argparse.Namespace(checkpoint_dir=str(tmp_path / "ck"), data_dir=str(DATA_DIR), stock_dir=str(stock),
+                              steps=3, skip_steps=1, timeout=120, pack_cache_dir=str(tmp_path / "packs"))
+    row = e2e.run_row("stock_80gb", args, tmp_path / "runs")
+    assert "error" not in row, row
+    assert row["losses"] == [2.9, 2.8, 2.7] and row["tok_s_per_step"] == [1000.0, 2000.0, 3000.0]
+    assert row["tok_s"] == 2500.0 and row["peak_gib"] == 10.5 and row["peak_reserved_gib"] == 12.0
+    assert row["command"].startswith(f"python {stock / 'full_finetune_single_device.py'} --config ")
+
+    monkeypatch.setitem(e2e.ROWS, "stock_fails", ("stock", "7B_full_low_memory", ["fail=True"], "80gb"))
+    row = e2e.run_row("stock_fails", args, tmp_path / "runs")
+    assert row["error"].startswith("0 of 3 steps logged in ") and "ValueError: no such optimizer" in row["error"]
