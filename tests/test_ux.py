@@ -1,5 +1,5 @@
-"""The recipe as a newcomer meets it (issue 19): the README's resume commands run as written, `--help` lists the
-config keys, known third-party noise is filtered by message, and a run ends with a summary."""
+"""The recipe as a newcomer meets it: the manual's resume commands (docs/recipes.md) run as written, `--help` lists
+the config keys, known third-party noise is filtered by message, and a run ends with a summary."""
 
 import logging
 import re
@@ -13,15 +13,20 @@ from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, TUNE, read_metrics, recipe_env
 
-# The FAST model's size keys only: the README's own step counts and checkpoint cadence must hold as written.
+# The FAST model's size keys only: the manual's own step counts and checkpoint cadence must hold as written.
 SMALL_MODEL = [o for o in FAST if o.split("=")[0] in ("model.num_layers", "model.embed_dim", "model.num_heads",
                                                       "model.num_kv_heads", "tokenizer.max_seq_len", "batch_size")]
 
 
-def readme_section_commands(title: str):
-    """Each ```bash block of the README section ``## {title}`` as its list of `tune run` commands."""
-    text = (REPO_ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
+# The page that holds the runnable checkpoint/resume example (the recipes' manual, which `--help` prints).
+MANUAL = "docs/recipes.md"
+
+
+def doc_section_commands(page: str, title: str):
+    """Each ```bash block of the section ``## {title}`` of the Markdown page ``page`` as its list of `tune run`
+    commands."""
+    text = (REPO_ROOT / page).read_text()
+    start = text.index(f"\n## {title}\n") + 1
     end = text.find("\n## ", start + 1)
     section = text[start:end if end != -1 else None]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
@@ -29,7 +34,7 @@ def readme_section_commands(title: str):
 
 
 def as_test_command(line: str, tmp_path):
-    """The README's command with its outputs/ under tmp_path, the data folder, the FAST model and no wandb."""
+    """The documented command with its outputs/ under tmp_path, the data folder, the FAST model and no wandb."""
     args = [a.replace("=outputs/", f"={tmp_path}/outputs/") for a in shlex.split(line)]
     assert args[:2] == ["tune", "run"] and "--config" in args, line
     at = args.index("--config") + 2
@@ -37,8 +42,8 @@ def as_test_command(line: str, tmp_path):
     return [TUNE] + args[1:at] + extra + args[at:]
 
 
-def test_readme_resume_commands_run_as_written(tmp_path):
-    blocks = readme_section_commands("Checkpoints and resume")
+def test_manual_resume_commands_run_as_written(tmp_path):
+    blocks = doc_section_commands(MANUAL, "Checkpoints and resume")
     assert [len(b) for b in blocks] == [1, 1], blocks  # a run with periodic checkpoints, then a resume from one
     outputs = []
     for block in blocks:
