@@ -1,29 +1,22 @@
-"""Full fine-tune of a Llama2-architecture model sharded over several devices with FSDP2.
+"""Full fine-tune of a Llama2-architecture model sharded over N processes with FSDP2.
 
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/tiny.yaml [key=value ...]
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/llama2/7B_full_distributed.yaml
 
-It reads the single-device recipe's configs and keys (docs/recipes.md) unchanged; the manual of what sharding
-changes is docs/distributed.md (``--help`` prints it). In short:
+One process per GPU (on the CPU, N processes over gloo). It reads every key of
+recipes/full_finetune_single_device.py with the same meaning; the manual is docs/recipes.md, "The distributed
+recipe: what changes" (--help prints it, then the config's keys), and docs/distributed.md says how it shards.
+The keys that differ:
 
-    fsdp_reshard_after_forward    True (default): free each layer's gathered weights after its forward and gather
-                                  them again in backward; False keeps them until backward (more memory, fewer
-                                  all-gathers)
-    device                        cuda: NCCL, one GPU per process (LOCAL_RANK); cpu: gloo. Without torchrun: one rank
-    batch_size                    per rank: a step sees batch_size x ranks x gradient_accumulation_steps samples; the
-                                  loss is the mean over every rank's tokens, so N ranks x b = one device with N x b
-    seed, shuffle                 one seeded permutation, rank r reads samples r, r+N, ...
-    clip_grad_norm                the norm over all ranks' shards
-    checkpoint_dir: null          rank 0 builds the model as one device would and scatters it
-    save_every_n_steps            rank 0 writes the full HF folder and recipe_state.pt, every rank its
-                                  recipe_state_rank{r}.pt (its RNG; its shard of a quantized optimizer state)
-    resume_from_checkpoint        torch.optim's state (saved in full) resumes on any rank count with the same global
-                                  batch; a quantized state (optimizers.*) only on the same rank count
-    metric_logger                 rank 0 logs records reduced over ranks (+ per-rank lists, world_size)
-
-Not supported (refused before training): optimizer_in_bwd, enable_activation_offloading, CPUOffloadOptimizer.
-A stop signal on any rank stops all at one step boundary after a checkpoint; a failed write on any rank is one
-error on all, the last checkpoint kept.
+    fsdp_reshard_after_forward       True (default): free gathered layers after forward; False: keep them
+    device                           cuda: NCCL, one GPU per process (LOCAL_RANK); cpu: gloo
+    batch_size                       per rank: a step sees batch_size x N x gradient_accumulation_steps
+    checkpoint_dir                   rank 0 reads it (or builds the random init) and scatters it
+    resume_from_checkpoint           optimizers.* states resume on the same N only; torch's AdamW on any N
+    metric_logger                    rank 0 logs, reduced over ranks (+ *_per_rank lists, world_size)
+    optimizer_in_bwd                 not supported (refused)
+    enable_activation_offloading     not supported (refused)
+    optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
 """
 
 import contextlib
@@ -61,7 +54,7 @@ from recipes._stops import SkipCounter, StopSignal  # noqa: E402
 log = utils.get_logger("INFO")
 
 RECIPE_PATH = "recipes/full_finetune_distributed.py"
-MANUAL = "docs/distributed.md"
+MANUAL = "docs/recipes.md"
 
 
 def init_process_group(device: torch.device) -> None:

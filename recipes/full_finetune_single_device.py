@@ -1,34 +1,43 @@
 """Full fine-tune of a Llama2-architecture model on one device (one GPU, or the CPU for tiny runs).
 
     tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml [key=value ...]
-    tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # the manual and every key
+    tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # manual + keys
 
-Always give the path: ``tune run full_finetune_single_device`` is torchtune's own recipe. The manual is
-docs/recipes.md (``--help`` prints it); the keys, each a line there:
+The manual is docs/recipes.md (--help prints it, then the config's keys). The keys, one line each:
 
-    output_dir, overwrite                where the run goes; a used folder is refused unless overwrite=True
-    checkpoint_dir                       HF folder of the initial weights (null: random init)
-    resume_from_checkpoint               a step_N / epoch_E folder to continue from, exactly
-    model, tokenizer, dataset, loss      torchtune components (``_component_`` and their arguments)
-    dataset.packed, pack_cache_dir       best-fit packing into rows of tokenizer.max_seq_len; its token cache
-    device, dtype                        cuda / cpu; bf16 / fp32 (no mixed precision)
-    seed, shuffle                        the data order (and the random init)
-    batch_size, gradient_accumulation_steps   samples per optimizer step = their product
-    epochs, max_steps_per_epoch          length of training
-    optimizer                            any class path: optimizer=optimizers.AdamW4bit, torch.optim.AdamW, ...
-    optimizer_in_bwd                     step each parameter during backward, free its gradient
-    lr_scheduler                         e.g. warmup + cosine; null for a constant lr
-    clip_grad_norm                       clip the global grad norm (null: no clipping, norm still logged)
-    enable_activation_checkpointing, ac_mode, ac_option   recompute layers in backward (all, or 1 in N)
-    enable_activation_offloading         saved activations to CPU memory (GPU only)
-    compile                              torch.compile per layer and the loss
-    device_memory_limit_gib              cap the GPU memory this process may take
-    save_every_n_steps                   also write step_N/ every N steps (epoch_E/ always)
-    log_every_n_steps, metric_logger     metrics.jsonl, stdout, wandb (offline without a key)
-    max_consecutive_skipped_steps        non-finite steps are skipped; this many in a row stop the run
-    log_level                            INFO, DEBUG (also prints the config), WARNING
-
-SIGTERM / SIGUSR1 save step_N at the next step boundary and exit 0. Bad input is one ``error:`` line, exit 2.
+    data_dir                         folder with alpaca/ and llama2_tokenizer/ (configs: ../shared/data)
+    output_dir                       step_N/, epoch_E/, metrics.jsonl, wandb/; a used folder is refused
+    overwrite                        True: delete the run already in output_dir first (default False)
+    checkpoint_dir                   HF checkpoint folder to start from; null = random init
+    resume_from_checkpoint           a step_N/ or epoch_E/ folder this recipe wrote; continues exactly
+    model                            torchtune model builder (config.instantiate)
+    tokenizer                        Llama 2 SentencePiece; tokenizer.max_seq_len truncates (and packs)
+    dataset                          alpaca_dataset; dataset.packed=True packs rows best-fit
+    loss                             e.g. CEWithChunkedOutputLoss (the output layer's loss in chunks)
+    optimizer                        any class: optimizer=optimizers.AdamW8bit swaps it; torch flags dropped
+    lr_scheduler                     built with num_training_steps filled in; null = constant lr
+    metric_logger                    wandb (offline without WANDB_API_KEY); null = off
+    device                           cuda (default) or cpu
+    dtype                            bf16 (default) or fp32; no mixed precision
+    seed                             data order and random init (default 0)
+    shuffle                          reshuffle every epoch (default True)
+    batch_size                       samples per micro-batch
+    gradient_accumulation_steps      micro-batches per optimizer step
+    epochs                           passes over the data
+    max_steps_per_epoch              optimizer steps per epoch; null = the whole epoch
+    clip_grad_norm                   clip the global grad norm to this; null = no clipping
+    optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
+    compile                          torch.compile per layer and on the loss (default False)
+    enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
+    ac_mode                          full (default: every layer) or selective
+    ac_option                        with ac_mode=selective: checkpoint one layer in N
+    enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
+    device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
+    pack_cache_dir                   cache of tokenized samples for packing; off = none
+    save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
+    log_every_n_steps                one metrics record every N steps
+    max_consecutive_skipped_steps    non-finite steps in a row that stop the run (default 10)
+    log_level                        INFO (default); DEBUG also prints the config; WARNING
 """
 
 import itertools
