@@ -62,6 +62,10 @@ ROWS: Dict[str, tuple] = {
     "ours_80gb_no_inbwd": ("ours", "7B_full_80gb", ["optimizer_in_bwd=False"], "80gb"),
     "ours_80gb_bs32": ("ours", "7B_full_80gb", ["batch_size=32"], "80gb"),
     "ours_24gb": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24"], "24gb"),
+    # FP8 matmuls in the transformer layers (torchao float8 training, dynamic scaling), the rest as the class config.
+    "ours_80gb_fp8": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=tensorwise"], "80gb"),
+    "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=rowwise"], "80gb"),
+    "ours_24gb_fp8": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fp8=tensorwise"], "24gb"),
     # The seed's reference setting (unpacked, AC, fused), and the same with our 8-bit AdamW: the unpacked half of
     # the packed-vs-unpacked loss check.
     "seed_fused": ("ours", "7B_full", ["tokenizer.max_seq_len=512", "clip_grad_norm=null"], "seed"),

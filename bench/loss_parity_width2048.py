@@ -12,11 +12,13 @@ shares the model's tensors (weights are copied back in place), the batches (buil
 held-out set, so the only difference between rows is the optimizer and the weights' dtype. It runs in one process,
 on a GPU (--device; a CPU does for a toy size such as the test's).
 
-Rows (--variants, keys; `ref` always runs; default: all but the `_comp` extras): `ref` (torch fused AdamW, fp32
+Rows (--variants, keys; `ref` always runs; default: all but the `_comp`, `_fp8` and `_fp8rw` extras): `ref` (torch fused AdamW, fp32
 master weights), `fused` (the same on bf16 weights), ours (every key of optimizers.VARIANTS, with their defaults),
 `{key}_rtn` for each of ours (stochastic_round=False: the bf16 weight write rounded to nearest), torchao's 8- and 4-bit
 (`ao8`, `ao4`: their default rounds to nearest; `ao8_sr`, `ao4_sr`: bf16_stochastic_round=True), `bnb8`; extras:
-`{key}_comp` for each of ours (compensate=True).
+`{key}_comp` for each of ours (compensate=True), `{key}_fp8` / `{key}_fp8rw` for each of ours with FP8 matmuls in the
+transformer layers (the recipes' fp8=tensorwise / rowwise: recipes/_model.py's convert_to_fp8 on a copy of the
+model, eager).
 
 Per row: `heldout_loss`, `gap_vs_ref` ((heldout - heldout_ref) / heldout_ref), `share_of_ref_gain` (the part of the
 reference's held-out improvement the row achieved), `ms_per_step` (the whole training step of this model),
@@ -27,6 +29,7 @@ after every row; the plot beside it unless --plot) opens with the command, hardw
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -60,7 +63,12 @@ def rows() -> tuple:
     defaults = [r[0] for r in out]
     out += [(f"{v.key}_comp", f"{v.component} [compensate=True]", "bf16", f"{v.component}(compensate=True)")
             for v in ours]
-    return out, defaults
+    # FP8 matmuls (the recipes' fp8=...): the transformer layers' linear layers through torchao's float8 training,
+    # weights, gradients and optimizer as in the bf16 rows.
+    for recipe, suffix in (("tensorwise", "fp8"), ("rowwise", "fp8rw")):
+        out += [(f"{v.key}_{suffix}", f"{v.component} [defaults, fp8={recipe}]", "bf16", v.component, recipe)
+                for v in ours]
+    return [r if len(r) == 5 else (*r, None) for r in out], defaults
 
 
 def _warmup(step: int, warmup: int, total: int, cosine: bool) -> float:
@@ -292,15 +300,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         "records": [],
     }
     records = doc["records"]
-    for i, (key, label, dtype, name) in enumerate(chosen, 1):
+    base_model = reg.model
+    for i, (key, label, dtype, name, fp8) in enumerate(chosen, 1):
         prefix = f"[{i}/{len(chosen)} {label}]"
+        reg.model = base_model
         reg.set_dtype(torch.float32 if dtype == "fp32" else torch.bfloat16)
         with torch.no_grad():
             for k, p in reg.model.state_dict().items():
                 p.copy_(state[k])
-        rec = {"key": key, "variant": label.split(" [")[0], "label": label, "dtype": dtype,
+        rec = {"key": key, "variant": label.split(" [")[0], "label": label, "dtype": dtype, "fp8": fp8,
                "reference": key == "ref", "error": None, "heldout_start": start_loss[dtype]}
         records.append(rec)
+        if fp8 is not None:  # a converted copy: the next rows start from the plain model again
+            from recipes._model import convert_to_fp8
+
+            reg.model = copy.deepcopy(base_model)
+            rec["fp8_layers"] = convert_to_fp8(reg.model, fp8)
         try:
             opt = harness.make_optimizer(name, list(reg.model.parameters()), lr=args.lr, weight_decay=0.0)
             losses, step_s, first = reg.train(opt, reg.ft_batches, warmup=20, cosine=False)
@@ -316,6 +331,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         finally:
             reg.model.zero_grad(set_to_none=True)
+            reg.model = base_model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         ref = records[0] if records[0]["key"] == "ref" and not records[0]["error"] else None

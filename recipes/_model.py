@@ -9,7 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torchtune import training
 
-from recipes._settings import Settings
+from recipes._settings import FP8_RECIPES, Settings  # noqa: F401  (FP8_RECIPES: the values of fp8)
 
 
 def prepare_device(settings: Settings) -> None:
@@ -54,3 +54,46 @@ def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, settings: Settin
         training.compile_loss(loss_fn, verbose=verbose)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 matmuls (``fp8``)
+# ------------------------------------------------------------------------------------------------
+
+def fp8_suits(name: str, linear: torch.nn.Module, recipe: str) -> bool:
+    """Whether the linear layer ``name`` runs its matmuls in FP8 under ``recipe``.
+
+    Only the transformer layers' projections: the output projection (the vocabulary logits, whose loss is the most
+    precision-sensitive step) and anything outside ``layers.`` stay in bf16. A layer's dimensions must be multiples
+    of 16 (the FP8 tensor cores' requirement), and small layers stay in bf16 where the casts cost more than the
+    faster matmul saves: torchao's thresholds from its H100 measurements (tensorwise: not when in <= 4096 and
+    out <= 1024; rowwise: out > 2048, in > 1024, and not both out <= 4096 and in <= 2048). Every projection of a
+    7-8B model converts; a 3B model's key/value projections (out 1024) stay in bf16 under tensorwise.
+    """
+    if not (isinstance(linear, torch.nn.Linear) and name.startswith("layers.")):
+        return False
+    out_features, in_features = linear.weight.shape
+    if out_features % 16 or in_features % 16:
+        return False
+    if recipe == "tensorwise":
+        return not (in_features <= 4096 and out_features <= 1024)
+    return out_features > 2048 and in_features > 1024 and not (out_features <= 4096 and in_features <= 2048)
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: str, *, suits=fp8_suits) -> int:
+    """Swap the linear layers that ``suits`` into torchao's Float8Linear (dynamic scaling, ``recipe``): their
+    matmuls cast inputs, weights and output gradients to FP8 with fresh scales each step, and the weights, their
+    gradients and the optimizer stay as they are (bf16 parameters, the same Parameter objects). Call it after the
+    weights are loaded and before activation checkpointing and compile. Returns the number of layers converted."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = []
+
+    def keep(module: torch.nn.Module, fqn: str) -> bool:
+        ok = suits(fqn, module, recipe)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    return len(converted)

@@ -404,6 +404,7 @@ class RunSummary:
         self.skipped = 0
         self.stop: Optional[str] = None  # the signal that stopped the run
         self.nothing_left: Optional[str] = None  # a resume from the end of training
+        self.resume_from: Optional[Path] = None  # stopped without a checkpoint of its own: where to continue from
 
     def step(self, step: int, loss: float) -> None:
         self.last = (step, loss)
@@ -436,4 +437,29 @@ class RunSummary:
             parts.append(f"Checkpoints: {self.saved[-1]}" + (f" (latest; also {names})" if names else "") + ".")
         if self.wandb_dir is not None:
             parts.append(f"wandb: {self.wandb_dir} (upload with `wandb sync {self.wandb_dir}`).")
+        if self.resume_from is not None:
+            parts.append(f"Continue with resume_from_checkpoint={self.resume_from}.")
         return " ".join(parts)
+
+
+def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+    """The most recently published checkpoint folder of ``output_dir`` (step_* / epoch_* holding a recipe_state.pt;
+    a folder appears only complete), or None."""
+    from recipes._run_folder import CHECKPOINT_PREFIXES
+
+    output_dir = Path(output_dir)
+    found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES)
+             and (p / "recipe_state.pt").is_file()] if output_dir.is_dir() else []
+    return max(found, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+def interrupted(summary: Optional[RunSummary], output_dir: Optional[Path]) -> str:
+    """What Ctrl-C prints (it stops at once, without a new checkpoint: SIGTERM is the signal that saves first)."""
+    latest = latest_checkpoint(output_dir) if output_dir is not None else None
+    if summary is None:
+        text = "Stopped by Ctrl-C during setup: nothing was trained."
+        return text + (f" Continue with resume_from_checkpoint={latest}." if latest is not None else "")
+    summary.stop, summary.resume_from = "Ctrl-C", latest
+    if latest is None:
+        return summary.text() + " No checkpoint was written (save_every_n_steps=N writes them as the run goes)."
+    return summary.text()

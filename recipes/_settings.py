@@ -11,6 +11,7 @@ component that builds it.
 import difflib
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
@@ -34,7 +35,7 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
+    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level", "fp8",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
@@ -47,6 +48,7 @@ TORCH_BACKEND_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
 
 AC_MODES = ("full", "selective")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (dynamic scaling)
 
 
 def first_line(e: BaseException) -> str:
@@ -223,6 +225,7 @@ class Settings:
     resume_dir: Optional[Path]
     optimizer: OptimizerSpec
     model_component: str
+    fp8: Optional[str] = None  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
 
 
@@ -250,6 +253,9 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     if dtype_name not in ("bf16", "fp32"):
         raise BadInput(f"dtype={dtype_name!r} is not supported; use dtype=bf16 or dtype=fp32")
     device_name = cfg.get("device", "cuda")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device_name)):
+        raise BadInput(f"device={device_name!r} is not a device these recipes run on; use device=cuda (a GPU; "
+                       "cuda:N picks one) or device=cpu")
     if str(device_name).startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(f"device={device_name} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny "
                        "model)")
@@ -312,6 +318,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             raise BadInput(f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
                            "smaller value or null")
 
+    fp8 = read_fp8(cfg, device, compile_=bool(cfg.get("compile", False)))
+
     if distributed:
         if optimizer_in_bwd:
             raise BadInput("optimizer_in_bwd=True is not supported by the distributed recipe; set "
@@ -331,8 +339,32 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         shuffle=bool(cfg.get("shuffle", True)), ac_every=ac_every, offload_activations=offload_activations,
         compile=bool(cfg.get("compile", False)), pack_cache_dir=pack_cache_dir, memory_limit_gib=memory_limit,
         output_dir=Path(cfg.output_dir), **paths, optimizer=resolve_optimizer(cfg.optimizer),
-        model_component=str(OmegaConf.select(cfg, "model._component_") or ""),
+        model_component=str(OmegaConf.select(cfg, "model._component_") or ""), fp8=fp8,
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)))
+
+
+def read_fp8(cfg: DictConfig, device: torch.device, compile_: bool) -> Optional[str]:
+    """``fp8``: null (bf16 matmuls), ``tensorwise`` or ``rowwise`` (torchao's float8 training recipes).
+
+    On a GPU it needs FP8 tensor cores (compute capability 8.9: Ada, Hopper and later) and ``compile=True``: eager,
+    every cast is a kernel of its own and FP8 runs slower than bf16. On the CPU, torch emulates the FP8 matmuls
+    (correct, slow): allowed with or without compile, for tests and debugging.
+    """
+    value = cfg.get("fp8")
+    if value in (None, False, "off"):
+        return None
+    if value not in FP8_RECIPES:
+        raise BadInput(f"fp8={value!r} is not an FP8 recipe; use fp8=tensorwise (one scale per tensor, the fastest), "
+                       "fp8=rowwise (one scale per row), or fp8=null for bf16 matmuls")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise BadInput(f"fp8={value} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); "
+                           f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: set fp8=null")
+        if not compile_:
+            raise BadInput(f"fp8={value} needs compile=True on a GPU (eager, each FP8 cast is a kernel of its own and "
+                           "the step is slower than in bf16); set compile=True, or fp8=null")
+    return value
 
 
 def _check_paths(cfg: DictConfig) -> dict:

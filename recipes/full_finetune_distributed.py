@@ -44,7 +44,7 @@ from tqdm import tqdm  # noqa: E402
 from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format  # noqa: E402
 from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE, Checkpointer, NonFiniteStop  # noqa: E402
-from recipes._model import apply_activation_checkpointing, prepare_device, wire_loss  # noqa: E402
+from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
 from recipes._reporting import MetricsLog, RunSummary  # noqa: E402
 from recipes._run_folder import DistributedRanks, RunFolder  # noqa: E402
@@ -164,6 +164,9 @@ class FullFinetuneRecipeDistributed:
         self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family)
         meta_sd = model.state_dict()
 
+        if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
+            utils.log_rank_zero(log, f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls "
+                                     "in FP8")
         if s.ac_every is not None:
             apply_activation_checkpointing(model, every_n=s.ac_every)
         self._activations_ctx = contextlib.nullcontext()
@@ -529,6 +532,12 @@ def recipe_main(cfg: DictConfig) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.
+        if rank == 0:
+            tqdm.write("\n" + _reporting.interrupted(getattr(recipe, "_summary", None),
+                                                      recipe.settings.output_dir if recipe is not None else None))
+        sys.exit(130)
     finally:
         if recipe is not None:
             recipe.release()

@@ -60,7 +60,7 @@ from tqdm import tqdm  # noqa: E402
 from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
-from recipes._model import apply_activation_checkpointing, prepare_device, wire_loss  # noqa: E402
+from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
 from recipes._reporting import MetricsLog, RunSummary, StepTimer  # noqa: E402
 from recipes._run_folder import RunFolder  # noqa: E402
@@ -136,6 +136,8 @@ class FullFinetuneRecipeSingleDevice:
             _hf_format.load_weights(model, weights, self._hf_config, self._family)
             log.info(f"Loaded weights from {weights}")
 
+        if s.fp8 is not None:
+            log.info(f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8")
         if s.ac_every is not None:
             apply_activation_checkpointing(model, every_n=s.ac_every)
         elif s.offload_activations:
@@ -412,6 +414,12 @@ def recipe_main(cfg: DictConfig) -> None:
         # One line, no traceback: the message already names the value and the fix.
         tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # Ctrl-C stops at once (a write in progress leaves no temporary folder): the summary, the last
+        # checkpoint to resume from, and the shell's exit status for SIGINT.
+        tqdm.write("\n" + _reporting.interrupted(getattr(recipe, "_summary", None),
+                                                  recipe.settings.output_dir if recipe is not None else None))
+        sys.exit(130)
     finally:
         if recipe is not None:
             recipe.release()

@@ -86,6 +86,15 @@ def read_metrics(output_dir: Path) -> List[Dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def pinned_inductor_cache(isa: str, unpinned: Optional[str] = None) -> str:
+    """The TorchInductor cache of subprocesses pinned to ``isa``: beside the unpinned one (torch's default unless
+    given), never it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = (unpinned or default_cache_dir()).rstrip("/")
+    return base if base.endswith(f"_pinned_{isa}") else f"{base}_pinned_{isa}"
+
+
 def recipe_env(**extra: str) -> Dict[str, str]:
     env = dict(os.environ)
     # Same thread count everywhere, so recorded losses do not depend on the machine's core count.
@@ -97,6 +106,12 @@ def recipe_env(**extra: str) -> Dict[str, str]:
     env.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     env.setdefault("MKL_CBWR", "AVX2")
     env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+    # ... and its own TorchInductor cache. Inductor's cache key does not include these pins: code compiled under them
+    # and reused by a later unpinned run on an AVX-512 machine (a user's run after the tests) aborted with "double
+    # free or corruption". Pinned runs compile into a folder named by the pin; unpinned runs keep torch's default.
+    # (Always a folder of its own: torch writes TORCHINDUCTOR_CACHE_DIR into this process's environment once Inductor
+    # is imported, so the variable being set says nothing about the user.)
+    env["TORCHINDUCTOR_CACHE_DIR"] = pinned_inductor_cache(env["ATEN_CPU_CAPABILITY"], env.get("TORCHINDUCTOR_CACHE_DIR"))
     if _SET_TRITON_INTERPRET:
         # Set above for the in-process kernel tests only; a recipe run takes its normal path
         # (pass TRITON_INTERPRET="1" here to run Triton kernels interpreted inside the recipe).

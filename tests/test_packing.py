@@ -6,11 +6,13 @@ row), with the pack cache in the test's own folder.
 """
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import DATA_DIR, REPO_ROOT, kill_once_saved, run_recipe
+from conftest import DATA_DIR, REPO_ROOT, kill_once_saved, pinned_inductor_cache, recipe_env, run_recipe
 
 from recipes import _packing
 
@@ -117,7 +119,9 @@ def test_packed_resume_after_kill_continues_with_same_losses(tmp_path):
 
 
 def test_packed_compile_with_selective_checkpointing_does_not_recompile(tmp_path):
-    """compile + packing + AC on every other layer: torch.compile's graph count is flat after the first step."""
+    """compile + packing + AC on every other layer: torch.compile's graph count is flat after the first step. The
+    run is pinned to AVX2 (conftest.recipe_env), so its compiled code goes to the pinned TorchInductor cache."""
+    started = time.time()
     run = run_recipe(tmp_path / "out", *PACKED, f"pack_cache_dir={tmp_path / 'c'}", "compile=True",
                      "model.num_layers=2", "enable_activation_checkpointing=True", "ac_mode=selective",
                      "ac_option=2", "max_steps_per_epoch=4")
@@ -126,6 +130,9 @@ def test_packed_compile_with_selective_checkpointing_does_not_recompile(tmp_path
     graphs = [m["compiled_graphs"] for m in run.metrics]
     assert graphs[0] > 0 and len(set(graphs[1:])) == 1, graphs
     assert "first_step_s" in run.metrics[0]
+    pinned = Path(recipe_env()["TORCHINDUCTOR_CACHE_DIR"])
+    assert pinned == Path(pinned_inductor_cache("avx2"))
+    assert any(f.stat().st_mtime >= started for f in pinned.rglob("*") if f.is_file()), pinned
 
 
 def test_in_backward_warmup_matches_the_one_optimizer_run(tmp_path):

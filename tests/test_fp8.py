@@ -1,0 +1,107 @@
+"""FP8 matmuls (``fp8=tensorwise`` / ``rowwise``): the key's checks, which layers convert, and a run on the CPU, where
+torch emulates the FP8 matmuls. The GPU tests (compile, optimizer-in-backward, activation checkpointing, packing on
+FP8 tensor cores) are marked ``gpu`` and run on the device."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from conftest import run_recipe
+from test_reliability import run_in_process
+
+
+def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    run = run_in_process(tmp_path / "out", "fp8=fast", capsys=capsys, monkeypatch=monkeypatch)
+    assert run.returncode == 2
+    assert "fp8='fast' is not an FP8 recipe; use fp8=tensorwise" in run.error
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("capability, compile_, words", [
+    ((8, 0), True, "needs FP8 tensor cores (compute capability 8.9 or later"),
+    ((9, 0), False, "needs compile=True on a GPU"),
+    ((9, 0), True, None),
+])
+def test_the_gpu_checks(monkeypatch, capability, compile_, words):
+    """A GPU without FP8 tensor cores, and FP8 without compile, are one-line errors (checked with a stand-in GPU)."""
+    from finetune_base import BadInput
+    from recipes._settings import read_fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    cfg = OmegaConf.create({"fp8": "tensorwise"})
+    if words is None:
+        assert read_fp8(cfg, torch.device("cuda"), compile_=compile_) == "tensorwise"
+    else:
+        with pytest.raises(BadInput, match=words.replace("(", r"\(")):
+            read_fp8(cfg, torch.device("cuda"), compile_=compile_)
+    assert read_fp8(OmegaConf.create({"fp8": None}), torch.device("cuda"), compile_=False) is None
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_projection_of_llama2_7b_converts_and_the_output_stays_bf16(recipe):
+    """At Llama2-7B's shapes (built on the meta device: no memory) all 7 projections of each of the 32 layers run in
+    FP8; the output projection (the logits) and the embedding do not. The same Parameter objects stay in place, so
+    the optimizer and the checkpoint see the weights as before."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtune.models.llama2 import llama2_7b
+
+    from recipes._model import convert_to_fp8
+
+    with torch.device("meta"):
+        model = llama2_7b()
+    weights = {name: p for name, p in model.named_parameters()}
+    assert convert_to_fp8(model, recipe) == 32 * 7
+    assert type(model.output) is torch.nn.Linear and isinstance(model.layers[5].mlp.w2, Float8Linear)
+    assert all(p is weights[name] for name, p in model.named_parameters())
+
+
+def test_small_layers_stay_bf16():
+    """torchao's thresholds: a 3B model's 1024-wide key/value projections stay in bf16 under tensorwise, and a
+    layer whose dimensions are not multiples of 16 never converts."""
+    from recipes._model import fp8_suits
+
+    kv = torch.nn.Linear(3072, 1024, device="meta")
+    assert not fp8_suits("layers.0.attn.k_proj", kv, "tensorwise")
+    assert fp8_suits("layers.0.attn.q_proj", torch.nn.Linear(3072, 3072, device="meta"), "tensorwise")
+    assert not fp8_suits("layers.0.mlp.w1", torch.nn.Linear(4096, 11004, device="meta"), "tensorwise")
+    assert not fp8_suits("output", torch.nn.Linear(4096, 32000, device="meta"), "tensorwise")
+
+
+# The FAST model with a 1040-wide MLP, so that w1 and w3 (64 -> 1040) are large enough to convert.
+WIDE_MLP = ["model.intermediate_dim=1040", "max_steps_per_epoch=4"]
+
+
+def test_a_cpu_run_trains_like_bf16_matmuls_and_writes_the_same_checkpoint(tmp_path, capsys, monkeypatch, caplog):
+    plain = run_in_process(tmp_path / "plain", *WIDE_MLP, capsys=capsys, monkeypatch=monkeypatch)
+    fp8 = run_in_process(tmp_path / "fp8", *WIDE_MLP, "fp8=tensorwise", capsys=capsys, monkeypatch=monkeypatch)
+    assert plain.ok and fp8.ok, fp8.stderr[-3000:]
+    assert "fp8=tensorwise: 2 linear layers run their matmuls in FP8" in caplog.text
+    # FP8's rounding moves the losses a little (e4m3 keeps 3 mantissa bits; the dynamic scales keep the range).
+    assert fp8.losses != plain.losses
+    assert fp8.losses == pytest.approx(plain.losses, rel=2e-2)
+    a, b = (load_file(r.output_dir / "epoch_0" / "model.safetensors") for r in (plain, fp8))
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+
+
+# On the device: FP8 tensor cores, compile, packing, optimizer-in-backward, activation checkpointing. A 2-layer model
+# at Llama2-7B's width (4096), so that every projection converts under both recipes.
+GPU_MODEL = ["device=cuda", "dtype=bf16", "model.num_layers=2", "model.embed_dim=4096", "model.num_heads=32",
+             "model.num_kv_heads=32", "tokenizer.max_seq_len=512", "dataset.packed=True", "batch_size=4",
+             "max_steps_per_epoch=8", "compile=True", "optimizer=optimizers.AdamW4bit", "optimizer_in_bwd=True",
+             "clip_grad_norm=null", "optimizer.lr=2e-4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
+def test_gpu_fp8_with_compile_in_backward_and_checkpointing(tmp_path, recipe, ac):
+    extra = [f"pack_cache_dir={tmp_path / 'cache'}", f"enable_activation_checkpointing={ac}"]
+    bf16 = run_recipe(tmp_path / "bf16", *GPU_MODEL, *extra, fast=False, timeout=900)
+    fp8 = run_recipe(tmp_path / "fp8", *GPU_MODEL, *extra, f"fp8={recipe}", fast=False, timeout=900)
+    assert bf16.ok and fp8.ok, fp8.stderr[-3000:]
+    assert f"fp8={recipe}: 14 linear layers" in fp8.stdout + fp8.stderr
+    assert fp8.losses == pytest.approx(bf16.losses, rel=3e-2)
+    graphs = [m["compiled_graphs"] for m in fp8.metrics]
+    assert graphs[-1] == graphs[1], graphs  # nothing recompiles after the first steps
