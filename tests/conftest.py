@@ -34,7 +34,9 @@ if _SET_TRITON_INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+# The data folder beside the checkout (alpaca/, llama2_tokenizer/, truthfulqa/); TEST_DATA_DIR points elsewhere (a GPU
+# machine that holds the data under another path).
+DATA_DIR = Path(os.environ.get("TEST_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
 RECIPE = "recipes/full_finetune_single_device.py"
 TINY_CONFIG = "configs/tiny.yaml"
 TUNE = str(Path(sys.executable).with_name("tune"))
