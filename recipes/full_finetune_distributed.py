@@ -17,6 +17,7 @@ The keys that differ:
     optimizer_in_bwd                 not supported (refused)
     enable_activation_offloading     not supported (refused)
     optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
+    fp8                              as single-device: FP8 matmuls; the FSDP2 all-gathers stay in bf16
 """
 
 import contextlib

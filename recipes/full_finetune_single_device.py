@@ -29,8 +29,8 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
     compile                          torch.compile per layer and on the loss (default False)
     enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
-    ac_mode                          full (default: every layer) or selective
-    ac_option                        with ac_mode=selective: checkpoint one layer in N
+    ac_mode, ac_option               full (default: every layer) or selective: one layer in ac_option
+    fp8                              tensorwise / rowwise: FP8 matmuls (FP8 GPU + compile); null = bf16
     enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
     device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
     pack_cache_dir                   cache of tokenized samples for packing; off = none
