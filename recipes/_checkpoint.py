@@ -119,9 +119,15 @@ def read_state_file(path: Path, mmap: bool = False) -> dict:
 
 
 def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=None) -> dict:
-    """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (the keys of RESUME_MUST_MATCH
-    plus ``optimizer``, ``optimizer_in_bwd`` and RESUME_MAY_CHANGE): a mismatch is a BadInput naming the key."""
+    """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (check_resume)."""
     state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
+    check_resume(state, folder, now=now, log=log)
+    return state
+
+
+def check_resume(state: dict, folder: Path, *, now: Dict[str, Any], log=None) -> None:
+    """A recipe state against this run's settings ``now`` (the keys of RESUME_MUST_MATCH plus ``optimizer``,
+    ``optimizer_in_bwd`` and RESUME_MAY_CHANGE): a mismatch is a BadInput naming the key and the fix."""
     saved = state["config"]
     if saved["optimizer"] != now["optimizer"] or saved.get("optimizer_in_bwd", False) != now["optimizer_in_bwd"]:
         raise BadInput(
@@ -143,7 +149,6 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
         if saved.get(key) != now[key] and log is not None:
             log.warning(f"{key}={now[key]} differs from the checkpoint's {saved.get(key)}: the lr schedule will not "
                         "match the interrupted run")
-    return state
 
 
 def progress_after(state: dict, steps_per_epoch: int) -> tuple:

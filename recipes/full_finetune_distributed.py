@@ -262,18 +262,19 @@ class FullFinetuneRecipeDistributed:
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = _checkpoint.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
-                                        log=log if self._rank0 else None)
+        state = _checkpoint.read_state_file(s.resume_dir / RECIPE_STATE_FILE, mmap=True)
         saved_world = state["config"].get("world_size", 1)
         layout = state.get("optimizer_layout", "full")
         if layout == "per_rank" and saved_world != self._world:
             raise BadInput(
                 f"resume_from_checkpoint={s.resume_dir} was saved by {saved_world} ranks and its optimizer state "
-                f"({s.optimizer.path}) is quantized per rank shard; resume with --nproc_per_node {saved_world}, or "
+                f"({state['config'].get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
+                f"{saved_world}, or "
                 "start a new run from its weights with checkpoint_dir=...")
         rank_file = s.resume_dir / RANK_STATE_FILE.format(rank=self._rank)
         if not rank_file.is_file() and layout == "per_rank":
             raise BadInput(f"resume_from_checkpoint={s.resume_dir} lacks {rank_file.name}")
+        _checkpoint.check_resume(state, s.resume_dir, now=self._run_settings(), log=log if self._rank0 else None)
         rank_state = _checkpoint.read_state_file(rank_file) if rank_file.is_file() else {}
         try:
             if layout == "per_rank":
