@@ -34,7 +34,7 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
+    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level", "profiler",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
