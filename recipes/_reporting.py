@@ -1,11 +1,13 @@
-"""What a run tells its user on the terminal (log level, banner, ``--help``, known third-party noise) and the figures
-its metrics records hold (step timing, memory, optimizer state). The records, the summary and the metric logger are
-``_metrics.py`` and ``_wandb.py``; the profiler ``_profiling.py``.
+"""What a run tells its user on the terminal (log level, banner, ``--help``, known third-party noise, a bad-input
+error under torchrun) and the figures its metrics records hold (step timing, memory, optimizer state). The records,
+the summary and the metric logger are ``_metrics.py`` and ``_wandb.py``; the profiler ``_profiling.py``.
 
 Nothing here changes training; both fine-tune recipes and the eval import it.
 """
 
+import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -85,6 +87,27 @@ def announce_saved(final: Path, started: float) -> None:
     reads it)."""
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
     tqdm.write(f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)")
+
+
+def report_bad_input(e: BaseException, rank: int = 0) -> None:
+    """The one ``error: ...`` line of a bad input, said once.
+
+    Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) every rank writes the line into its error file, in the format
+    torch.distributed.elastic reads: torchrun's failure report then names it, and ``tune run`` prints it alone, last,
+    with exit status 2, instead of that 30-line report (the launcher hook in hatch_build.py). Every rank writes, so
+    the line is there whichever rank the launcher sees fail first. Without torchrun, rank 0 prints it.
+    """
+    line = f"error: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            Path(error_file).write_text(json.dumps(data))
+            return
+        except OSError:
+            pass  # (then the terminal line below)
+    if rank == 0:
+        tqdm.write(line, file=sys.stderr)  # (on a line of its own, below any progress bar)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -538,9 +538,9 @@ def recipe_main(cfg: DictConfig) -> None:
         if rank == 0:
             tqdm.write(recipe.summary())
     except BadInput as e:
-        # One line from rank 0 (every rank finds the same error), no traceback.
-        if rank == 0:
-            tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
+        # One line (every rank finds the same error), no traceback: under torchrun in the ranks' error files, which
+        # `tune run` prints once, last; without torchrun from rank 0 (_reporting.report_bad_input).
+        _reporting.report_bad_input(e, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
