@@ -61,6 +61,8 @@ def _mend_tune_run(Run):
       which `tune` prints as a 30-line report. That line is printed instead, once and last, with exit status 2.
       Any other failure keeps torchrun's report.
     """
+    if not (hasattr(Run, "_convert_to_dotpath") and hasattr(Run, "_run_distributed")):
+        return  # (another torchtune: leave its `tune run` as it is)
     to_dotpath, run_distributed = Run._convert_to_dotpath, Run._run_distributed
 
     def convert(self, recipe_path):
@@ -70,9 +72,9 @@ def _mend_tune_run(Run):
         dotted = to_dotpath(self, recipe_path)
         if dotted.startswith("."):
             sys.stderr.write(
-                "error: tune run " + recipe_path + ": tune imports a recipe given by its path as the module named after "
-                "that path, so the path must lie below the current folder; cd " + os.path.dirname(full) + " and give "
-                "its file name (this repository's recipes/*.py run from any folder)\\n")
+                "error: tune run " + recipe_path + ": tune imports a recipe given by its path as the module named "
+                "after that path, so the path must lie below the current folder; cd " + os.path.dirname(full) +
+                " and give its file name (this repository's recipes/*.py run from any folder)\\n")
             raise SystemExit(2)
         return dotted
 
@@ -106,7 +108,8 @@ class _MendAfterLoading(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        _mend_tune_run(module.Run)
+        if hasattr(module, "Run"):
+            _mend_tune_run(module.Run)
 
 
 class RecipesFinder:

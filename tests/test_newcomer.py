@@ -58,7 +58,7 @@ def test_tune_run_from_another_folder_runs_our_recipe(tmp_path, monkeypatch, cap
     recipe, config = (os.path.relpath(REPO_ROOT / p, tmp_path) for p in (RECIPE, TINY_CONFIG))
     assert recipe.startswith("..")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["tune", "run", recipe, "--config", config, f"data_dir={DATA_DIR}",
+    monkeypatch.setattr(sys, "argv", [TUNE, "run", recipe, "--config", config, f"data_dir={DATA_DIR}",
                                       "output_dir=outputs/tiny", *FAST, "max_steps_per_epoch=1", "metric_logger=null"])
     monkeypatch.setattr(sys, "path", list(sys.path))  # (tune run appends the current folder)
     with pytest.raises(SystemExit) as stop:
@@ -77,7 +77,8 @@ def test_another_recipe_outside_the_current_folder_is_one_error_line(tmp_path, c
         Run._convert_to_dotpath(None, "../elsewhere/my_recipe.py")
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: tune run ../elsewhere/my_recipe.py: ") and f"cd {tmp_path.parent / 'elsewhere'}" in line
+    assert line.startswith("error: tune run ../elsewhere/my_recipe.py: ")
+    assert f"cd {tmp_path.parent / 'elsewhere'} and give its file name" in line
     assert Run._convert_to_dotpath(None, "my_recipes/custom.py") == "my_recipes.custom"  # below the folder: as before
 
 
