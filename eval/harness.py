@@ -70,9 +70,10 @@ def scores(results: dict, task: str) -> Dict[str, Any]:
 
 def wandb_mode(training_mode: Optional[str]) -> Optional[str]:
     """The mode of the eval's wandb run: WANDB_MODE if set, else offline when the training run was offline or there
-    is no WANDB_API_KEY (as the fine-tune recipe decides), else wandb's default (online)."""
+    is no WANDB_API_KEY (as the fine-tune recipe decides), else wandb's default (online). Passed to wandb.init
+    explicitly: wandb reads the environment once per process, and the eval may run after a training run in one."""
     if os.environ.get("WANDB_MODE"):
-        return None
+        return os.environ["WANDB_MODE"]
     if training_mode == "offline" or not os.environ.get("WANDB_API_KEY"):
         return "offline"
     return None

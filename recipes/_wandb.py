@@ -114,7 +114,9 @@ def metric_logger(cfg: DictConfig, log, identity: Dict[str, Any]):
     if cfg_logger._component_.endswith("WandBLogger"):
         for key in ("name", "group", "tags"):
             cfg_logger[key] = identity[key]
-        if "mode" not in cfg_logger and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        if "mode" not in cfg_logger and os.environ.get("WANDB_MODE"):
+            cfg_logger.mode = os.environ["WANDB_MODE"]  # (explicit: wandb reads the environment once per process)
+        elif "mode" not in cfg_logger and not os.environ.get("WANDB_API_KEY"):
             # No key: log offline into {log_dir}/wandb/offline-run-*; `wandb sync DIR` uploads it later.
             cfg_logger.mode = "offline"
             log.info("wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)")
