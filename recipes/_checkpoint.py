@@ -2,7 +2,8 @@
 
 A checkpoint is a Hugging Face model folder (``_hf_format.py``: config.json, model.safetensors, the tokenizer) plus
 the resume state: ``recipe_state.pt`` (progress, optimizer state, lr schedule, RNG, the run's settings) and, from the
-distributed recipe, one ``recipe_state_rank{r}.pt`` per rank. It is published whole or not at all through the run
+distributed recipe, one ``recipe_state_rank{r}.pt`` per rank; with a wandb logger, ``run.json`` names the run that
+wrote it (``Checkpointer.run_info``). It is published whole or not at all through the run
 folder (``_run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` recovery, one-line full-disk errors).
 
 The calls a recipe makes:
@@ -12,6 +13,7 @@ The calls a recipe makes:
 - ``check_finite_weights(state, ...)`` before a save; ``rng_state`` / ``set_rng_state`` for exact resume
 """
 
+import json
 import random
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from finetune_base import BadInput, load_state_file
+from finetune_base.run_files import RUN_FILE
 from recipes import _hf_format
 from recipes._reporting import announce_saved
 from recipes._run_folder import RunFolder
@@ -84,6 +87,9 @@ class Checkpointer:
 
     def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path):
         self.folder, self.family, self.hf, self.tokenizer_path = folder, family, hf, Path(tokenizer_path)
+        # The run that writes the checkpoints (its identity and wandb run: finetune_base.run_files), written into
+        # each as run.json with the checkpoint's global step, so the eval can add its scores to that run.
+        self.run_info: Optional[dict] = None
 
     def save(self, name: str, *, weights: Optional[Dict[str, torch.Tensor]], recipe_state: Optional[dict],
              need_bytes: Callable[[], int], rank_state: Optional[dict] = None,
@@ -100,6 +106,9 @@ class Checkpointer:
             if ranks.main:
                 _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
                 torch.save(recipe_state, tmp / RECIPE_STATE_FILE)
+                if self.run_info is not None:
+                    run = {**self.run_info, "global_step": recipe_state.get("global_step")}
+                    (tmp / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
         final = self.folder.publish(name, write, need_bytes)
         if ranks.main:

@@ -1,12 +1,12 @@
-"""What a run tells its user: the terminal (log level, banner, ``--help``, known third-party noise), the metrics
-(``metrics.jsonl``, the metric logger, step timing, memory and optimizer-state figures) and the end-of-run summary.
+"""What a run tells its user on the terminal (log level, banner, ``--help``, known third-party noise, a bad-input
+error under torchrun) and the figures its metrics records hold (step timing, memory, optimizer state). The records,
+the summary and the metric logger are ``_metrics.py`` and ``_wandb.py``; the profiler ``_profiling.py``.
 
 Nothing here changes training; both fine-tune recipes and the eval import it.
 """
 
 import json
 import logging
-import math
 import os
 import resource
 import sys
@@ -18,8 +18,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
-
-from recipes._run_folder import METRICS_FILE, tag
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +87,27 @@ def announce_saved(final: Path, started: float) -> None:
     reads it)."""
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
     tqdm.write(f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)")
+
+
+def report_bad_input(e: BaseException, rank: int = 0) -> None:
+    """The one ``error: ...`` line of a bad input, said once.
+
+    Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) every rank writes the line into its error file, in the format
+    torch.distributed.elastic reads: torchrun's failure report then names it, and ``tune run`` prints it alone, last,
+    with exit status 2, instead of that 30-line report (the launcher hook in hatch_build.py). Every rank writes, so
+    the line is there whichever rank the launcher sees fail first. Without torchrun, rank 0 prints it.
+    """
+    line = f"error: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            Path(error_file).write_text(json.dumps(data))
+            return
+        except OSError:
+            pass  # (then the terminal line below)
+    if rank == 0:
+        tqdm.write(line, file=sys.stderr)  # (on a line of its own, below any progress bar)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,204 +281,3 @@ def compiled_graphs() -> int:
 
     return int(counters["stats"]["unique_graphs"])
 
-
-# ------------------------------------------------------------------------------------------------
-# metrics: metrics.jsonl, the metric logger
-# ------------------------------------------------------------------------------------------------
-
-
-def strict_json(record: Dict[str, Any]) -> str:
-    """One metrics line as strict JSON: NaN and +-inf become null (json.dumps would write bare NaN)."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        return v
-
-    return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """A resume from global step ``step``: drop the records after it (the interrupted run's steps the resume trains
-    again), so each step is in ``metrics.jsonl`` once. Returns the number of records dropped."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            later = json.loads(line).get("step", 0) > step
-        except (ValueError, AttributeError, TypeError):
-            later = False  # a line we cannot read is kept as it was
-        if later:
-            dropped += 1
-        else:
-            kept.append(line)
-    if dropped:
-        tmp = path.with_name(f".{path.name}.{tag()}")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-    return dropped
-
-
-def log_config(logger, cfg: DictConfig) -> Optional[Path]:
-    """The run's config to the metric logger; for wandb, returns the run's folder.
-
-    torchtune's WandBLogger.log_config writes ``{output_dir}/torchtune_config.yaml`` and ``wandb.save``s it, which
-    puts an absolute symlink to it into the run's files/ (and warns "Symlinked 1 file"): a later run into the same
-    folder overwrites what that link shows. Here the run's folder gets a copy of its own config instead.
-    """
-    if type(logger).__name__ != "WandBLogger":
-        logger.log_config(cfg)
-        return None
-    import wandb
-
-    if wandb.run is None:
-        return None
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    wandb.run.config.update(resolved, allow_val_change=logger.config_allow_val_change)
-    # Files in the run's files/ folder are uploaded with the run (at its end, or by `wandb sync`).
-    (Path(wandb.run.dir) / "torchtune_config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    return Path(wandb.run.dir).parent
-
-
-def metric_logger(cfg: DictConfig, log):
-    """``metric_logger`` built (None when off: ``metric_logger=null`` on the CLI sets only its _component_ to null),
-    and the wandb run folder if it is wandb. Without WANDB_API_KEY (and no ``mode``), wandb logs offline."""
-    from torchtune import config
-
-    cfg_logger = cfg.get("metric_logger")
-    if cfg_logger is None or not cfg_logger.get("_component_"):
-        return None, None
-    cfg_logger = OmegaConf.create(OmegaConf.to_container(cfg_logger, resolve=True))
-    if cfg_logger._component_.endswith("WandBLogger") and "mode" not in cfg_logger:
-        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-            # No key: log offline into {log_dir}/wandb/offline-run-*; `wandb sync DIR` uploads it later.
-            cfg_logger.mode = "offline"
-            log.info("wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)")
-    logger = config.instantiate(cfg_logger)
-    return logger, log_config(logger, cfg)
-
-
-class MetricsLog:
-    """One record per log step to the terminal, ``{output_dir}/metrics.jsonl`` (strict JSON) and the metric logger.
-
-    A fresh run starts a fresh file; a resume keeps the records up to its checkpoint's step and appends, so each
-    step is recorded once. Per-rank lists (the distributed recipe's) stay off the terminal line and go to the
-    logger as ``key/rank{r}``.
-    """
-
-    def __init__(self, output_dir: Path, logger, log):
-        self.path = Path(output_dir) / METRICS_FILE
-        self.logger, self.log = logger, log
-
-    def start(self, resume_step: Optional[int]) -> None:
-        if resume_step is None:
-            if self.path.exists():
-                self.path.unlink()
-            return
-        dropped = truncate_metrics(self.path, resume_step)
-        if dropped:
-            self.log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {resume_step}, which this resume "
-                          "trains again")
-
-    def write(self, record: Dict[str, Any]) -> None:
-        tqdm.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
-                              for k, v in record.items() if not isinstance(v, list)))
-        with open(self.path, "a") as f:
-            f.write(strict_json(record) + "\n")
-        if self.logger is not None:
-            flat = {}
-            for k, v in record.items():
-                if isinstance(v, list):
-                    flat.update({f"{k}/rank{r}": x for r, x in enumerate(v)})
-                elif k != "step" and v is not None:
-                    flat[k] = v
-            self.logger.log_dict(flat, step=record["step"])
-
-    def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-
-
-# ------------------------------------------------------------------------------------------------
-# the end of a run
-# ------------------------------------------------------------------------------------------------
-
-
-class RunSummary:
-    """What the run did, collected as it goes, and the paragraph printed at its end."""
-
-    def __init__(self, metrics_path: Path, wandb_dir: Optional[Path] = None):
-        self.t_start = time.perf_counter()
-        self.metrics_path, self.wandb_dir = Path(metrics_path), wandb_dir
-        self.first: Optional[tuple] = None  # (step, loss) of the first and last step this process trained
-        self.last: Optional[tuple] = None
-        self.saved: List[Path] = []
-        self.skipped = 0
-        self.stop: Optional[str] = None  # the signal that stopped the run
-        self.nothing_left: Optional[str] = None  # a resume from the end of training
-        self.resume_from: Optional[Path] = None  # stopped without a checkpoint of its own: where to continue from
-
-    def step(self, step: int, loss: float) -> None:
-        self.last = (step, loss)
-        self.first = self.first or self.last
-
-    def saved_checkpoint(self, folder: Path) -> None:
-        self.saved = [p for p in self.saved if p != folder] + [folder]
-
-    def text(self) -> str:
-        def fmt(s: float) -> str:
-            return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
-
-        seconds = time.perf_counter() - self.t_start
-        if self.nothing_left:
-            parts = [f"Nothing trained: {self.nothing_left}, so there was nothing to train (raise epochs or "
-                     f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."]
-        elif self.first is None:
-            parts = [f"Stopped before the first step ({fmt(seconds)})."]
-        else:
-            (first_step, first_loss), (last_step, last_loss) = self.first, self.last
-            n = last_step - first_step + 1
-            loss = f"; loss {first_loss:.4f} at step {first_step} -> {last_loss:.4f} at step {last_step}"
-            how = f"stopped by {self.stop}" if self.stop else "done"
-            parts = [f"Run {how}: trained steps {first_step}-{last_step} ({n} step{'s' * (n != 1)}) in {fmt(seconds)}"
-                     f"{loss}" + (f"; {self.skipped} non-finite step(s) skipped" if self.skipped else "") + "."]
-        if self.metrics_path.is_file():
-            parts.append(f"Metrics: {self.metrics_path}.")
-        if self.saved:
-            names = ", ".join(p.name for p in self.saved[:-1])
-            parts.append(f"Checkpoints: {self.saved[-1]}" + (f" (latest; also {names})" if names else "") + ".")
-        if self.wandb_dir is not None:
-            parts.append(f"wandb: {self.wandb_dir} (upload with `wandb sync {self.wandb_dir}`).")
-        if self.resume_from is not None:
-            parts.append(f"Continue with resume_from_checkpoint={self.resume_from}.")
-        return " ".join(parts)
-
-
-def latest_checkpoint(output_dir: Path) -> Optional[Path]:
-    """The most recently published checkpoint folder of ``output_dir`` (step_* / epoch_* holding a recipe_state.pt;
-    a folder appears only complete), or None."""
-    from recipes._run_folder import CHECKPOINT_PREFIXES
-
-    output_dir = Path(output_dir)
-    found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES)
-             and (p / "recipe_state.pt").is_file()] if output_dir.is_dir() else []
-    return max(found, key=lambda p: p.stat().st_mtime_ns, default=None)
-
-
-def interrupted(summary: Optional[RunSummary], output_dir: Optional[Path]) -> str:
-    """What Ctrl-C prints (it stops at once, without a new checkpoint: SIGTERM is the signal that saves first)."""
-    latest = latest_checkpoint(output_dir) if output_dir is not None else None
-    if summary is None:
-        text = "Stopped by Ctrl-C during setup: nothing was trained."
-        return text + (f" Continue with resume_from_checkpoint={latest}." if latest is not None else "")
-    summary.stop, summary.resume_from = "Ctrl-C", latest
-    if latest is None:
-        return summary.text() + " No checkpoint was written (save_every_n_steps=N writes them as the run goes)."
-    return summary.text()

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from finetune_base import BadInput
+from finetune_base.run_files import METRICS_FILE
 
 LOCK_FILE = ".lock"
 CHECKPOINT_PREFIXES = ("step_", "epoch_")
-METRICS_FILE = "metrics.jsonl"
 
 
 class Ranks:

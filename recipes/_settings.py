@@ -35,7 +35,7 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level", "fp8",
+    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level", "fp8", "profiler",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
@@ -49,6 +49,15 @@ LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
 
 AC_MODES = ("full", "selective")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (dynamic scaling)
+
+
+# The component sections whose keys are checked against what their _component_ accepts (a typo is one error naming
+# the valid keys, not a TypeError from deep inside the build), with the component used when a section names none.
+# The dataset is left to its builder: alpaca_dataset passes unknown keys on to datasets.load_dataset's builders.
+CHECKED_COMPONENTS = {"model": None, "tokenizer": None, "loss": None, "lr_scheduler": None, "metric_logger": None,
+                      "profiler": "torchtune.training.setup_torch_profiler"}
+# A component that hands its **kwargs on: the keys of that callable are valid too.
+KWARGS_GO_TO = {"torchtune.training.metric_logging.WandBLogger": "wandb.init"}
 
 
 def first_line(e: BaseException) -> str:
@@ -67,6 +76,45 @@ def check_config_keys(cfg: DictConfig, known) -> None:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"the known keys are: {', '.join(known)}"
             raise BadInput(f"{key} is not a config key of this recipe; {hint} (remove it with ~{key})")
+
+
+def accepted_keys(target, path: str = "") -> Optional[set]:
+    """The keyword arguments ``target`` takes (a class: its constructor's), or None when that cannot be known: no
+    signature, or ``**kwargs`` that go nowhere KWARGS_GO_TO knows."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+    named = {k for k, p in params.items() if k != "self" and p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                                           inspect.Parameter.VAR_KEYWORD)}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return named
+    if path in KWARGS_GO_TO:
+        forwarded = accepted_keys(_get_component_from_path(KWARGS_GO_TO[path]))
+        return None if forwarded is None else named | forwarded
+    return None
+
+
+def check_component_keys(cfg: DictConfig) -> None:
+    """Refuse a key a component section's ``_component_`` does not take (``model.num_layer=2``), naming the valid
+    ones (CHECKED_COMPONENTS; the optimizer's keys are checked by resolve_optimizer)."""
+    for section, default in CHECKED_COMPONENTS.items():
+        node = cfg.get(section)
+        path = (node.get("_component_") or default) if OmegaConf.is_dict(node) else None
+        if not path:
+            continue
+        try:
+            keys = accepted_keys(_get_component_from_path(path), path)
+        except Exception as e:  # the path does not import
+            raise BadInput(f"{section}._component_={path} cannot be imported ({first_line(e.__cause__ or e)}); check "
+                           "the dotted path") from None
+        for key in node.keys() if keys is not None else ():
+            if key == "_component_" or key in keys:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
+            hint = f"did you mean {section}.{close[0]}? " if close else ""
+            raise BadInput(f"{section}.{key} is not a key of {path}; {hint}its keys: {', '.join(sorted(keys))} "
+                           f"(remove it with ~{section}.{key})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,6 +297,7 @@ def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
 def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     """Check the whole config (no side effects: nothing is built, written or seeded) and return the settings."""
     check_config_keys(cfg, DISTRIBUTED_CONFIG_KEYS if distributed else KNOWN_CONFIG_KEYS)
+    check_component_keys(cfg)
     dtype_name = cfg.get("dtype", "bf16")
     if dtype_name not in ("bf16", "fp32"):
         raise BadInput(f"dtype={dtype_name!r} is not supported; use dtype=bf16 or dtype=fp32")
@@ -332,13 +381,18 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                            "the optimizer state across GPUs instead: use the single-device recipe or another optimizer")
 
     paths = _check_paths(cfg)
+    optimizer = resolve_optimizer(cfg.optimizer)
+    if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
+        raise BadInput(f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
+                       f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
+                       "already: use optimizer=torch.optim.AdamW (or another optimizer)")
     return Settings(
         device=device, dtype=training.get_dtype(dtype_name, device=device), batch_size=batch_size, epochs=epochs,
         max_steps_per_epoch=max_steps, accum=accum, log_every=log_every, save_every=save_every, clip=clip,
         max_skips=max_skips, overwrite=overwrite, optimizer_in_bwd=optimizer_in_bwd, seed=seed,
         shuffle=bool(cfg.get("shuffle", True)), ac_every=ac_every, offload_activations=offload_activations,
         compile=bool(cfg.get("compile", False)), pack_cache_dir=pack_cache_dir, memory_limit_gib=memory_limit,
-        output_dir=Path(cfg.output_dir), **paths, optimizer=resolve_optimizer(cfg.optimizer),
+        output_dir=Path(cfg.output_dir), **paths, optimizer=optimizer,
         model_component=str(OmegaConf.select(cfg, "model._component_") or ""), fp8=fp8,
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)))
 

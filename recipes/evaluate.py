@@ -19,7 +19,12 @@ Features (each behind a config key):
       docs/eval.md, "BOS", has the evidence. It is passed to lm-eval explicitly, never left to the tokenizer.
     - device (auto/cpu/cuda), dtype (fp32/bf16), batch_size, limit (first N questions; null = all 817).
     - output_dir: where lm-eval's results JSON goes; default {checkpoint_dir}/../eval/{checkpoint name}/.
-    - wandb_project: when set, the scores and task config go to a Weights & Biases run.
+    - training_run: True (default): the scores go into the run that trained the checkpoint: the wandb run its
+      run.json names (resumed by its id: `eval/truthfulqa_mc2` in its summary, `eval/...` in its history; offline
+      without WANDB_API_KEY, beside the training run's, for `wandb sync`) and its run folder's summary.json.
+      False: neither. A checkpoint without run.json (any HF folder) has no training run to go to.
+    - wandb_project: a checkpoint without a wandb run of its own: the scores, task config and a results table go to
+      a Weights & Biases run of their own (`eval-<checkpoint name>`) in this project.
 The table, the score, the time taken and the results file are printed at the end; lm-eval shows a progress bar.
 lm-eval's warning that HFLM got a loaded model rather than a name is dropped (we hand it one on purpose:
 recipes/_reporting.py, KNOWN_NOISE).
@@ -28,6 +33,7 @@ recipes/_reporting.py, KNOWN_NOISE).
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -41,9 +47,10 @@ from eval import harness  # noqa: E402
 from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
 from eval.errors import EvalInputError  # noqa: E402
 from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
+from finetune_base.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
 
 CONFIG_KEYS = ("checkpoint_dir", "tokenizer_path", "data_source", "data_dir", "tasks", "add_bos", "device", "dtype",
-               "batch_size", "limit", "output_dir", "wandb_project")
+               "batch_size", "limit", "output_dir", "wandb_project", "training_run")
 
 
 class EvalRecipe:
@@ -58,6 +65,10 @@ class EvalRecipe:
         self.data_source = cfg.get("data_source", "local")
         self.data_dir = Path(cfg.get("data_dir", "../shared/data"))
         self.wandb_project = cfg.get("wandb_project", None)
+        self.training_run = cfg.get("training_run", True)
+        if self.training_run not in (True, False):
+            raise EvalInputError(f"training_run={self.training_run!r} must be True (add the scores to the run that "
+                                 "trained the checkpoint) or False")
         self.checkpoint_dir, self.tokenizer_path = check_checkpoint(cfg.get("checkpoint_dir"), cfg.get("tokenizer_path"))
         default_output = self.checkpoint_dir.resolve().parent / "eval" / self.checkpoint_dir.resolve().name
         self.output_dir = Path(cfg.get("output_dir") or default_output)
@@ -96,9 +107,41 @@ class EvalRecipe:
         score = results["results"][TASK_NAME]["acc,none"]
         n = results["n-samples"][TASK_NAME]["effective"]
         print(f"{TASK_NAME}: {score:.4f} on {n} questions in {seconds:.1f} s; results: {path}")
-        if self.wandb_project:
-            harness.log_to_wandb(results, project=self.wandb_project, run_name=f"eval-{self.checkpoint_dir.resolve().name}")
+        self.report(results, path)
         return results
+
+    def report(self, results: dict, results_file: Path) -> None:
+        """The scores into the training run (its wandb run, its folder's summary.json), or a wandb run of their own."""
+        values = harness.scores(results, TASK_NAME)
+        run = read_run_file(self.checkpoint_dir) if self.training_run else None
+        wandb_run = (run or {}).get("wandb")
+        folder = self.run_folder() if self.training_run else None
+        where = {}
+        if wandb_run and wandb_run.get("id"):
+            summary = read_json(folder / SUMMARY_FILE) if folder else None
+            where = harness.log_to_training_run(
+                values, wandb_run, global_step=run.get("global_step"),
+                next_step=int((summary or {}).get("wandb_next_step") or 0),
+                fallback_dir=folder or self.output_dir)
+            print(f"wandb: the scores are in the training run {run.get('name')} (id {where['wandb_run_id']}), "
+                  f"{where['wandb_dir']}")
+        elif self.wandb_project:
+            harness.log_to_wandb(results, project=self.wandb_project,
+                                 run_name=f"eval-{self.checkpoint_dir.resolve().name}", values=values,
+                                 folder=self.output_dir)
+        if folder is not None:
+            extra = {"eval/checkpoint": self.checkpoint_dir.resolve().name, "eval/limit": self.limit,
+                     "eval/results_file": str(results_file.resolve())}
+            if run and run.get("global_step") is not None:
+                extra["eval/global_step"] = run["global_step"]
+            if "wandb_next_step" in where:
+                extra["wandb_next_step"] = where["wandb_next_step"]
+            print(f"summary: {update_summary(folder, {**values, **extra})}")
+
+    def run_folder(self) -> Optional[Path]:
+        """The fine-tune run folder the checkpoint sits in (it holds metrics.jsonl or summary.json), or None."""
+        parent = self.checkpoint_dir.resolve().parent
+        return parent if (parent / METRICS_FILE).is_file() or (parent / SUMMARY_FILE).is_file() else None
 
 
 @config.parse

@@ -14,6 +14,7 @@ The keys that differ:
     checkpoint_dir                   rank 0 reads it (or builds the random init) and scatters it
     resume_from_checkpoint           optimizers.* states resume on the same N only; torch's AdamW on any N
     metric_logger                    rank 0 logs, reduced over ranks (+ *_per_rank lists, world_size)
+    profiler                         every rank records (a trace per rank); rank 0 prints the summary
     optimizer_in_bwd                 not supported (refused)
     enable_activation_offloading     not supported (refused)
     optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
@@ -43,11 +44,12 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format  # noqa: E402
+from recipes import _checkpoint, _data, _hf_format, _metrics, _wandb  # noqa: E402
 from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE, Checkpointer, NonFiniteStop  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
-from recipes._reporting import MetricsLog, RunSummary  # noqa: E402
+from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
+from recipes._profiling import Profiler  # noqa: E402
 from recipes._run_folder import DistributedRanks, RunFolder  # noqa: E402
 from recipes._settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings, warn_round_to_nearest  # noqa: E402
 from recipes._stops import SkipCounter, StopSignal  # noqa: E402
@@ -143,11 +145,18 @@ class FullFinetuneRecipeDistributed:
         self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
 
-        logger, wandb_dir = _reporting.metric_logger(cfg, log) if self._rank0 else (None, None)
-        self._metrics = MetricsLog(s.output_dir, logger, log)
+        self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device,
+                                  rank=self._rank)
+        self._identity = _wandb.run_identity(cfg, s, packed=self._packed, world=self._world)
+        self._logger, wandb_dir = _wandb.metric_logger(cfg, log, self._identity) if self._rank0 else (None, None)
+        wandb_run = _wandb.wandb_run_info(self._logger)
+        if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
+            self._checkpointer.run_info = {**_wandb.run_file(self._identity), "wandb": wandb_run}
+        self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
         if self._rank0:
             self._metrics.start(resume_step=None if s.resume_dir is None else self.global_step)
-        self._summary = RunSummary(self._metrics.path, wandb_dir)
+        self._summary = RunSummary(self._metrics.path, wandb_dir,
+                                   wandb_run and f"{self._identity['name']}, id {wandb_run['id']}")
         self._summary.nothing_left = self._nothing_left
         dist.barrier()
         if resume_rng is not None:
@@ -332,6 +341,7 @@ class FullFinetuneRecipeDistributed:
             "tokens": int(num_tokens),
             "tokens_per_second": num_tokens / wall,
             "tokens_per_second_per_gpu": num_tokens / wall / self._world,
+            "step_time_s": wall,
         }
         for key in mine:
             if key.startswith("peak_"):
@@ -348,7 +358,7 @@ class FullFinetuneRecipeDistributed:
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
         checkpoint (the signal is folded into the step's all-reduce of the loss)."""
-        with self._stop:
+        with self._stop, self._profiler:
             self._train()
 
     def _train(self) -> None:
@@ -420,15 +430,16 @@ class FullFinetuneRecipeDistributed:
                 self.global_step += 1
 
                 loss_value = total_loss / total_tokens
-                pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_value:.4f}")
                 self._summary.step(self.global_step, loss_value)
-                if self.global_step % s.log_every == 0:
-                    record = self._reduced_record(
-                        self.global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
-                        grad_norm)
-                    if self._rank0:
-                        self._metrics.write(record)
+                # Every step is recorded by rank 0 (the terminal gets a line every log_every_n_steps: MetricsLog).
+                record = self._reduced_record(
+                    self.global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
+                    grad_norm)
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+                if self._rank0:
+                    self._metrics.write(record)
+                self._profiler.step(self.global_step)
                 running_loss, num_tokens = 0.0, 0
 
                 if step_in_epoch == self._steps_per_epoch:
@@ -502,10 +513,14 @@ class FullFinetuneRecipeDistributed:
     # -- the end of a run ------------------------------------------------------------------------
 
     def summary(self) -> str:
+        """Rank 0's: the profiler's paragraph (with profiler.enabled), then the run's (see the single-device
+        recipe)."""
         self._summary.skipped = self._skips.skipped
-        return self._summary.text()
+        return "\n".join(p for p in (self._profiler.text(), self._summary.text()) if p)
 
     def cleanup(self) -> None:
+        if self._rank0:
+            self._summary.finish(self._identity, push=lambda values: _wandb.push_summary(self._logger, values))
         self._metrics.close()
         dist.destroy_process_group()
 
@@ -528,16 +543,16 @@ def recipe_main(cfg: DictConfig) -> None:
         if rank == 0:
             tqdm.write(recipe.summary())
     except BadInput as e:
-        # One line from rank 0 (every rank finds the same error), no traceback.
-        if rank == 0:
-            tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
+        # One line (every rank finds the same error), no traceback: under torchrun in the ranks' error files, which
+        # `tune run` prints once, last; without torchrun from rank 0 (_reporting.report_bad_input).
+        _reporting.report_bad_input(e, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.
         if rank == 0:
-            tqdm.write("\n" + _reporting.interrupted(getattr(recipe, "_summary", None),
+            tqdm.write("\n" + _metrics.interrupted(getattr(recipe, "_summary", None),
                                                       recipe.settings.output_dir if recipe is not None else None))
         sys.exit(130)
     finally:

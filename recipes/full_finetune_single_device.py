@@ -16,7 +16,8 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     loss                             e.g. CEWithChunkedOutputLoss (the output layer's loss in chunks)
     optimizer                        any class: optimizer=optimizers.AdamW8bit swaps it; torch flags dropped
     lr_scheduler                     built with num_training_steps filled in; null = constant lr
-    metric_logger                    wandb (offline without WANDB_API_KEY); null = off
+    metric_logger                    wandb (offline without WANDB_API_KEY); .name/.group/.tags; null = off
+    profiler                         torchtune's profiler: profiler.enabled=True, its schedule keys (default off)
     device                           cuda (default) or cpu
     dtype                            bf16 (default) or fp32; no mixed precision
     seed                             data order and random init (default 0)
@@ -35,7 +36,7 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
     pack_cache_dir                   cache of tokenized samples for packing; off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
-    log_every_n_steps                one metrics record every N steps
+    log_every_n_steps                a metrics line on the terminal every N steps (every step is recorded)
     max_consecutive_skipped_steps    non-finite steps in a row that stop the run (default 10)
     log_level                        INFO (default); DEBUG also prints the config; WARNING
 """
@@ -58,11 +59,13 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format  # noqa: E402
+from recipes import _checkpoint, _data, _hf_format, _metrics, _wandb  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
-from recipes._reporting import MetricsLog, RunSummary, StepTimer  # noqa: E402
+from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
+from recipes._profiling import Profiler  # noqa: E402
+from recipes._reporting import StepTimer  # noqa: E402
 from recipes._run_folder import RunFolder  # noqa: E402
 from recipes._settings import KNOWN_CONFIG_KEYS, first_line, read_settings, warn_round_to_nearest  # noqa: E402
 from recipes._stops import SkipCounter, StopSignal  # noqa: E402
@@ -111,10 +114,16 @@ class FullFinetuneRecipeSingleDevice:
         self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
 
-        logger, wandb_dir = _reporting.metric_logger(cfg, log)
-        self._metrics = MetricsLog(s.output_dir, logger, log)
+        self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device)
+        self._identity = _wandb.run_identity(cfg, s, packed=self._packed)
+        self._logger, wandb_dir = _wandb.metric_logger(cfg, log, self._identity)
+        wandb_run = _wandb.wandb_run_info(self._logger)
+        if wandb_run is not None:  # each checkpoint names its wandb run (run.json), for the eval
+            self._checkpointer.run_info = {**_wandb.run_file(self._identity), "wandb": wandb_run}
+        self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
         self._metrics.start(resume_step=None if resume_state is None else self.global_step)
-        self._summary = RunSummary(self._metrics.path, wandb_dir)
+        self._summary = RunSummary(self._metrics.path, wandb_dir,
+                                   wandb_run and f"{self._identity['name']}, id {wandb_run['id']}")
         self._summary.nothing_left = self._nothing_left
         if resume_state is not None:
             # RNG last, so nothing in setup shifts it after the restore.
@@ -241,7 +250,7 @@ class FullFinetuneRecipeSingleDevice:
 
     def train(self) -> None:
         """The training loop. A stop signal (SIGTERM, SIGUSR1) ends it at the next step boundary, after a checkpoint."""
-        with self._stop:
+        with self._stop, self._profiler:
             self._train()
 
     def _train(self) -> None:
@@ -309,38 +318,41 @@ class FullFinetuneRecipeSingleDevice:
                 step_in_epoch += 1
                 self.global_step += 1
 
-                pbar.update(1)
-                pbar.set_postfix(loss=f"{loss_value:.4f}")
                 self._summary.step(self.global_step, loss_value)
                 if first_step_s is None:
                     first_step_s = time.perf_counter() - t_start
-                if self.global_step % s.log_every == 0:
-                    opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
-                    elapsed = time.perf_counter() - t0
-                    record = {
-                        "step": self.global_step,
-                        "epoch": epoch,
-                        "loss": loss_value,
-                        "lr": lr,
-                        "tokens": int(num_tokens),
-                        "tokens_per_second": float(num_tokens) / elapsed,
-                        **_reporting.memory_metrics(self._device),
-                        "optimizer_step_ms": opt_ms,
-                        "optimizer_state_bytes": _reporting.optimizer_state_bytes(self._optimizers),
-                        "grad_norm": None if grad_norm is None else float(grad_norm),
-                        "skipped_steps": self._skips.skipped,
-                    }
-                    nonfinite = _reporting.nonfinite_elements(self._optimizers)
-                    if nonfinite is not None:
-                        record["nonfinite_grad_elements"] = nonfinite
-                    if not first_logged:
-                        record["first_step_s"] = first_step_s  # the first step of this process: compile included
-                        first_logged = True
-                    if s.compile:
-                        record["compiled_graphs"] = _reporting.compiled_graphs()
-                    if not math.isfinite(loss_value):
-                        log.warning(f"loss is {loss_value} at step {self.global_step}")
-                    self._metrics.write(record)
+                # Every step is recorded (metrics.jsonl, the metric logger); the terminal gets a line every
+                # log_every_n_steps (MetricsLog), the bar the loss and tokens/s.
+                opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
+                elapsed = time.perf_counter() - t0
+                record = {
+                    "step": self.global_step,
+                    "epoch": epoch,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens": int(num_tokens),
+                    "tokens_per_second": float(num_tokens) / elapsed,
+                    "step_time_s": elapsed,
+                    **_reporting.memory_metrics(self._device),
+                    "optimizer_step_ms": opt_ms,
+                    "optimizer_state_bytes": _reporting.optimizer_state_bytes(self._optimizers),
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "skipped_steps": self._skips.skipped,
+                }
+                nonfinite = _reporting.nonfinite_elements(self._optimizers)
+                if nonfinite is not None:
+                    record["nonfinite_grad_elements"] = nonfinite
+                if not first_logged:
+                    record["first_step_s"] = first_step_s  # the first step of this process: compile included
+                    first_logged = True
+                if s.compile:
+                    record["compiled_graphs"] = _reporting.compiled_graphs()
+                if not math.isfinite(loss_value):
+                    log.warning(f"loss is {loss_value} at step {self.global_step}")
+                pbar.update(1)
+                pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+                self._metrics.write(record)
+                self._profiler.step(self.global_step)
                 running_loss = 0.0
 
                 if step_in_epoch == self._steps_per_epoch:
@@ -388,11 +400,13 @@ class FullFinetuneRecipeSingleDevice:
     # -- the end of a run ------------------------------------------------------------------------
 
     def summary(self) -> str:
-        """One paragraph: the steps trained, time, first and last loss, and where metrics, checkpoints, wandb are."""
+        """The profiler's paragraph (with profiler.enabled), then the run's: the steps trained, time, first and last
+        loss, the summary's numbers, and where summary.json, metrics, checkpoints and wandb are."""
         self._summary.skipped, self._summary.stop = self._skips.skipped, self._stop.name
-        return self._summary.text()
+        return "\n".join(p for p in (self._profiler.text(), self._summary.text()) if p)
 
     def cleanup(self) -> None:
+        self._summary.finish(self._identity, push=lambda values: _wandb.push_summary(self._logger, values))
         self._metrics.close()
 
     def release(self) -> None:
@@ -417,7 +431,7 @@ def recipe_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         # Ctrl-C stops at once (a write in progress leaves no temporary folder): the summary, the last
         # checkpoint to resume from, and the shell's exit status for SIGINT.
-        tqdm.write("\n" + _reporting.interrupted(getattr(recipe, "_summary", None),
+        tqdm.write("\n" + _metrics.interrupted(getattr(recipe, "_summary", None),
                                                   recipe.settings.output_dir if recipe is not None else None))
         sys.exit(130)
     finally:

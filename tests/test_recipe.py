@@ -127,7 +127,7 @@ def test_reference_run_metrics_and_checkpoints(reference_run):
     for name in names:
         files = {p.name for p in (reference_run.output_dir / name).iterdir()}
         assert files == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
-                         "recipe_state.pt"}
+                         "recipe_state.pt", "run.json"}  # (run.json: the wandb run that wrote it, for the eval)
     assert "step 6 | epoch 0 | loss" in reference_run.stdout
 
 

@@ -1,0 +1,159 @@
+"""The run as a dashboard shows it: its name, group and tags, the metric logger (wandb, offline without an API key)
+with a copy of the run's config, the wandb run each checkpoint names (``run.json``) and the summary the run ends
+with (docs/wandb.md).
+
+Identity. The name is the config's and the optimizer's (``7B_full_80gb-AdamW4bit``), the group the config
+(``7B_full_80gb``), the tags the memory class (``80gb``, from ``device_memory_limit_gib`` or the config's name; the
+device otherwise), the variant, and ``packed`` / ``compiled`` / ``in-backward`` when on. ``metric_logger.name``,
+``.group`` and ``.tags`` override each. The same identity heads ``summary.json``, with or without a logger.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+# How a variant is named: ours by the class alone (optimizers.AdamW4bit -> AdamW4bit), the third-party anchors
+# with their library's short name (torch.AdamW, ao.AdamW8bit, bnb.AdamW8bit), anything else with its package's.
+LIBRARY_PREFIX = {"optimizers": "", "torch": "torch.", "torchao": "ao.", "bitsandbytes": "bnb."}
+
+
+def config_name(argv: Optional[List[str]] = None) -> str:
+    """The ``--config`` file's name without ``.yaml`` (``7B_full_80gb``), or ``run`` without one."""
+    args = sys.argv if argv is None else argv
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            return Path(args[i + 1]).stem
+        if a.startswith("--config="):
+            return Path(a.split("=", 1)[1]).stem
+    return "run"
+
+
+def variant_label(optimizer_path: str) -> str:
+    parts = str(optimizer_path).split(".")
+    return LIBRARY_PREFIX.get(parts[0], parts[0] + ".") + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def memory_class(settings, config: str) -> str:
+    """``24gb`` for a run capped at 24 GiB, else the ``NNgb`` in the config's name, else the device (``cpu``, or
+    the GPU's size)."""
+    if settings.memory_limit_gib is not None:
+        return f"{settings.memory_limit_gib:g}gb"
+    found = re.search(r"(\d+)gb", config, re.IGNORECASE)
+    if found:
+        return f"{found.group(1)}gb"
+    if settings.device.type == "cuda":
+        import torch
+
+        return f"{round(torch.cuda.get_device_properties(settings.device).total_memory / 2**30)}gb"
+    return settings.device.type
+
+
+def run_identity(cfg: DictConfig, settings, *, packed: bool, world: int = 1) -> Dict[str, Any]:
+    """The run's ``name``, ``group``, ``tags`` (defaults or ``metric_logger.*``), ``config``, ``optimizer`` and
+    ``variant``."""
+    config = config_name()
+    variant = variant_label(settings.optimizer.path)
+    tags = [memory_class(settings, config), variant]
+    tags += [t for t, on in (("packed", packed), ("compiled", settings.compile),
+                             ("in-backward", settings.optimizer_in_bwd)) if on]
+    if world > 1:
+        tags.append(f"{world}-ranks")
+    mine = {"name": f"{config}-{variant}", "group": config, "tags": tags}
+    user = cfg.get("metric_logger") or {}
+    for key in mine:
+        if user.get(key) is not None:
+            value = user.get(key)
+            mine[key] = list(value) if OmegaConf.is_list(value) else ([value] if key == "tags" else str(value))
+    return {**mine, "config": config, "optimizer": settings.optimizer.path, "variant": variant}
+
+
+# ------------------------------------------------------------------------------------------------
+# the metric logger
+# ------------------------------------------------------------------------------------------------
+
+
+def is_wandb(logger) -> bool:
+    return type(logger).__name__ == "WandBLogger"
+
+
+def log_config(logger, cfg: DictConfig) -> Optional[Path]:
+    """The run's config to the metric logger; for wandb, returns the run's folder.
+
+    torchtune's WandBLogger.log_config writes ``{output_dir}/torchtune_config.yaml`` and ``wandb.save``s it, which
+    puts an absolute symlink to it into the run's files/ (and warns "Symlinked 1 file"): a later run into the same
+    folder overwrites what that link shows. Here the run's folder gets a copy of its own config instead.
+    """
+    if not is_wandb(logger):
+        logger.log_config(cfg)
+        return None
+    import wandb
+
+    if wandb.run is None:
+        return None
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    wandb.run.config.update(resolved, allow_val_change=logger.config_allow_val_change)
+    # Files in the run's files/ folder are uploaded with the run (at its end, or by `wandb sync`).
+    (Path(wandb.run.dir) / "torchtune_config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    return Path(wandb.run.dir).parent
+
+
+def metric_logger(cfg: DictConfig, log, identity: Dict[str, Any]):
+    """``metric_logger`` built (None when off: ``metric_logger=null`` on the CLI sets only its _component_ to null),
+    and the wandb run folder if it is wandb. A wandb run is named, grouped and tagged by ``identity``. Without
+    WANDB_API_KEY (and no ``mode``), wandb logs offline."""
+    from torchtune import config
+
+    cfg_logger = cfg.get("metric_logger")
+    if cfg_logger is None or not cfg_logger.get("_component_"):
+        return None, None
+    cfg_logger = OmegaConf.create(OmegaConf.to_container(cfg_logger, resolve=True))
+    if cfg_logger._component_.endswith("WandBLogger"):
+        for key in ("name", "group", "tags"):
+            cfg_logger[key] = identity[key]
+        if "mode" not in cfg_logger and os.environ.get("WANDB_MODE"):
+            cfg_logger.mode = os.environ["WANDB_MODE"]  # (explicit: wandb reads the environment once per process)
+        elif "mode" not in cfg_logger and not os.environ.get("WANDB_API_KEY"):
+            # No key: log offline into {log_dir}/wandb/offline-run-*; `wandb sync DIR` uploads it later.
+            cfg_logger.mode = "offline"
+            log.info("wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)")
+    logger = config.instantiate(cfg_logger)
+    return logger, log_config(logger, cfg)
+
+
+def wandb_run_info(logger) -> Optional[Dict[str, Any]]:
+    """What ``run.json`` records of the wandb run, for the eval to resume it: id, project, entity, mode, and the
+    folder its ``wandb/`` is in. None without a wandb run."""
+    if not is_wandb(logger):
+        return None
+    import wandb
+
+    run = wandb.run
+    if run is None:
+        return None
+    log_dir = getattr(logger, "log_dir", None)
+    return {"id": run.id, "project": run.project, "entity": run.entity or None,
+            "mode": str(getattr(run.settings, "mode", "online")),
+            "dir": str(Path(log_dir).resolve()) if log_dir else str(Path(run.dir).parents[2].resolve())}
+
+
+def run_file(identity: Dict[str, Any]) -> Dict[str, Any]:
+    """The identity keys ``run.json`` keeps (with the wandb run and the checkpoint's global step)."""
+    return {k: identity[k] for k in ("name", "group", "tags", "config", "optimizer", "variant")}
+
+
+def push_summary(logger, values: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's summary numbers into the wandb run's summary (a dashboard's table reads them without the history).
+    Returns what ``summary.json`` adds about the wandb run: its id, and ``wandb_next_step``, the history step after
+    the last (the eval logs its row there). Other loggers keep no summary: {}."""
+    if not is_wandb(logger):
+        return {}
+    import wandb
+
+    if wandb.run is None:
+        return {}
+    wandb.run.summary.update({k: v for k, v in values.items() if k not in ("name", "group", "tags")})
+    return {"wandb_run_id": wandb.run.id, "wandb_project": wandb.run.project, "wandb_next_step": int(wandb.run.step)}
