@@ -133,6 +133,18 @@ class RecipesFinder:
 
 if not any(getattr(f, "__name__", "") == "RecipesFinder" for f in sys.meta_path):
     sys.meta_path.insert(0, RecipesFinder)
+
+# The `tune` command imports torchtune, and with it torchao, before any recipe code runs, so torchao's "Skipping import
+# of cpp extensions" (its C++ kernels built for another torch; nothing here uses them) opened every `tune run`. In that
+# one command, that one message is dropped, as the recipes drop it in their own processes (KNOWN_NOISE).
+if sys.argv and os.path.basename(sys.argv[0]) == "tune":
+    import logging
+
+    class _DropMessage(logging.Filter):
+        def filter(self, record):
+            return "Skipping import of cpp extensions" not in record.getMessage()
+
+    logging.getLogger("torchao").addFilter(_DropMessage())
 '''
 
 
