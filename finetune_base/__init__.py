@@ -20,6 +20,12 @@ class BadInput(ValueError):
     """
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as one line for an ``error:`` message: its type and the first line of its text."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def hf_weight_files(folder: Path) -> List[Path]:
     """The weight files of an HF-format model folder, in load order; [] if it holds none.
 

@@ -43,8 +43,9 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     if not packed:
         return ds
     cache_parts = dict(dataset_cfg=OmegaConf.to_container(cfg_dataset, resolve=True), data_files=settings.data_files,
-                       tokenizer_path=str(settings.tokenizer_path))
+                       tokenizer_path=str(settings.tokenizer_path), tokenizer_cfg=settings.tokenizer_cfg)
     return _packing.pack_dataset(ds, max_seq_len=tokenizer.max_seq_len, padding_idx=tokenizer.pad_id,
+                                 vocab_size=getattr(tokenizer, "vocab_size", None),
                                  cache_dir=settings.pack_cache_dir, cache_parts=cache_parts, log=log)
 
 

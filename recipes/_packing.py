@@ -17,8 +17,19 @@ label of every sample in a row is set to the ignore index (otherwise a sample's 
 predict the next sample's first), and pack padding is ignored. ``count_trained_tokens`` counts them.
 
 Tokenizing 52,002 Alpaca records takes ~20 s on two CPU cores; the tokenized samples are cached as a ``.npz``
-file (plain arrays, never unpickled) under ``pack_cache_dir``, keyed by the content of the data file(s), the
-tokenizer file, the dataset config and the pack length, so the next run loads them in well under a second.
+file (plain arrays, never unpickled) under ``pack_cache_dir``, so the next run loads them in well under a second.
+The cache:
+
+- key: everything that makes the tokens: the dataset section, the data files' content, the tokenizer file's
+  content and the whole tokenizer section (max_seq_len, prompt_template, ...).
+- checked before use, and rebuilt when anything is off: the arrays' names, shapes and dtypes, a sha256 of them and
+  the key stored beside them (a damaged file, or one copied under another key), token ids within the vocabulary,
+  no sample longer than the pack, one sample per record, and a few samples tokenized afresh and compared (a cache
+  that is consistent but not what this tokenizer makes of this data). The cache folder is trusted as far as the
+  data is: whoever can write either decides what is trained on; these checks catch accidents and stale files.
+- kept tidy: a file is written to a temporary name and renamed (those a killed run left are deleted after an
+  hour); every use touches the file, and files unused for ``MAX_AGE_DAYS`` go, then the least recently used until
+  the folder holds at most ``MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -40,7 +51,12 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 from tqdm import tqdm
 
 # Bump when the cached arrays' meaning changes, so old cache files are not reused.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+MAX_AGE_DAYS = 30  # a cache file unused this long is deleted
+MAX_BYTES = 4 * 2**30  # then the least recently used go until the folder holds at most this
+TMP_MAX_AGE_S = 3600  # a temporary file this old was left by a killed run
+SPOT_CHECKS = 8  # samples tokenized afresh and compared with a cache file's
+ARRAYS = {"tokens": np.int32, "labels": np.int32, "offsets": np.int64}
 
 
 def default_cache_dir() -> Path:
@@ -48,24 +64,42 @@ def default_cache_dir() -> Path:
     return Path(base) / "llm-finetune-recipes" / "packs"
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+_digests: Dict[tuple, str] = {}
 
 
-def cache_key(dataset_cfg: dict, data_files: Sequence[str], tokenizer_path: str, max_seq_len: int) -> str:
-    """A digest of everything the tokenized samples depend on."""
+def file_digest(path: Path) -> str:
+    """sha256 of a file's content, remembered while its size and mtime stay the same (the resume check asks at
+    every checkpoint)."""
+    st = Path(path).stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _digests[key] = h.hexdigest()
+    return _digests[key]
+
+
+def cache_key(dataset_cfg: dict, data_files: Sequence[str], tokenizer_path: str, max_seq_len: int,
+              tokenizer_cfg: Optional[dict] = None) -> str:
+    """A digest of everything the tokenized samples depend on (files by their content, not their path)."""
     parts = {
         "format": CACHE_FORMAT,
-        "dataset": dataset_cfg,
-        "data_files": [_file_digest(Path(f)) for f in data_files],
-        "tokenizer": _file_digest(Path(tokenizer_path)),
+        "dataset": {k: v for k, v in dataset_cfg.items() if k != "data_files"},
+        "data_files": [file_digest(Path(f)) for f in data_files],
+        "tokenizer": file_digest(Path(tokenizer_path)),
+        "tokenizer_cfg": {k: v for k, v in (tokenizer_cfg or {}).items() if k != "path"},
         "max_seq_len": max_seq_len,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _checksum(key: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
+    h = hashlib.sha256(key.encode())
+    for name in ARRAYS:
+        h.update(np.ascontiguousarray(arrays[name]).tobytes())
+    return np.frombuffer(h.digest(), dtype=np.uint8)
 
 
 class TokenizedSamples:
@@ -104,28 +138,39 @@ class TokenizedSamples:
                    np.concatenate(labels) if labels else np.zeros(0, np.int32),
                    np.cumsum(np.concatenate(lengths)))
 
-    def save(self, path: Path) -> None:
-        """Write atomically: a crash mid-write never leaves a truncated cache file under the real name."""
+    def save(self, path: Path, key: str = "") -> None:
+        """Write atomically (a crash mid-write never leaves a truncated cache file under the real name), with a
+        checksum of the arrays and ``key``."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {"tokens": self.tokens.astype(np.int32), "labels": self.labels.astype(np.int32),
+                  "offsets": self.offsets.astype(np.int64)}
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, tokens=self.tokens, labels=self.labels, offsets=self.offsets)
+                np.savez(f, **arrays, checksum=_checksum(key, arrays))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
     @classmethod
-    def load(cls, path: Path) -> Optional["TokenizedSamples"]:
-        """The cached samples, or None if the file is unreadable or inconsistent (it is then rebuilt)."""
+    def load(cls, path: Path, key: str = "") -> Optional["TokenizedSamples"]:
+        """The cached samples, or None if the file is unreadable, malformed or fails its checksum (it is then
+        rebuilt)."""
         try:
             with np.load(path, allow_pickle=False) as z:
-                out = cls(z["tokens"], z["labels"], z["offsets"])
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+                if not isinstance(z, np.lib.npyio.NpzFile) or set(z.files) != {*ARRAYS, "checksum"}:
+                    return None
+                arrays = {name: z[name] for name in (*ARRAYS, "checksum")}
+        except (OSError, ValueError, KeyError, EOFError, AttributeError, TypeError, zipfile.BadZipFile):
+            return None  # (a .npy array has no __enter__: AttributeError)
+        if any(arrays[n].dtype != t or arrays[n].ndim != 1 for n, t in ARRAYS.items()):
             return None
-        ok = (out.offsets.ndim == 1 and len(out.offsets) >= 1 and out.offsets[0] == 0
-              and out.offsets[-1] == len(out.tokens) == len(out.labels) and np.all(np.diff(out.offsets) >= 0))
+        if not np.array_equal(arrays["checksum"], _checksum(key, arrays)):
+            return None
+        out = cls(arrays["tokens"], arrays["labels"], arrays["offsets"])
+        ok = (len(out.offsets) >= 1 and out.offsets[0] == 0 and out.offsets[-1] == len(out.tokens) == len(out.labels)
+              and bool(np.all(np.diff(out.offsets) >= 0)))
         return out if ok else None
 
 
@@ -230,34 +275,90 @@ def count_trained_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY
     return int((labels[..., 1:] != ignore_index).sum())
 
 
+def _cache_problem(samples: TokenizedSamples, ds: Dataset, max_seq_len: int, vocab_size: Optional[int],
+                   ignore_index: int = CROSS_ENTROPY_IGNORE_IDX) -> Optional[str]:
+    """Why cached samples (checksum passed) cannot serve for ``ds``, or None."""
+    if len(samples) != len(ds):
+        return f"{len(samples)} samples for a dataset of {len(ds)}"
+    if len(samples) and int(samples.lengths.max()) > max_seq_len:
+        return f"a sample of {int(samples.lengths.max())} tokens, longer than the pack ({max_seq_len})"
+    labels = samples.labels[samples.labels != ignore_index]
+    for name, ids in (("token", samples.tokens), ("label", labels)):
+        if len(ids) and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+            return f"{name} ids outside the vocabulary [0, {vocab_size})"
+    n = len(samples)
+    for i in sorted({round(k * (n - 1) / max(1, SPOT_CHECKS - 1)) for k in range(SPOT_CHECKS)} if n else ()):
+        a, b = int(samples.offsets[i]), int(samples.offsets[i + 1])
+        fresh = ds[i]
+        if not (np.array_equal(samples.tokens[a:b], fresh["tokens"]) and
+                np.array_equal(samples.labels[a:b], fresh["labels"])):
+            return f"sample {i} differs from what the tokenizer makes of its record"
+    return None
+
+
+def tidy_cache(cache_dir: Path, keep: Path, now: Optional[float] = None) -> None:
+    """Delete temporary files a killed run left, cache files unused for MAX_AGE_DAYS, then the least recently used
+    until the folder holds at most MAX_BYTES (``keep``, the file this run uses, always stays)."""
+    now = time.time() if now is None else now
+    try:
+        entries = [(p, p.stat()) for p in cache_dir.iterdir() if p.is_file()]
+    except OSError:
+        return
+    kept = []
+    for p, st in entries:
+        stale = (p.name.startswith(".tmp-") and now - st.st_mtime > TMP_MAX_AGE_S) or (
+            p.name.startswith("samples-") and p != keep and now - st.st_mtime > MAX_AGE_DAYS * 86400)
+        if stale:
+            p.unlink(missing_ok=True)
+        elif p.name.startswith("samples-") and p != keep:
+            kept.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in kept) + (keep.stat().st_size if keep.is_file() else 0)
+    for _, size, p in sorted(kept, key=lambda e: e[0]):  # least recently used first
+        if total <= MAX_BYTES:
+            break
+        p.unlink(missing_ok=True)
+        total -= size
+
+
 def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, cache_dir: Optional[Path],
-                 cache_parts: dict, log) -> PackedSFTDataset:
+                 cache_parts: dict, log, vocab_size: Optional[int] = None) -> PackedSFTDataset:
     """``dataset.packed=True``: tokenize every sample once (or load them from the cache) and pack them into rows of
     ``max_seq_len`` (the tokenizer's) tokens.
 
     ``cache_parts`` are what the samples depend on besides the data (``cache_key``'s arguments: the dataset config,
-    the data files, the tokenizer file); ``cache_dir=None`` caches nothing. A cache file that is unreadable or does
-    not match the dataset's length is rebuilt; one that cannot be written costs the next run time, nothing else.
+    the data files, the tokenizer file and section); ``cache_dir=None`` caches nothing. A cache file that fails any
+    check is rebuilt (``_cache_problem``); one that cannot be written costs the next run time, nothing else.
     """
     from finetune_base import BadInput
 
     if max_seq_len is None:
         raise BadInput("dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
                        "than it are truncated by the tokenizer")
-    samples, t0, cache_file = None, time.perf_counter(), None
+    samples, t0, cache_file, key = None, time.perf_counter(), None, ""
     if cache_dir is not None:
-        cache_file = cache_dir / f"samples-{cache_key(max_seq_len=max_seq_len, **cache_parts)}.npz"
-        samples = TokenizedSamples.load(cache_file) if cache_file.is_file() else None
-        if samples is not None and len(samples) != len(ds):
-            samples = None
+        key = cache_key(max_seq_len=max_seq_len, **cache_parts)
+        cache_file = cache_dir / f"samples-{key}.npz"
+        if cache_file.exists():
+            samples = TokenizedSamples.load(cache_file, key) if cache_file.is_file() else None
+            problem = "unreadable, malformed or failed its checksum" if samples is None else _cache_problem(
+                samples, ds, max_seq_len, vocab_size)
+            if problem is not None:
+                log.warning(f"the pack cache {cache_file} is not usable ({problem}): tokenizing again")
+                samples = None
     source = "cache" if samples is not None else "tokenized"
     if samples is None:
         samples = TokenizedSamples.from_dataset(ds)
         if cache_file is not None:
             try:
-                samples.save(cache_file)
+                samples.save(cache_file, key)
             except OSError as e:
                 log.warning(f"could not write the pack cache {cache_file} ({e.strerror or e}); continuing")
+    if cache_file is not None:
+        try:
+            os.utime(cache_file)  # (its mtime says when it was last used)
+        except OSError:
+            pass
+        tidy_cache(cache_dir, cache_file)
     packed = PackedSFTDataset(samples, max_seq_len=max_seq_len, padding_idx=padding_idx)
     log.info(f"Packed {len(samples)} samples into {len(packed)} rows of {max_seq_len} tokens "
              f"({packed.fill():.1%} filled; {source} in {time.perf_counter() - t0:.1f} s)")

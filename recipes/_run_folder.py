@@ -2,11 +2,12 @@
 
 Part of the checkpoint component (``_checkpoint.py`` writes through ``RunFolder.publish``). The protocol:
 
-- ``claim``: create the folder, check it is writable, take ``.lock`` (a lock left by a dead process is taken
-  over), and repair what a killed run left: a checkpoint that exists only under ``.old-*`` is restored, dead runs'
-  ``.tmp-*`` folders are deleted.
-- ``refuse_reuse``: a fresh run refuses a folder that holds an earlier run's results (``metrics.jsonl``,
-  ``step_*`` / ``epoch_*``) unless ``overwrite=True`` (which deletes them) or it resumes.
+- ``claim``: create the folder, check it is writable, take ``.lock`` (``_lock.py``: one live run per folder across
+  containers and hosts), and repair what a killed run left: a checkpoint that exists only under ``.old-*`` is
+  restored, dead runs' ``.tmp-*`` folders are deleted (only names this module makes: ``.tmp-step_N-PID-HEX``).
+- ``refuse_reuse``: a run refuses a folder that holds another run's results (``metrics.jsonl``, ``step_*`` /
+  ``epoch_*``) unless ``overwrite=True`` (which deletes them); a resume continues its own run in the checkpoint's
+  folder, or starts over in an unused one.
 - ``publish``: a checkpoint is written into ``.tmp-NAME-PID-RANDOM``, every file and the folder fsynced, then
   renamed into place; an existing folder of that name is renamed aside first and deleted only after, so at every
   moment a complete checkpoint exists on disk. A full disk is one ``error:`` line and replaces nothing.
@@ -17,18 +18,18 @@ every rank learns the outcome, so no rank waits in a collective for one that fai
 
 import atexit
 import errno
-import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 from finetune_base import BadInput
 from finetune_base.run_files import METRICS_FILE
+from recipes._lock import LOCK_FILE, OutputDirLock, pid_alive  # noqa: F401 (LOCK_FILE: part of this interface)
 
-LOCK_FILE = ".lock"
 CHECKPOINT_PREFIXES = ("step_", "epoch_")
 
 
@@ -54,6 +55,13 @@ class Ranks:
         error = self.broadcast(error)
         if error:
             raise BadInput(error)
+
+    def agree_any(self, error: Optional[str]) -> None:
+        """Raise ``BadInput`` on every rank if any rank found an error (the lowest such rank's message), so no rank
+        goes on into a collective that another one has left."""
+        failed = [e for e in self.gather(error) if e]
+        if failed:
+            raise BadInput(failed[0])
 
 
 class DistributedRanks(Ranks):
@@ -82,108 +90,54 @@ class CheckpointWriteError(BadInput):
 
 
 # ------------------------------------------------------------------------------------------------
-# the lock
-# ------------------------------------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _start_time(pid: int) -> Optional[str]:
-    """The process's start time (field 22 of /proc/PID/stat), which tells a reused PID from the original."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _owner_alive(owner: Dict[str, Any]) -> bool:
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or not _pid_alive(pid):
-        return False
-    started = owner.get("start")
-    return started is None or _start_time(pid) in (None, started)
-
-
-class OutputDirLock:
-    """``{output_dir}/.lock``: one live run per folder. A lock left by a dead process is taken over."""
-
-    def __init__(self, output_dir: Path):
-        self.path = Path(output_dir) / LOCK_FILE
-        self.held = False
-
-    def acquire(self) -> None:
-        me = {"pid": os.getpid(), "start": _start_time(os.getpid())}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    owner = json.loads(self.path.read_text())
-                except (OSError, ValueError):
-                    owner = {}
-                if not isinstance(owner, dict):
-                    owner = {}
-                if owner.get("pid") == me["pid"]:  # this process (an in-process rerun): ours already
-                    self.held = True
-                    return
-                if _owner_alive(owner):
-                    raise BadInput(
-                        f"output_dir={self.path.parent} is in use by a live run (PID {owner['pid']}, lock file "
-                        f"{self.path}); wait for it, stop it, or set output_dir=DIR to another folder") from None
-                # stale: its owner is dead. Remove it and try again (O_EXCL: only one taker wins).
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise BadInput(f"could not take the lock {self.path} (contended); retry, or set output_dir=DIR")
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        try:
-            owner = json.loads(self.path.read_text())
-            if owner.get("pid") == os.getpid():
-                self.path.unlink()
-        except (OSError, ValueError, AttributeError):
-            pass
-
-
-# ------------------------------------------------------------------------------------------------
 # folders: reuse, temporary names, publishing, recovery
 # ------------------------------------------------------------------------------------------------
 
 
-def used_run_folder(output_dir: Path) -> Optional[str]:
-    """What marks ``output_dir`` as holding an earlier run's results (metrics.jsonl, step_*/epoch_*), or None."""
+def run_results(output_dir: Path) -> List[Path]:
+    """An earlier run's results in ``output_dir``: metrics.jsonl and the step_*/epoch_* checkpoints (what
+    overwrite=True deletes)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
-        return None
-    found = [p.name for p in sorted(output_dir.iterdir())
-             if p.name == METRICS_FILE or (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES))]
+        return []
+    return [p for p in sorted(output_dir.iterdir())
+            if p.name == METRICS_FILE or (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES))]
+
+
+def used_run_folder(output_dir: Path) -> Optional[str]:
+    """What marks ``output_dir`` as holding an earlier run's results (metrics.jsonl, step_*/epoch_*), or None."""
+    found = [p.name for p in run_results(output_dir)]
     return ", ".join(found[:4]) + (" ..." if len(found) > 4 else "") if found else None
 
 
 def clear_run_folder(output_dir: Path) -> None:
     """overwrite=True: remove the earlier run's metrics.jsonl and step_*/epoch_* checkpoints."""
-    for p in Path(output_dir).iterdir():
-        if p.name == METRICS_FILE:
-            p.unlink()
-        elif p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES):
+    for p in run_results(output_dir):
+        if p.is_dir():
             shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def same_folder(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def resumes_in_place(output_dir: Path, resume_dir: Optional[Path]) -> bool:
+    """A resume that continues its run in the checkpoint's own folder (output_dir=the folder holding step_N)."""
+    return resume_dir is not None and same_folder(Path(resume_dir).parent, output_dir)
+
+
+def inputs_overwrite_would_delete(output_dir: Path, inputs: Iterable[tuple]) -> Optional[tuple]:
+    """The first (key, path, result folder) where an input the run reads (``inputs``: (key, path) pairs) lies in
+    a result of ``output_dir`` that overwrite=True would delete; None if there is none."""
+    doomed = [(p, os.path.realpath(p)) for p in run_results(output_dir)]
+    for key, path in inputs:
+        real = os.path.realpath(path)
+        for result, where in doomed:
+            if real == where or real.startswith(where + os.sep):
+                return key, Path(path), result
+    return None
 
 
 def fresh_dir_name(output_dir: Path) -> Path:
@@ -243,13 +197,9 @@ def replace_dir(tmp: Path, final: Path) -> None:
         fsync_path(final.parent)
 
 
-def _tag_pid(name: str, prefix: str) -> Optional[int]:
-    # .tmp-{name}-{pid}-{hex} / .old-{name}-{pid}-{hex}
-    parts = name[len(prefix):].rsplit("-", 2)
-    try:
-        return int(parts[-2]) if len(parts) == 3 else None
-    except ValueError:
-        return None
+# What tmp_dir and replace_dir name a folder: .tmp-NAME-PID-HEX / .old-NAME-PID-HEX, NAME a checkpoint's name.
+# Recovery touches nothing else: a user's own .tmp-notes or .old-results in output_dir are theirs.
+WORK_NAME = re.compile(r"^\.(tmp|old)-((?:%s).+)-(\d+)-([0-9a-f]{8})$" % "|".join(CHECKPOINT_PREFIXES))
 
 
 def recover_run_folder(output_dir: Path, log=None) -> None:
@@ -259,20 +209,19 @@ def recover_run_folder(output_dir: Path, log=None) -> None:
     if not output_dir.is_dir():
         return
     for p in sorted(output_dir.iterdir()):
-        for prefix in (".tmp-", ".old-"):
-            if not (p.is_dir() and p.name.startswith(prefix)):
-                continue
-            pid = _tag_pid(p.name, prefix)
-            if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                continue  # another live process's work (it cannot be a run on this folder: we hold the lock)
-            name = p.name[len(prefix):].rsplit("-", 2)[0]
-            final = output_dir / name
-            if prefix == ".old-" and not final.exists():
-                os.replace(p, final)
-                if log is not None:
-                    log.warning(f"restored {final} from {p.name} (a run was stopped between two renames)")
-            else:
-                shutil.rmtree(p, ignore_errors=True)
+        found = WORK_NAME.match(p.name)
+        if found is None or not p.is_dir():
+            continue
+        kind, name, pid = found.group(1), found.group(2), int(found.group(3))
+        if pid != os.getpid() and pid_alive(pid):
+            continue  # another live process's work (it cannot be a run on this folder: we hold the lock)
+        final = output_dir / name
+        if kind == "old" and not final.exists():
+            os.replace(p, final)
+            if log is not None:
+                log.warning(f"restored {final} from {p.name} (a run was stopped between two renames)")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def disk_full_error(e: BaseException, folder: Path, what: str, need_bytes: int = 0) -> Optional[BadInput]:
@@ -334,20 +283,26 @@ class RunFolder:
         atexit.register(self._lock.release)
         recover_run_folder(self.path, log)
 
-    def refuse_reuse(self, *, resuming: bool, overwrite: bool, log=None) -> None:
-        """A fresh run into a folder holding an earlier run's results: refused, or cleared with overwrite=True.
-        A resume continues its run, in the same folder or a new one."""
+    def refuse_reuse(self, *, resume_dir: Optional[Path], overwrite: bool, log=None) -> None:
+        """A run into a folder holding another run's results: refused, or that run cleared with overwrite=True. A
+        resume continues its own run in the checkpoint's folder (``resume_dir``'s parent); into any other folder it
+        is a run of its own there, and an unused folder is what it needs."""
         error = None
-        if self.ranks.main and not resuming:
+        if self.ranks.main and not resumes_in_place(self.path, resume_dir):
             used = used_run_folder(self.path)
             if used is not None and overwrite:
                 clear_run_folder(self.path)
                 if log is not None:
                     log.info(f"overwrite=True: deleted the earlier run's {used} in {self.path}")
-            elif used is not None:
+            elif used is not None and resume_dir is None:
                 error = (f"output_dir={self.path} already holds a run ({used}); set a new folder (e.g. output_dir="
                          f"{fresh_dir_name(self.path)}), overwrite=True to replace it, or "
                          f"resume_from_checkpoint={self.path}/step_N (or epoch_E) to continue it")
+            elif used is not None:
+                error = (f"output_dir={self.path} already holds another run ({used}), and resuming "
+                         f"{resume_dir} there would mix the two runs' checkpoints and metrics; continue in the "
+                         f"checkpoint's own folder (output_dir={Path(resume_dir).parent}), in a new one (e.g. "
+                         f"output_dir={fresh_dir_name(self.path)}), or set overwrite=True to replace that run")
         self.ranks.agree(error)
 
     def release(self) -> None:

@@ -10,6 +10,7 @@ component that builds it.
 
 import difflib
 import inspect
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -18,13 +19,15 @@ from typing import Any, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torchtune import config, training, utils
+from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 
-from finetune_base import BadInput, hf_weight_files
+from finetune_base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
 from recipes import _packing
 from recipes._checkpoint import RECIPE_STATE_FILE
 from recipes._hf_format import WEIGHTS_FILE
+from recipes._optimizer import OptimizerSpec, resolve_optimizer
+from recipes._run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 
 log = utils.get_logger("INFO")
 
@@ -39,10 +42,10 @@ KNOWN_CONFIG_KEYS = (
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
-# Keyword arguments that only select torch.optim's implementation (not the math). Other optimizer libraries reject
-# them; they are dropped for a class that does not take them, so one config serves every optimizer. Any other
-# rejected kwarg is a user error.
-TORCH_BACKEND_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+MAX_LR = 1.0
+# The model's sizes, each a positive integer when the config sets it.
+MODEL_SIZES = {"model.num_layers": 2, "model.embed_dim": 128, "model.num_heads": 4, "model.num_kv_heads": 4,
+               "model.vocab_size": 32000, "model.max_seq_len": 512, "model.intermediate_dim": 512}
 
 # Loaders of HF `datasets` that read local files named in `data_files`.
 LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
@@ -58,11 +61,6 @@ CHECKED_COMPONENTS = {"model": None, "tokenizer": None, "loss": None, "lr_schedu
                       "profiler": "torchtune.training.setup_torch_profiler"}
 # A component that hands its **kwargs on: the keys of that callable are valid too.
 KWARGS_GO_TO = {"torchtune.training.metric_logging.WandBLogger": "wandb.init"}
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def check_config_keys(cfg: DictConfig, known) -> None:
@@ -123,14 +121,17 @@ def check_component_keys(cfg: DictConfig) -> None:
 
 
 def number(cfg: DictConfig, key: str, *, integer: bool, low: float, strict: bool, allow_none: bool = False,
-           default: Any = None, example: Any = 1):
+           default: Any = None, example: Any = 1, high: Optional[float] = None, why_high: str = ""):
     """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: a whole one)
-    above ``low`` (``>= low`` when not ``strict``), or None when ``allow_none``. Booleans are not numbers."""
+    above ``low`` (``>= low`` when not ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not
+    numbers."""
     value = OmegaConf.select(cfg, key, default=default)
     if value is None and allow_none:
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > low if strict else value >= low) and (not integer or float(value).is_integer())
+    if ok and high is not None and value > high:
+        raise BadInput(f"{key}={value!r} must be at most {high:g} ({why_high}); set e.g. {key}={example}")
     if not ok:
         if integer:
             rule = {(0, True): "a positive integer", (0, False): "a non-negative integer"}.get(
@@ -147,94 +148,6 @@ def flag(cfg: DictConfig, key: str, default: bool = False) -> bool:
     if value not in (True, False):
         raise BadInput(f"{key}={value!r} must be True or False")
     return bool(value)
-
-
-# ------------------------------------------------------------------------------------------------
-# the optimizer
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """The optimizer as the config names it, resolved once: its class, the kwargs to build it with (torch's backend
-    flags dropped for a class that lacks them), and a wrapper's inner class (``optimizer_class``), imported."""
-
-    path: str
-    cls: Any
-    kwargs: DictConfig  # without _component_ and optimizer_class
-    inner: Any = None
-
-    @property
-    def cpu_offload(self) -> bool:
-        """torchao's CPUOffloadOptimizer: states and step on the CPU, gradients copied out during backward."""
-        return getattr(self.cls, "__name__", "") == "CPUOffloadOptimizer"
-
-    @property
-    def lr(self) -> Any:
-        return self.kwargs.get("lr")
-
-    def build(self, params) -> torch.optim.Optimizer:
-        extra = {} if self.inner is None else {"optimizer_class": self.inner}
-        try:
-            return config.instantiate(OmegaConf.merge({"_component_": self.path}, self.kwargs), params, **extra)
-        except (TypeError, ValueError) as e:
-            raise BadInput(f"optimizer={self.path} rejected its arguments ({first_line(e)}); fix the optimizer.* "
-                           "keys") from None
-
-
-def _import(path: str, key: str):
-    try:
-        return _get_component_from_path(path)
-    except Exception as e:  # InstantiationError, ValueError: the path does not import
-        hint = " (install it with: pip install -e '.[bnb]')" if path.startswith("bitsandbytes") else ""
-        more = (", bitsandbytes.optim.AdamW8bit, torchao.optim.AdamW8bit or optimizers.AdamW8bit"
-                if key == "optimizer" else "")
-        raise BadInput(f"{key}={path} cannot be imported{hint} ({first_line(e.__cause__ or e)}); use a class path "
-                       f"such as torch.optim.AdamW{more}") from None
-
-
-def resolve_optimizer(cfg_optimizer: DictConfig) -> OptimizerSpec:
-    """Import the optimizer's class and check its kwargs against its signature; nothing is built here."""
-    path = cfg_optimizer.get("_component_")
-    if not path:
-        raise BadInput("optimizer._component_ is missing; set optimizer=torch.optim.AdamW (or another class path)")
-    cls = _import(path, "optimizer")
-    if not callable(cls):
-        raise BadInput(f"optimizer={path} is not a class or function; use a class path such as torch.optim.AdamW")
-    inner = cfg_optimizer.get("optimizer_class")
-    inner = _import(inner, "optimizer.optimizer_class") if isinstance(inner, str) else inner
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        params = None
-    takes_any = params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    keep = OmegaConf.create({})
-    dropped = []
-    for key, value in cfg_optimizer.items():
-        if key in ("_component_", "optimizer_class"):
-            continue
-        if takes_any or key in params:
-            keep[key] = value
-        elif key in TORCH_BACKEND_FLAGS:
-            dropped.append(f"{key}={value}")
-        else:
-            accepted = ", ".join(k for k in params if k not in ("self", "params"))
-            raise BadInput(f"optimizer.{key}={value} is not accepted by {path} (it takes: {accepted}); remove it "
-                           f"with ~optimizer.{key}")
-    if dropped:
-        log.info(f"{path} does not take torch.optim's backend flag(s) {', '.join(dropped)}: dropped them")
-    return OptimizerSpec(path=path, cls=cls, kwargs=keep, inner=inner)
-
-
-def warn_round_to_nearest(path: str, dtype: torch.dtype) -> None:
-    """One line for a torch.optim Adam/AdamW run on bf16 weights: its updates round to the nearest bf16 value."""
-    if dtype == torch.bfloat16 and path in ("torch.optim.AdamW", "torch.optim.Adam"):
-        log.warning(
-            f"{path} on bf16 weights rounds every update to the nearest bf16 value: at fine-tuning learning rates "
-            "most updates are below half a bf16 step and vanish (measured: ~0.27 of the fp32-master improvement kept "
-            "at lr 2e-5). optimizer=optimizers.AdamW8bit (or AdamW4bit, AdamW) rounds stochastically and keeps it "
-            "(docs/optimizers.md)"
-        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,6 +187,12 @@ class Settings:
     optimizer: OptimizerSpec
     model_component: str
     fp8: Optional[str] = None  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"
+    lr_scheduler: Optional[DictConfig] = None  # None: constant lr (lr_scheduler=null on the command line)
+    dtype_name: str = "bf16"
+    # The sections that make the tokens, resolved to plain values (the pack cache's key and the resume check read
+    # them): the tokenizer's and the dataset's.
+    tokenizer_cfg: Optional[dict] = None
+    dataset_cfg: Optional[dict] = None
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
 
 
@@ -303,8 +222,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         raise BadInput(f"dtype={dtype_name!r} is not supported; use dtype=bf16 or dtype=fp32")
     device_name = cfg.get("device", "cuda")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device_name)):
-        raise BadInput(f"device={device_name!r} is not a device these recipes run on; use device=cuda (a GPU; "
-                       "cuda:N picks one) or device=cpu")
+        raise BadInput(f"device={device_name} is not supported by these recipes; use device=cuda (a GPU) or "
+                       "device=cpu")
     if str(device_name).startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(f"device={device_name} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny "
                        "model)")
@@ -320,13 +239,26 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     clip = positive("clip_grad_norm", allow_none=True, integer=False)
     max_skips = number(cfg, "max_consecutive_skipped_steps", integer=True, low=0, strict=True, default=10,
                        example=10)
-    # Finite and in range before anything is built (a NaN lr would otherwise train a NaN model).
+    # Finite and in range before anything is built (a NaN lr would otherwise train a NaN model). No fine-tuning lr
+    # is above 1 (Adam's are near 1e-5); parameter-free optimizers take 1.0 as a multiplier.
     if OmegaConf.select(cfg, "optimizer.lr") is not None:
-        positive("optimizer.lr", integer=False)
+        number(cfg, "optimizer.lr", integer=False, low=0, strict=True, high=MAX_LR, example=2e-5,
+               why_high="a fine-tuning lr is near 1e-5; parameter-free optimizers take 1.0")
     for key, strict in (("optimizer.weight_decay", False), ("optimizer.eps", True),
                         ("lr_scheduler.num_warmup_steps", False)):
         number(cfg, key, integer=False, low=0, strict=strict, allow_none=True)
-    number(cfg, "model.num_layers", integer=True, low=0, strict=True, allow_none=True, example=2)
+    for key, example in MODEL_SIZES.items():  # (in a config that builds the model from its sizes, as the tiny one)
+        if OmegaConf.select(cfg, key) is not None:
+            number(cfg, key, integer=True, low=0, strict=True, example=example)
+    heads, kv_heads, width = (OmegaConf.select(cfg, k) for k in ("model.num_heads", "model.num_kv_heads",
+                                                                   "model.embed_dim"))
+    if heads and width and width % heads:
+        raise BadInput(f"model.embed_dim={width} must be a multiple of model.num_heads={heads}; set e.g. "
+                       f"model.embed_dim={heads * max(1, round(width / heads))}")
+    if heads and kv_heads and heads % kv_heads:
+        raise BadInput(f"model.num_heads={heads} must be a multiple of model.num_kv_heads={kv_heads}; set e.g. "
+                       f"model.num_kv_heads={heads}")
+    number(cfg, "tokenizer.max_seq_len", integer=True, low=0, strict=True, allow_none=True, example=512)
     overwrite = flag(cfg, "overwrite")
 
     optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
@@ -386,15 +318,39 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         raise BadInput(f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
                        f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
                        "already: use optimizer=torch.optim.AdamW (or another optimizer)")
+    output_dir = Path(cfg.output_dir)
+    if overwrite and not resumes_in_place(output_dir, paths["resume_dir"]):
+        inputs = [("checkpoint_dir", paths["checkpoint_dir"]), ("tokenizer.path", paths["tokenizer_path"]),
+                  ("resume_from_checkpoint", paths["resume_dir"])]
+        doomed = inputs_overwrite_would_delete(output_dir, [(k, p) for k, p in inputs if p is not None] + [
+            ("dataset.data_files", f) for f in paths["data_files"]])
+        if doomed is not None:
+            key, path, result = doomed
+            raise BadInput(f"overwrite=True would delete {result}, which this run reads ({key}={path}); copy it out "
+                           f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
+                           f"{key} there, or set output_dir to a new folder (e.g. output_dir="
+                           f"{fresh_dir_name(output_dir)}) and keep overwrite=False")
     return Settings(
         device=device, dtype=training.get_dtype(dtype_name, device=device), batch_size=batch_size, epochs=epochs,
         max_steps_per_epoch=max_steps, accum=accum, log_every=log_every, save_every=save_every, clip=clip,
         max_skips=max_skips, overwrite=overwrite, optimizer_in_bwd=optimizer_in_bwd, seed=seed,
         shuffle=bool(cfg.get("shuffle", True)), ac_every=ac_every, offload_activations=offload_activations,
         compile=bool(cfg.get("compile", False)), pack_cache_dir=pack_cache_dir, memory_limit_gib=memory_limit,
-        output_dir=Path(cfg.output_dir), **paths, optimizer=optimizer,
-        model_component=str(OmegaConf.select(cfg, "model._component_") or ""), fp8=fp8,
+        output_dir=output_dir, **paths, optimizer=optimizer, fp8=fp8,
+        model_component=str(OmegaConf.select(cfg, "model._component_") or ""),
+        lr_scheduler=lr_scheduler(cfg), dtype_name=dtype_name,
+        tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)))
+
+
+def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
+    """The lr_scheduler section, or None for a constant lr: ``lr_scheduler: null`` in a config, or
+    ``lr_scheduler=null`` on the command line (which sets only its ``_component_`` to null)."""
+    section = cfg.get("lr_scheduler")
+    if section is None or not section.get("_component_"):
+        return None
+    return section
 
 
 def read_fp8(cfg: DictConfig, device: torch.device, compile_: bool) -> Optional[str]:
@@ -459,6 +415,16 @@ def _check_paths(cfg: DictConfig) -> dict:
         raise BadInput(f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
                        "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
                        "init")
+    hf_json = None if checkpoint_dir is None else checkpoint_dir / "config.json"
+    if hf_json is not None and hf_json.is_file():
+        try:
+            fields = json.loads(hf_json.read_text())
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+            fields = f"{type(e).__name__}: {str(e)[:120]}"
+        if not isinstance(fields, dict):
+            what = fields if isinstance(fields, str) else f"a {type(fields).__name__}"
+            raise BadInput(f"{hf_json} is not a JSON object ({what});"
+                           " re-copy the checkpoint folder (its config.json describes the model)")
 
     resume = cfg.get("resume_from_checkpoint")
     resume_dir = Path(resume) if resume else None

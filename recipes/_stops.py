@@ -1,11 +1,16 @@
 """Why a run stops before its end: a stop signal (SIGTERM, SIGUSR1: save at the next step boundary, exit 0) or too
-many non-finite steps in a row (a one-line error, after the last good checkpoint)."""
+many non-finite steps in a row (a one-line error, after the last good checkpoint).
+
+Under torchrun the signal reaches a rank through its launcher: ``recipes/launch.py`` passes it on and waits for the
+save, and ``launch.follow_launcher`` makes a rank whose launcher dies outright stop the same way.
+"""
 
 import signal
 from typing import Any, Dict, Optional
 
 from tqdm import tqdm
 
+from finetune_base import BadInput
 from recipes._checkpoint import NonFiniteStop
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -14,7 +19,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class StopSignal:
     """Records a stop signal; the training loop saves and stops at the next step boundary.
 
-    ``with StopSignal() as stop:`` installs the handlers for the loop and restores the previous ones after."""
+    ``with StopSignal() as stop:`` installs the handlers for the loop and restores the previous ones after;
+    ``install()`` / ``uninstall()`` do the same for a recipe that listens from its setup on (a signal that arrives
+    before the first step then stops the run after setup, with nothing to save)."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -30,40 +37,76 @@ class StopSignal:
 
     def _on_signal(self, signum, frame) -> None:
         self.signum = signum
-        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end of this step, then stopping")
+        tqdm.write(f"{signal.Signals(signum).name}: stopping at the next step boundary, after a checkpoint")
 
-    def __enter__(self) -> "StopSignal":
+    def install(self) -> "StopSignal":
         for sig in STOP_SIGNALS:
+            if sig in self._previous:
+                continue
             try:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread
                 pass
         return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
 
+    def __enter__(self) -> "StopSignal":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
 
 class SkipCounter:
-    """Non-finite steps: counted in total (kept across a resume) and in a row; ``max_in_a_row`` in a row stop."""
+    """Non-finite steps: counted in total and in a row (both kept across a resume, so a run interrupted now and then
+    still meets its limit); ``max_in_a_row`` in a row stop. A step with no trained token at all (every label masked)
+    is non-finite too (0/0), and when that is why, the stop says so rather than blame the lr."""
 
     def __init__(self, max_in_a_row: int, log, skipped: int = 0):
         self.max_in_a_row, self.log = max_in_a_row, log
-        self.skipped, self.in_a_row = skipped, 0
+        self.skipped, self.in_a_row, self.empty_in_a_row = skipped, 0, 0
 
-    def count(self, skipped: bool, step: int, loss: float, grad_norm: Optional[float]) -> None:
-        """After step ``step`` (1-based): a skipped step is counted and warned about; a good one resets the row."""
+    def state(self) -> Dict[str, int]:
+        """What a checkpoint keeps (plain ints in recipe_state.pt)."""
+        return {"skipped_steps": self.skipped, "skipped_in_a_row": self.in_a_row,
+                "empty_in_a_row": self.empty_in_a_row}
+
+    def restore(self, state: Dict[str, Any]) -> None:
+        self.skipped = int(state.get("skipped_steps", 0))
+        self.in_a_row = int(state.get("skipped_in_a_row", 0))
+        self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
+
+    def count(self, skipped: bool, step: int, loss: float, grad_norm: Optional[float],
+              tokens: Optional[int] = None) -> None:
+        """After step ``step`` (1-based) with ``tokens`` trained tokens: a skipped step is counted and warned about;
+        a good one resets the row."""
         if not skipped:
-            self.in_a_row = 0
+            self.in_a_row = self.empty_in_a_row = 0
             return
         self.skipped += 1
         self.in_a_row += 1
-        self.log.warning(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, step skipped (no optimizer "
-                         f"update; {self.in_a_row} in a row)")
-        if self.in_a_row >= self.max_in_a_row:
-            raise NonFiniteStop(
-                f"{self.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}, loss {loss}, "
-                f"grad norm {grad_norm}): training diverged; resume from the last checkpoint with a lower optimizer.lr "
-                f"or clip_grad_norm=1.0 (max_consecutive_skipped_steps={self.max_in_a_row} sets the limit)")
+        empty = tokens == 0
+        self.empty_in_a_row = self.empty_in_a_row + 1 if empty else 0
+        if empty:
+            self.log.warning(f"step {step}: no trained tokens (every label of its samples is masked): step skipped "
+                             f"({self.in_a_row} in a row)")
+        else:
+            self.log.warning(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, step skipped (no "
+                             f"optimizer update; {self.in_a_row} in a row)")
+        if self.in_a_row < self.max_in_a_row:
+            return
+        limit = f"max_consecutive_skipped_steps={self.max_in_a_row} sets the limit"
+        if self.empty_in_a_row == self.in_a_row:
+            raise BadInput(
+                f"{self.in_a_row} steps in a row had no trained tokens (last: step {step}): every label of their "
+                "samples is masked, so there is nothing to learn; check the data (empty responses?), "
+                "dataset.train_on_input=False (the prompt is masked) and tokenizer.max_seq_len (a response cut off "
+                f"entirely) ({limit})")
+        raise NonFiniteStop(
+            f"{self.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}, loss {loss}, "
+            f"grad norm {grad_norm}): training diverged; resume from the last checkpoint with a lower optimizer.lr "
+            f"or clip_grad_norm=1.0 ({limit})")

@@ -2,6 +2,7 @@
 
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/tiny.yaml [key=value ...]
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/llama2/7B_full_distributed.yaml
+    python -m recipes.launch --nproc_per_node 2 recipes/full_finetune_distributed.py ...  # SIGTERM/SIGUSR1 save, exit 0
 
 One process per GPU (on the CPU, N processes over gloo). It reads every key of
 recipes/full_finetune_single_device.py with the same meaning; the manual is docs/recipes.md, "The distributed
@@ -27,7 +28,7 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,14 +46,16 @@ from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format, _metrics, _wandb  # noqa: E402
-from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE, Checkpointer, NonFiniteStop  # noqa: E402
+from recipes._checkpoint import Checkpointer, NonFiniteStop  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
 from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
 from recipes._profiling import Profiler  # noqa: E402
 from recipes._run_folder import DistributedRanks, RunFolder  # noqa: E402
-from recipes._settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings, warn_round_to_nearest  # noqa: E402
+from recipes._optimizer import warn_round_to_nearest  # noqa: E402
+from recipes._settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
 from recipes._stops import SkipCounter, StopSignal  # noqa: E402
+from recipes.launch import follow_launcher  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -120,6 +123,10 @@ class FullFinetuneRecipeDistributed:
 
     def setup(self, cfg: DictConfig) -> None:
         s = self.settings
+        # Listen for a stop signal from here on (recipes/launch.py passes one on only once this rank listens): one
+        # that arrives during setup stops the run after it: nothing trained, no checkpoint written.
+        self._stop.install()
+        follow_launcher()  # a launcher that dies outright sends this rank SIGTERM: no rank trains on alone
         self._folder.claim(log)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
@@ -136,13 +143,13 @@ class FullFinetuneRecipeDistributed:
         if self._rank0:
             warn_round_to_nearest(s.optimizer.path, self._dtype)
         self._lr_scheduler = None
-        if cfg.get("lr_scheduler") is not None:
-            self._lr_scheduler = config.instantiate(cfg.lr_scheduler, self._optimizer,
+        if s.lr_scheduler is not None:  # (None: constant lr)
+            self._lr_scheduler = config.instantiate(s.lr_scheduler, self._optimizer,
                                                     num_training_steps=s.epochs * self._steps_per_epoch)
 
         self._check_tokenizer_fits_model()
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
-        self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
+        self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device,
@@ -260,31 +267,21 @@ class FullFinetuneRecipeDistributed:
                            "model.max_seq_len")
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps (see the single-device recipe); batch_size is per rank, and a resume
-        compares the global batch (batch_size x world_size): another rank count with it resumes exactly."""
-        s = self.settings
-        return {"batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed,
-                "shuffle": s.shuffle, "packed": self._packed, "lr": s.optimizer.lr, "optimizer": s.optimizer.path,
-                "optimizer_in_bwd": False, "max_steps_per_epoch": s.max_steps_per_epoch, "epochs": s.epochs,
-                "world_size": self._world}
+        """The settings recipe_state.pt keeps (``_checkpoint.RESUME_TABLE``), with the rank count: a resume compares
+        the samples per step (batch_size x gradient_accumulation_steps x ranks), so another rank count with the same
+        global batch resumes exactly."""
+        return _checkpoint.run_settings(self.settings, packed=self._packed, world_size=self._world)
 
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = _checkpoint.read_state_file(s.resume_dir / RECIPE_STATE_FILE, mmap=True)
+        state = _checkpoint.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
+                                        log=log if self._rank0 else None)
         saved_world = state["config"].get("world_size", 1)
-        layout = state.get("optimizer_layout", "full")
-        if layout == "per_rank" and saved_world != self._world:
-            raise BadInput(
-                f"resume_from_checkpoint={s.resume_dir} was saved by {saved_world} ranks and its optimizer state "
-                f"({state['config'].get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
-                f"{saved_world}, or "
-                "start a new run from its weights with checkpoint_dir=...")
-        rank_file = s.resume_dir / RANK_STATE_FILE.format(rank=self._rank)
-        if not rank_file.is_file() and layout == "per_rank":
-            raise BadInput(f"resume_from_checkpoint={s.resume_dir} lacks {rank_file.name}")
-        _checkpoint.check_resume(state, s.resume_dir, now=self._run_settings(), log=log if self._rank0 else None)
-        rank_state = _checkpoint.read_state_file(rank_file) if rank_file.is_file() else {}
+        layout = state.get("optimizer_layout", "full")  # (per_rank: read_resume refused another rank count)
+        # Every rank reads its own file and loads its own shard; any rank's failure stops all of them together.
+        rank_state = _checkpoint.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
+        error = None
         try:
             if layout == "per_rank":
                 self._optimizer.load_state_dict(rank_state["optimizer"])
@@ -292,11 +289,12 @@ class FullFinetuneRecipeDistributed:
                 training.load_from_full_optimizer_state_dict(self._model, self._optimizer, state["optimizer"],
                                                              self._device)
         except (ValueError, KeyError, RuntimeError) as e:
-            raise BadInput(f"the optimizer state in {s.resume_dir} does not fit this model and optimizer "
-                           f"({first_line(e)}); resume with the config that wrote it") from None
+            error = (f"the optimizer state in {s.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
+                     "resume with the config that wrote it")
+        self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._skips.skipped = int(state.get("skipped_steps", 0))
+        self._skips.restore(state)
         utils.log_rank_zero(log, f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
                                  f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
                                  f"in epoch_{state['epoch']}")
@@ -357,8 +355,13 @@ class FullFinetuneRecipeDistributed:
 
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
-        checkpoint (the signal is folded into the step's all-reduce of the loss)."""
-        with self._stop, self._profiler:
+        checkpoint (the signal is folded into the step's all-reduce of the loss); one that came during setup ends
+        it before the first step."""
+        if self._any_rank(self._stop.received):
+            utils.log_rank_zero(log, "Stopped by a signal during setup: nothing trained, no checkpoint written")
+            self._summary.stop = self._stop.name or "SIGTERM"
+            return
+        with self._profiler:
             self._train()
 
     def _train(self) -> None:
@@ -422,7 +425,8 @@ class FullFinetuneRecipeDistributed:
                     self._sync()
                     opt_ms = (time.perf_counter() - t_opt) * 1000
                 self._optimizer.zero_grad(set_to_none=True)
-                self._skips.count(skipped, self.global_step + 1, total_loss / max(total_tokens, 1), grad_norm)
+                self._skips.count(skipped, self.global_step + 1, total_loss / max(total_tokens, 1), grad_norm,
+                                  tokens=int(total_tokens))
                 lr = float(self._optimizer.param_groups[0]["lr"])
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
@@ -491,7 +495,7 @@ class FullFinetuneRecipeDistributed:
                 "epoch": epoch,
                 "steps_in_epoch": steps_in_epoch,
                 "global_step": self.global_step,
-                "skipped_steps": self._skips.skipped,
+                **self._skips.state(),  # skipped steps, in total and in a row
                 "optimizer_layout": layout,
                 "optimizer": full_optimizer,
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
@@ -526,6 +530,7 @@ class FullFinetuneRecipeDistributed:
 
     def release(self) -> None:
         self._folder.release()
+        self._stop.uninstall()
 
 
 @config.parse

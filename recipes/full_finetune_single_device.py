@@ -67,7 +67,8 @@ from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
 from recipes._profiling import Profiler  # noqa: E402
 from recipes._reporting import StepTimer  # noqa: E402
 from recipes._run_folder import RunFolder  # noqa: E402
-from recipes._settings import KNOWN_CONFIG_KEYS, first_line, read_settings, warn_round_to_nearest  # noqa: E402
+from recipes._optimizer import warn_round_to_nearest  # noqa: E402
+from recipes._settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
 from recipes._stops import SkipCounter, StopSignal  # noqa: E402
 
 log = utils.get_logger("INFO")
@@ -111,7 +112,7 @@ class FullFinetuneRecipeSingleDevice:
         self._lr_scheduler = self._setup_lr_scheduler(cfg)
         self._check_tokenizer_fits_model()
         resume_state = self._load_resume_state() if s.resume_dir is not None else None
-        self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
+        self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device)
@@ -178,9 +179,9 @@ class FullFinetuneRecipeSingleDevice:
         warn_round_to_nearest(spec.path, self._dtype)
 
     def _setup_lr_scheduler(self, cfg: DictConfig):
-        if cfg.get("lr_scheduler") is None:
+        if self.settings.lr_scheduler is None:  # constant lr
             return None
-        scheduler = config.instantiate(cfg.lr_scheduler, self._optimizers[0],
+        scheduler = config.instantiate(self.settings.lr_scheduler, self._optimizers[0],
                                        num_training_steps=self.settings.epochs * self._steps_per_epoch)
         if self.settings.optimizer_in_bwd:
             # The scheduler drives the first per-parameter optimizer; the wrapper copies its lr to all the others
@@ -201,13 +202,8 @@ class FullFinetuneRecipeSingleDevice:
                            "model.max_seq_len")
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps: those a resume must match (``_checkpoint.RESUME_MUST_MATCH``) or
-        is warned about, and what it reports."""
-        s = self.settings
-        return {"batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed,
-                "shuffle": s.shuffle, "packed": self._packed, "lr": s.optimizer.lr, "optimizer": s.optimizer.path,
-                "optimizer_in_bwd": s.optimizer_in_bwd, "max_steps_per_epoch": s.max_steps_per_epoch,
-                "epochs": s.epochs}
+        """The settings recipe_state.pt keeps, for a resume to compare (``_checkpoint.RESUME_TABLE``)."""
+        return _checkpoint.run_settings(self.settings, packed=self._packed)
 
     def _load_resume_state(self) -> dict:
         s = self.settings
@@ -219,7 +215,7 @@ class FullFinetuneRecipeSingleDevice:
                            f"model and optimizer ({first_line(e)}); resume with the config that wrote it") from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._skips.skipped = int(state.get("skipped_steps", 0))
+        self._skips.restore(state)
         log.info(f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
                  f"of {self._steps_per_epoch} in epoch_{state['epoch']}")
         self.epoch, self.steps_in_epoch, self.global_step = _checkpoint.progress_after(state, self._steps_per_epoch)
@@ -303,7 +299,7 @@ class FullFinetuneRecipeSingleDevice:
                         self._optimizer.step()
                         opt_timer.stop()
                     self._optimizer.zero_grad(set_to_none=True)
-                    self._skips.count(skipped, self.global_step + 1, loss_value, grad_norm)
+                    self._skips.count(skipped, self.global_step + 1, loss_value, grad_norm, tokens=int(num_tokens))
                 else:
                     loss_value = loss_t.item()  # waits for the step's GPU work
                     if not math.isfinite(loss_value):
@@ -384,7 +380,7 @@ class FullFinetuneRecipeSingleDevice:
             "epoch": epoch,
             "steps_in_epoch": steps_in_epoch,
             "global_step": self.global_step,
-            "skipped_steps": self._skips.skipped,
+            **self._skips.state(),  # skipped steps, in total and in a row
             "optimizer": (self._optim_wrapper if self.settings.optimizer_in_bwd else self._optimizer).state_dict(),
             # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
             "lr_scheduler": None if self._lr_scheduler is None else {

@@ -53,7 +53,7 @@ def test_config_loads_and_components_import(path, tmp_path):
 
 @pytest.mark.parametrize("path", FINETUNE_CONFIGS, ids=str)
 def test_finetune_config_instantiates(path, tmp_path):
-    from recipes._settings import resolve_optimizer
+    from recipes._optimizer import resolve_optimizer
 
     cfg = load(path, tmp_path)
     header = (REPO_ROOT / path).read_text().split("\n\n")[0]

@@ -25,13 +25,18 @@ reference. What still differs:
   RTOL_QUANT allows 1e-3, RTOL_FP8 3e-3.
 
 Runtime: 8 two-rank runs and two single-process runs, about 230 s of CPU time: about 2 minutes on 2 idle cores
-(each run is mostly start-up), 4.5 minutes when other jobs share the cores.
+(each run is mostly start-up), 4.5 minutes when other jobs share the cores. The two stop-signal runs through
+recipes/launch.py (a launcher process, two ranks, a save made 3 s slow) add about 55 s of wall time.
 """
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -185,7 +190,8 @@ def test_single_device_reference_is_current(tmp_path, optimizer):
 
 
 # ------------------------------------------------------------------------------------------------
-# reliability on 2 ranks (issue 18): a stop signal on one rank, a non-finite step, one rank's failed write, the lock
+# reliability on 2 ranks: a stop signal on one rank, a non-finite step, one rank's failed write, the lock, a stop
+# signal to the launcher (one rank's unreadable resume file: test_reliability_surfaces.py, on 2 gloo processes)
 # ------------------------------------------------------------------------------------------------
 
 # Fault injectors the ranks import (the file goes on PYTHONPATH): a loss that turns NaN at given calls and an AdamW
@@ -229,6 +235,19 @@ class FaultyAdamW(torch.optim.AdamW):
         if self.sigterm_here and self.calls in self.sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)  # lands after this step's all-reduce: only this rank knows
         return out
+
+
+class SlowSaveAdamW(torch.optim.AdamW):
+    """torch's AdamW whose state_dict() (called only to save a checkpoint) takes ``save_s`` seconds longer."""
+
+    def __init__(self, params, save_s=0.0, **kwargs):
+        super().__init__(params, **kwargs)
+        self.save_s = save_s
+
+    def state_dict(self):
+        import time
+        time.sleep(self.save_s)
+        return super().state_dict()
 '''
 
 
@@ -291,3 +310,60 @@ def test_no_torchao_extensions_warning_in_a_two_rank_run(runs):
     `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook, hatch_build.py)."""
     run = runs("torch.optim.AdamW")
     assert "Skipping import of cpp extensions" not in run.stdout + run.stderr
+
+
+# The launcher that makes a stop signal save (recipes/launch.py): `tune run`'s arguments, SIGTERM and SIGUSR1 its own.
+LAUNCH = [sys.executable, "-m", "recipes.launch"]
+
+
+def processes_with(marker: str) -> list:
+    """PIDs of the processes whose environment holds ``marker`` (what a launch left behind)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(tmp_path, faults, sig):
+    """The signal goes to the launcher, as Slurm and Kubernetes send it, while the ranks train; each save takes 3 s
+    longer than torchrun's shutdown timeout (set to 1 s here: plain torchrun SIGKILLs the ranks mid-save and exits 1,
+    and dies of SIGUSR1 at once leaving the ranks training). The ranks save step_N whole, the launch exits 0, and no
+    process of it is left. The acceptance run at full scale: RELIABILITY_STOP_SAVE_S=35 RELIABILITY_SHUTDOWN_TIMEOUT=
+    (empty: torchrun's default 30 s) on this test."""
+    save_s = os.environ.get("RELIABILITY_STOP_SAVE_S", "3")
+    timeout = os.environ.get("RELIABILITY_SHUTDOWN_TIMEOUT", "1")
+    marker = f"RELIABILITY_LAUNCH={uuid.uuid4().hex}"
+    env = recipe_env(OMP_NUM_THREADS="1", RELIABILITY_LAUNCH=marker.split("=")[1], **faults)
+    if timeout:
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = timeout
+    else:
+        env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    out = tmp_path / "out"
+    args = [*LAUNCH, "--nproc_per_node", "2", RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}",
+            f"output_dir={out}", *FAST, "metric_logger=null", "max_steps_per_epoch=200",
+            "optimizer._component_=faults.SlowSaveAdamW", f"optimizer.save_s={save_s}"]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not read_metrics(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    left = processes_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert not left, f"processes left behind: {left}"
+    steps = [p.name for p in out.iterdir() if p.is_dir()]
+    assert len(steps) == 1 and steps[0].startswith("step_"), steps
+    n = int(steps[0][5:])
+    assert {p.name for p in (out / steps[0]).iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "recipe_state.pt",
+        "recipe_state_rank0.pt", "recipe_state_rank1.pt"}
+    assert torch.load(out / steps[0] / "recipe_state.pt", weights_only=True)["global_step"] == n
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, n + 1))
+    assert f"Run stopped by {sig.name}: trained steps 1-{n}" in stdout

@@ -1,5 +1,8 @@
-"""Reliability and security of the recipes (issue 18): planted pickles, non-finite steps, run folders, unknown keys,
-bad data, corrupt inputs, the checkpoint protocol, stop signals and resumes with changed settings.
+"""Reliability and security of the recipes: planted pickles, non-finite steps, run folders, unknown keys, bad data,
+corrupt inputs, the checkpoint protocol, stop signals and resumes with changed settings; then the newer surfaces at
+the recipe level (the lock, the pack cache, overwrite, resume into another folder, the resume table, a constant lr,
+data with nothing to train, the skip limit across a resume). Their components are tested in
+test_reliability_surfaces.py, the distributed stop signals in test_distributed.py.
 
 Most cases drive the recipe's entry point in this process (no ~8 s of imports per case) and most stop during setup;
 one real run (module fixture) provides checkpoints and reference losses, and one subprocess receives a SIGTERM.
@@ -186,6 +189,12 @@ def test_nonfinite_weights_are_never_written(tmp_path):
     ("seed=1.5", "seed=1.5 must be a non-negative integer"),
     ("model.num_layers=0", "model.num_layers=0 must be a positive integer"),
     ("max_consecutive_skipped_steps=0", "max_consecutive_skipped_steps=0 must be a positive integer"),
+    ("tokenizer.max_seq_len=0", "tokenizer.max_seq_len=0 must be a positive integer or null"),
+    ("tokenizer.max_seq_len=-1", "tokenizer.max_seq_len=-1 must be a positive integer or null"),
+    ("model.embed_dim=0", "model.embed_dim=0 must be a positive integer"),
+    ("model.embed_dim=65", "model.embed_dim=65 must be a multiple of model.num_heads=2"),
+    ("device=tpu", "device=tpu is not supported by these recipes; use device=cuda (a GPU) or device=cpu"),
+    ("optimizer.lr=1e30", "optimizer.lr=1e+30 must be at most 1"),
 ])
 def test_hyperparameters_are_checked(run, override, words):
     result = run(override)
@@ -438,7 +447,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(ba
 
 
 @pytest.mark.parametrize("override, words", [
-    ("batch_size=4", "batch_size=4 differs from the checkpoint's 2"),
+    ("batch_size=4", "batch_size x gradient_accumulation_steps = 4 samples per step differs from the checkpoint's 2"),
     ("seed=1", "seed=1 differs from the checkpoint's 42"),
     ("shuffle=False", "shuffle=False differs from the checkpoint's True"),
     ("optimizer.lr=0.001", "optimizer.lr=0.001 differs from the checkpoint's 0.01"),
@@ -454,3 +463,153 @@ def test_resume_past_the_end_trains_nothing(base, run, tmp_path):
     assert "nothing to train" in result.stderr + result.stdout
     assert result.metrics == [] and not list((tmp_path / "out").glob("epoch_*"))
     assert result.stdout.strip().splitlines()[-1].startswith("Nothing trained: resume_from_checkpoint=")
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. the newer surfaces, at the recipe level
+# ------------------------------------------------------------------------------------------------
+
+HOLDER = r'''
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, sys.argv[2].encode())
+print("holding", flush=True)
+time.sleep(120)
+'''
+
+
+def test_a_live_run_in_another_container_keeps_its_folder(run, tmp_path):
+    """Another container's run (its PID dead here) trains in out/: a second run, even with overwrite=True, is
+    refused with one line, and the first one's metrics and lock stay as they were."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
+    owner = json.dumps({"host": "container-b", "boot_id": "other", "pid_ns": "pid:[4026532000]", "pid": dead_pid(),
+                        "start": "1", "token": "theirs"})
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / ".lock"), owner], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        result = run("overwrite=True")  # (what would delete the live run's results, were the folder taken)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 2
+    assert "is in use by a live run (PID" in result.error and "on container-b" in result.error
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n'
+    assert (out / ".lock").read_text() == owner
+
+
+def test_the_pack_cache_key_covers_the_whole_tokenizer_section(run, tmp_path):
+    """A run with a prompt template must not reuse the samples cached without one: it trains on what the same run
+    with no cache trains on."""
+    cache, template = tmp_path / "cache", "tokenizer.prompt_template=torchtune.models.llama2.Llama2ChatTemplate"
+    packed = ["dataset.packed=True", "dataset.split=train[:40]", "max_steps_per_epoch=2"]
+    plain = run(*packed, f"pack_cache_dir={cache}", out=tmp_path / "plain")
+    templated = run(*packed, f"pack_cache_dir={cache}", template, out=tmp_path / "templated")
+    uncached = run(*packed, "pack_cache_dir=off", template, out=tmp_path / "uncached")
+    assert plain.ok and templated.ok and uncached.ok, templated.stderr[-3000:]
+    assert len(list(cache.glob("samples-*.npz"))) == 2
+    assert templated.losses == uncached.losses != plain.losses
+    assert [m["tokens"] for m in templated.metrics] == [m["tokens"] for m in uncached.metrics]
+
+
+def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(base, run, tmp_path):
+    """checkpoint_dir=out/epoch_0 output_dir=out overwrite=True (continuing a finished run in its folder): refused
+    before anything is read or deleted, naming the folder and the fix."""
+    out = tmp_path / "out"
+    copy_checkpoint(base, "epoch_0", out)
+    (out / "metrics.jsonl").write_text('{"step": 6, "loss": 8.0}\n')
+    before = (out / "epoch_0" / "model.safetensors").read_bytes()
+    result = run(f"checkpoint_dir={out / 'epoch_0'}", "overwrite=True")
+    assert result.returncode == 2
+    assert f"overwrite=True would delete {out / 'epoch_0'}, which this run reads (checkpoint_dir=" in result.error
+    assert (out / "epoch_0" / "model.safetensors").read_bytes() == before
+    assert (out / "metrics.jsonl").exists()
+
+
+def test_a_resume_into_another_runs_folder_is_refused(base, run, tmp_path):
+    other = tmp_path / "other"
+    copy_checkpoint(base, "epoch_0", other)
+    (other / "metrics.jsonl").write_text('{"step": 6, "loss": 8.0}\n')
+    before = {p.name: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()}
+    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", out=other)
+    assert result.returncode == 2
+    assert f"output_dir={other} already holds another run" in result.error
+    assert f"output_dir={base.output_dir}" in result.error  # (the checkpoint's own folder)
+    assert {p.name: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("override, words", [
+    ("tokenizer.max_seq_len=32", "tokenizer.max_seq_len=32 differs from the checkpoint's 64"),
+    ("dataset.train_on_input=False", "dataset.train_on_input=False differs from the checkpoint's True"),
+    ("dtype=bf16", "dtype=bf16 differs from the checkpoint's fp32"),
+    ("lr_scheduler.num_warmup_steps=3", "lr_scheduler.num_warmup_steps=3 differs from the checkpoint's 0"),
+    ("optimizer.weight_decay=0.1", "optimizer.weight_decay=0.1 differs from the checkpoint's 0.01"),
+    ("optimizer.eps=1e-6", "optimizer.eps=1e-06 differs from the checkpoint's (unset)"),
+    ("EDITED", "the content of the data files (dataset.data_files) differs from the checkpoint's"),
+])
+def test_the_resume_table_refuses_what_changes_the_run(base, run, tmp_path, override, words):
+    if override == "EDITED":  # the same file name and records, one character changed
+        edited = tmp_path / "alpaca" / "alpaca_data.json"
+        edited.parent.mkdir()
+        edited.write_text((DATA_DIR / "alpaca" / "alpaca_data.json").read_text().replace("Give", "give", 1))
+        override = f"dataset.data_files={edited}"
+    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", override)
+    assert result.returncode == 2 and words in result.error
+
+
+def test_a_resume_may_split_a_step_into_more_micro_batches(base, run):
+    """batch_size=1 x gradient_accumulation_steps=2 reads the same 2 samples a step as batch_size=2: it resumes,
+    with the uninterrupted run's losses."""
+    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", "batch_size=1",
+                 "gradient_accumulation_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["step"] for m in result.metrics[-4:]] == [3, 4, 5, 6]
+    assert [m["loss"] for m in result.metrics[-4:]] == pytest.approx(base.losses[2:], rel=1e-4)
+
+
+def test_lr_scheduler_null_trains_at_a_constant_lr(run):
+    result = run("lr_scheduler=null", "max_steps_per_epoch=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["lr"] for m in result.metrics] == [0.01, 0.01, 0.01]
+
+
+def test_a_bad_config_json_in_checkpoint_dir_is_one_line(base, run, tmp_path):
+    folder = copy_checkpoint(base, "epoch_0", tmp_path / "hf")
+    (folder / "config.json").write_text('{"hidden_size": 64,')
+    result = run(f"checkpoint_dir={folder}")
+    assert result.returncode == 2 and f"{folder / 'config.json'} is not a JSON object" in result.error
+    assert "Traceback" not in result.stderr
+
+
+def test_data_with_nothing_to_train_says_so(run, tmp_path):
+    """Every response cut off by tokenizer.max_seq_len, the prompt masked: no step has a trained token. The stop
+    names the data and those settings, not the lr."""
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": "Repeat this. " * 40, "input": "", "output": "Done."}] * 12))
+    result = run(f"dataset.data_files={data}", "dataset.train_on_input=False", "max_consecutive_skipped_steps=2")
+    assert result.returncode == 2
+    assert "2 steps in a row had no trained tokens" in result.error and "dataset.train_on_input" in result.error
+    assert "optimizer.lr" not in result.error
+
+
+class EnvPoisonedAdamW(PoisonedAdamW):
+    """PoisonedAdamW with its steps to poison in $POISON_AT (a resume refuses a change of the optimizer's kwargs)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, poison_at=json.loads(os.environ.get("POISON_AT", "[]")), **kwargs)
+
+
+def test_the_skip_limit_counts_across_a_resume(run, tmp_path, monkeypatch):
+    """Steps 2 and 3 are skipped and step_3 saved; the resumed run's first step (4) is skipped too: 3 in a row."""
+    out, poison = tmp_path / "out", f"optimizer._component_={__name__}.EnvPoisonedAdamW"
+    monkeypatch.setenv("POISON_AT", "[2, 3]")
+    first = run(poison, "save_every_n_steps=3", "max_steps_per_epoch=4", "max_consecutive_skipped_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    monkeypatch.setenv("POISON_AT", "[1]")  # (counted from the resumed process's first backward: step 4)
+    resumed = run(poison, f"resume_from_checkpoint={out / 'step_3'}", "max_steps_per_epoch=4",
+                  "max_consecutive_skipped_steps=3")
+    assert resumed.returncode == 2
+    assert "3 steps in a row had a non-finite loss or gradient (last: step 4" in resumed.error
