@@ -7,23 +7,28 @@ folder (``_run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` r
 
 The calls a recipe makes:
 
-- ``Checkpointer(folder, family, hf, tokenizer_path).save(name, weights=..., recipe_state=..., rank_state=...)``
+- ``Checkpointer(folder, family, hf, tokenizer_path, background=...)``: ``save(name, weights=..., recipe_state=...,
+  rank_state=...)``; with ``background=True`` (async_checkpoint, ``_async_save``) also ``prepare`` after the first
+  step, ``poll`` at every step boundary, ``wait`` at the end (``settle`` on an error), ``metrics`` for the records
 - ``read_resume(folder, now=...)``: the state file, read ``weights_only``, checked against this run's settings
 - ``check_finite_weights(state, ...)`` before a save; ``rng_state`` / ``set_rng_state`` for exact resume
 """
 
+import contextlib
+import functools
 import random
+import resource
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from finetune_base import BadInput, load_state_file
-from recipes import _hf_format
+from recipes import _async_save, _hf_format
 from recipes._reporting import announce_saved
-from recipes._run_folder import RunFolder
+from recipes._run_folder import RunFolder, fsync_path
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
@@ -79,32 +84,250 @@ def set_rng_state(rng: Dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+class _InFlight:
+    """The checkpoint a background job is writing: where, since when, and what training paid for it."""
+
+    def __init__(self, name: str, tmp: Path, started: float, blocked: float, need_bytes: Callable[[], int]):
+        self.name, self.tmp, self.started, self.blocked, self.need_bytes = name, tmp, started, blocked, need_bytes
+
+
 class Checkpointer:
-    """Writes step_N / epoch_E folders into a claimed run folder, in one model family's HF format."""
+    """Writes step_N / epoch_E folders into a claimed run folder, in one model family's HF format.
 
-    def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path):
+    Synchronous (``background=False``): ``save`` writes and publishes the folder before it returns. In the background
+    (``async_checkpoint=True``, ``_async_save``): ``save`` copies the checkpoint's tensors into staging buffers and
+    returns; a thread writes them into the temporary folder, and ``poll`` (every step boundary) or ``wait`` (before
+    the next save, at the end) publishes it once every rank has written its part, or raises the write's error. At
+    most one save is in flight. Both produce the same files.
+    """
+
+    def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path, *,
+                 background: bool = False, device: Any = "cpu", memory_limit_gib: Optional[float] = None,
+                 on_saved: Optional[Callable[[Path], None]] = None, log=None):
         self.folder, self.family, self.hf, self.tokenizer_path = folder, family, hf, Path(tokenizer_path)
+        self.background = background
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._staging = _async_save.Staging(self._device, memory_limit_gib) if background else None
+        self._on_saved, self._log = on_saved, log
+        self._job: Optional[_async_save.Job] = None  # the background job: a staging allocation, or a write
+        self._inflight: Optional[_InFlight] = None  # the save that job writes
+        self._writes: List[_async_save.Job] = []  # recent writes, to tell which steps ran beside one
+        self._record: Dict[str, Any] = {}  # figures for the next metrics record
+        self._stream, self._bounce, self._told = None, None, False
 
-    def save(self, name: str, *, weights: Optional[Dict[str, torch.Tensor]], recipe_state: Optional[dict],
+    # -- saving ------------------------------------------------------------------------------------
+
+    def save(self, name: str, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
              need_bytes: Callable[[], int], rank_state: Optional[dict] = None,
-             started: Optional[float] = None) -> Path:
+             started: Optional[float] = None) -> None:
         """``{output_dir}/{name}/``: rank 0 writes the HF folder from ``weights`` (full, torchtune names) and
-        ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. Prints the
-        "Saved checkpoint" line with its size and the time since ``started`` (the recipe's start of the save)."""
+        ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. The parts may hold
+        ``_async_save.Gather`` (a weight gathered from the ranks' shards) and ``_async_save.Owned`` (a private copy)
+        leaves. Prints the "Saved checkpoint" line once the folder is in place; ``started``: when the recipe began
+        the save (the time since is what training was blocked)."""
         started = time.perf_counter() if started is None else started
+        parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
+        if self.background:
+            self.wait()  # at most one save in flight: the previous one is published (or fails) first
+            layout = self._plan(parts)
+            if layout is not None and self._start(name, parts, layout, need_bytes, started):
+                return
+        self._save_now(name, _async_save.materialize(parts), need_bytes, started)
+
+    def _save_now(self, name: str, parts: dict, need_bytes: Callable[[], int], started: float) -> None:
         ranks = self.folder.ranks
 
         def write(tmp: Path) -> None:
-            if rank_state is not None:
-                torch.save(rank_state, tmp / RANK_STATE_FILE.format(rank=ranks.rank))
+            if parts["rank_state"] is not None:
+                torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
             if ranks.main:
-                _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
-                torch.save(recipe_state, tmp / RECIPE_STATE_FILE)
+                _hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
+                torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
 
         final = self.folder.publish(name, write, need_bytes)
+        seconds = time.perf_counter() - started
         if ranks.main:
             announce_saved(final, started)
-        return final
+        self._note(checkpoint_saved=name, checkpoint_blocked_s=seconds, checkpoint_write_s=seconds)
+        if self._on_saved is not None:
+            self._on_saved(final)
+
+    def _plan(self, parts: dict) -> Optional[_async_save.Layout]:
+        """Where this save's snapshot goes; None (every rank agrees) where some rank's host lacks the memory."""
+        layout = self._staging.plan(parts)
+        if all(self.folder.ranks.gather(layout is not None)):
+            return layout
+        if self._log is not None and not self._told:
+            self._log.warning(
+                "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while it is "
+                "written (it would pin the part that does not fit in spare GPU memory), so checkpoints are written "
+                "synchronously and training waits for each; free host memory, or set async_checkpoint=False")
+            self._told = True
+        return None
+
+    def _start(self, name: str, parts: dict, layout: "_async_save.Layout", need_bytes: Callable[[], int],
+               started: float) -> bool:
+        """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
+        the save is then synchronous, and later ones keep their snapshots in host memory)."""
+        try:
+            snap, ready = self._staging.snapshot(parts, layout)
+        except torch.cuda.OutOfMemoryError:
+            if self.folder.ranks.world > 1:
+                raise
+            self._staging.no_gpu()
+            return False
+        tmp = self.folder.begin(name)
+        blocked = time.perf_counter() - started
+        self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
+        self._job = _async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
+        self._writes = self._writes[-3:] + [self._job]  # (ranks that never log keep only the last few)
+        self._note(checkpoint_blocked_s=blocked, checkpoint_staged_gpu_gib=layout.gpu_bytes / 2**30,
+                   checkpoint_staged_host_gib=layout.host_bytes / 2**30,
+                   host_pinned_gib=self._staging.pinned_bytes / 2**30)
+        if self._log is not None and not self._told:
+            where = [f"{b / 2**30:.2f} GiB {what}" for b, what in (
+                (layout.gpu_bytes, "in spare GPU memory, freed once written"),
+                (layout.host_bytes, f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for "
+                                    "the run")) if b]
+            self._log.info(f"async_checkpoint=True: each save copies the checkpoint's tensors ({' and '.join(where)}; "
+                           f"training was blocked {blocked:.2f} s for {name}) and writes them in the background")
+            self._told = True
+        return True
+
+    def _write(self, tmp: Path, snap: dict, ready) -> None:
+        """The writer thread: this rank's files of the checkpoint, from the snapshot, each fsynced (rank 0 renames
+        the folder into place on its main thread, after every rank has written: ``commit``)."""
+        ranks = self.folder.ranks
+        own = RANK_STATE_FILE.format(rank=ranks.rank)
+        with self._writer_stream(ready):
+            if snap["rank_state"] is not None:
+                _async_save.pinned_torch_save(snap["rank_state"], tmp / own)
+            if ranks.main:
+                weights = snap["weights"]
+                if any(t.is_cuda for t in weights.values()):  # held on the GPU: streamed through a pinned buffer
+                    if self._bounce is None:
+                        self._bounce = torch.empty(_async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
+                    convert = functools.partial(_hf_format.to_hf, hf=self.hf, family=self.family)
+                    _async_save.write_safetensors(tmp / _hf_format.WEIGHTS_FILE, weights, convert,
+                                                  _hf_format.WEIGHTS_METADATA, self._bounce)
+                    _hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
+                else:  # in host memory: the very writer of a synchronous save
+                    _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
+                _async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
+        for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
+            if f.name == own or (ranks.main and not f.name.startswith("recipe_state_rank")):
+                fsync_path(f)
+
+    @contextlib.contextmanager
+    def _writer_stream(self, ready):
+        """On a GPU: the writer's copies run on a stream of their own, after the snapshot's (``ready``), so they
+        overlap the training stream's work instead of queueing behind it."""
+        if ready is None:
+            yield
+            return
+        torch.cuda.set_device(self._device)  # (the current device is per thread)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        self._stream.wait_event(ready)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:  # its copies are done before the snapshot's GPU memory goes back to the training stream
+            self._stream.synchronize()
+
+    # -- the save in flight --------------------------------------------------------------------------
+
+    def prepare(self, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
+                rank_state: Optional[dict] = None) -> None:
+        """Plan the staging for checkpoints shaped like these parts and allocate its host buffer on a background
+        thread (pinning ~20 GB takes ~2 s, better not inside the first save). Call it once, after the first optimizer
+        step (the optimizer state exists by then); every rank calls it."""
+        if not self.background or self._job is not None:
+            return
+        layout = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
+        if layout is not None:
+            self._job = _async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
+
+    @property
+    def writing(self) -> bool:
+        """This rank's writer is still writing the checkpoint in flight."""
+        return self._inflight is not None and not self._job.done
+
+    def poll(self, all_written: Optional[bool] = None) -> None:
+        """At a step boundary: publish the checkpoint in flight if every rank has written its part, or raise the
+        error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds
+        ``writing`` into its step's all-reduce); left out, this process's own writer decides."""
+        if self._inflight is None:
+            return
+        if self._job.done if all_written is None else all_written:
+            self._complete()
+
+    def wait(self) -> None:
+        """Until the background job is over, publishing the checkpoint it wrote (or raising its error). Every rank
+        calls it at the same point: before a save, and at the end of training."""
+        if self._job is None:
+            return
+        self._job.join()
+        if self._inflight is not None:
+            self._complete()
+            return
+        job, self._job = self._job, None  # a staging allocation: if it failed, the save allocates again
+        if job.error is not None and self._log is not None:
+            self._log.warning(f"could not allocate the checkpoint staging buffer in the background ({job.error!r}); "
+                              "the next save allocates it")
+
+    def settle(self) -> None:
+        """Training stopped on an error: let the checkpoint in flight be published (it is a good one), reporting a
+        failed write as a warning, since the error that stopped training is the one to show."""
+        try:
+            self.wait()
+        except Exception as e:
+            if self._log is not None:
+                self._log.warning(f"the checkpoint being written in the background was lost too: {e}")
+
+    def _complete(self) -> None:
+        f, job = self._inflight, self._job
+        job.join()
+        self._inflight = self._job = None
+        error = job.error if job.error is None or isinstance(job.error, Exception) else RuntimeError(repr(job.error))
+        final = self.folder.commit(f.name, f.tmp, error, f.need_bytes)
+        write_s = job.ended - job.started
+        if self.folder.ranks.main:
+            announce_saved(final, f.started, background=(write_s, f.blocked))
+        self._note(checkpoint_saved=f.name, checkpoint_write_s=write_s)
+        if self._on_saved is not None:
+            self._on_saved(final)
+
+    # -- figures ---------------------------------------------------------------------------------------
+
+    def _note(self, **fields) -> None:
+        blocked = self._record.get("checkpoint_blocked_s", 0.0)
+        self._record.update(fields)
+        if "checkpoint_blocked_s" in fields:  # (a save that waited for the previous one: both count)
+            self._record["checkpoint_blocked_s"] = blocked + fields["checkpoint_blocked_s"]
+
+    def metrics(self, since: float) -> Dict[str, Any]:
+        """The checkpoint figures for the metrics record of a step that began at ``since`` (perf_counter): what the
+        saves since the last record cost (``checkpoint_blocked_s``: training waited; ``checkpoint_write_s``: the
+        write of ``checkpoint_saved``; where its snapshot was held), and ``checkpoint_writing: True`` when a
+        background write ran during the step."""
+        out, self._record = self._record, {}
+        if out:
+            out["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        self._writes = [j for j in self._writes if not j.done or j.ended > since]
+        if self._writes:
+            out["checkpoint_writing"] = True
+        return out
+
+    def close(self) -> None:
+        """The end of the run: give the staging buffer back (after an allocation still running; a write still
+        running, after an interrupt, keeps the memory it reads until it dies with the process)."""
+        if self._job is not None and self._inflight is None:
+            self._job.join()
+        if self._staging is not None:
+            self._staging.release()
 
 
 def read_state_file(path: Path, mmap: bool = False) -> dict:

@@ -34,7 +34,7 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
+    "save_every_n_steps", "async_checkpoint", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
@@ -224,6 +224,7 @@ class Settings:
     optimizer: OptimizerSpec
     model_component: str
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
+    async_checkpoint: bool = True  # write checkpoints in the background (_async_save.py)
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -273,6 +274,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         number(cfg, key, integer=False, low=0, strict=strict, allow_none=True)
     number(cfg, "model.num_layers", integer=True, low=0, strict=True, allow_none=True, example=2)
     overwrite = flag(cfg, "overwrite")
+    async_checkpoint = flag(cfg, "async_checkpoint", default=True)
 
     optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
     if optimizer_in_bwd and accum > 1:
@@ -332,7 +334,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         compile=bool(cfg.get("compile", False)), pack_cache_dir=pack_cache_dir, memory_limit_gib=memory_limit,
         output_dir=Path(cfg.output_dir), **paths, optimizer=resolve_optimizer(cfg.optimizer),
         model_component=str(OmegaConf.select(cfg, "model._component_") or ""),
-        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)))
+        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)), async_checkpoint=async_checkpoint)
 
 
 def _check_paths(cfg: DictConfig) -> dict:

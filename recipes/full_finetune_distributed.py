@@ -17,6 +17,7 @@ The keys that differ:
     optimizer_in_bwd                 not supported (refused)
     enable_activation_offloading     not supported (refused)
     optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
+    async_checkpoint                 each rank snapshots its part; the ranks agree in the step's all-reduce
 """
 
 import contextlib
@@ -43,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format  # noqa: E402
+from recipes._async_save import Gather, Owned  # noqa: E402
 from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE, Checkpointer, NonFiniteStop  # noqa: E402
 from recipes._model import apply_activation_checkpointing, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
@@ -140,7 +142,10 @@ class FullFinetuneRecipeDistributed:
         self._check_tokenizer_fits_model()
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
+        self._checkpointer = Checkpointer(
+            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
+            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log if self._rank0 else None,
+            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
 
         logger, wandb_dir = _reporting.metric_logger(cfg, log) if self._rank0 else (None, None)
         self._metrics = MetricsLog(s.output_dir, logger, log)
@@ -342,9 +347,15 @@ class FullFinetuneRecipeDistributed:
 
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
-        checkpoint (the signal is folded into the step's all-reduce of the loss)."""
+        checkpoint (the signal is folded into the step's all-reduce of the loss). It returns once the last
+        checkpoint is written by every rank."""
         with self._stop:
-            self._train()
+            try:
+                self._train()
+            except BadInput:  # (raised on every rank at the same point: they can still agree on the write)
+                self._checkpointer.settle()
+                raise
+            self._checkpointer.wait()
 
     def _train(self) -> None:
         s = self.settings
@@ -377,12 +388,14 @@ class FullFinetuneRecipeDistributed:
                 # Loss and token count over all ranks. FSDP2 averages the gradient shards over ranks, so
                 # the sum over all tokens is world/num_tokens times that average. (A signal on any rank stops all.)
                 # (torch.full fills on the device from a kernel argument: no host-to-device copy)
+                # (So do the ranks still writing a checkpoint in the background: published once none is.)
                 f64 = dict(dtype=torch.float64, device=self._device)
                 totals = torch.stack([torch.as_tensor(running_loss, **f64), torch.as_tensor(num_tokens, **f64),
                                       torch.full((), float(self._stop.received), **f64),
-                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64)])
+                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64),
+                                      torch.full((), float(self._checkpointer.writing), **f64)])
                 dist.all_reduce(totals)
-                total_loss, total_tokens, stop, norm_sum = totals.tolist()
+                total_loss, total_tokens, stop, norm_sum, writing = totals.tolist()
                 # Every rank decides from the reduced flag, never from its own: a signal that lands on one rank after
                 # this all-reduce is folded into the next step's, so all ranks stop at the same boundary.
                 stop_now = bool(stop)
@@ -417,14 +430,18 @@ class FullFinetuneRecipeDistributed:
                 loss_value = total_loss / total_tokens
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}")
+                if self._summary.first is None:  # the optimizer state exists now: size the checkpoint staging
+                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch, gather_optimizer=False))
                 self._summary.step(self.global_step, loss_value)
                 if self.global_step % s.log_every == 0:
                     record = self._reduced_record(
                         self.global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
                         grad_norm)
                     if self._rank0:
+                        record.update(self._checkpointer.metrics(since=t0))
                         self._metrics.write(record)
                 running_loss, num_tokens = 0.0, 0
+                self._checkpointer.poll(all_written=writing == 0)  # every rank has written: published here
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
@@ -454,7 +471,8 @@ class FullFinetuneRecipeDistributed:
 
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
         """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
-        recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place."""
+        recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place (with
+        async_checkpoint, from copies taken now, written while training goes on)."""
         started, final = time.perf_counter(), self.settings.output_dir / name
         local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self._model.state_dict().items()}
         bad = torch.tensor(float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())),
@@ -463,10 +481,23 @@ class FullFinetuneRecipeDistributed:
         if bad.item():
             raise NonFiniteStop(f"the weights at step {self.global_step} are not finite: refused to write {final}; "
                                 "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0")
-        full_weights = training.gather_cpu_state_dict(self._model, self._rank0, self._device)
+
+        def need_bytes() -> int:
+            # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
+            opt = _reporting.optimizer_state_bytes(self._optimizers)
+            return _reporting.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
+
+        self._checkpointer.save(name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes,
+                                started=started)
+
+    def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
+        """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them
+        (``Gather``: rank 0 keeps them); torch's optimizer state is gathered to rank 0's host memory now (``Owned``:
+        a copy already; left out with ``gather_optimizer=False``, for sizing the staging); the rest are live
+        references."""
         layout = optimizer_state_layout(self._optimizer)
         full_optimizer = None
-        if layout == "full":
+        if layout == "full" and gather_optimizer:
             full_optimizer = training.get_full_optimizer_state_dict(self._model, self._optimizer, self._rank0,
                                                                    self._device)
         recipe_state = None
@@ -477,22 +508,15 @@ class FullFinetuneRecipeDistributed:
                 "global_step": self.global_step,
                 "skipped_steps": self._skips.skipped,
                 "optimizer_layout": layout,
-                "optimizer": full_optimizer,
+                "optimizer": Owned(full_optimizer),
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
                 "rng": _checkpoint.rng_state(self._device),
                 "config": self._run_settings(),
             }
         rank_state = {"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
                       "rng": _checkpoint.rng_state(self._device)}
-
-        def need_bytes() -> int:
-            # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
-            opt = _reporting.optimizer_state_bytes(self._optimizers)
-            return _reporting.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
-
-        self._checkpointer.save(name, weights=full_weights, recipe_state=recipe_state, rank_state=rank_state,
-                                need_bytes=need_bytes, started=started)
-        self._summary.saved_checkpoint(final)
+        weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
+        return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 
     # -- the end of a run ------------------------------------------------------------------------
 
@@ -505,6 +529,8 @@ class FullFinetuneRecipeDistributed:
         dist.destroy_process_group()
 
     def release(self) -> None:
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.close()
         self._folder.release()
 
 

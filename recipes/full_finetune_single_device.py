@@ -35,6 +35,7 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
     pack_cache_dir                   cache of tokenized samples for packing; off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
+    async_checkpoint                 write checkpoints in the background (default True); False = training waits
     log_every_n_steps                one metrics record every N steps
     max_consecutive_skipped_steps    non-finite steps in a row that stop the run (default 10)
     log_level                        INFO (default); DEBUG also prints the config; WARNING
@@ -109,7 +110,10 @@ class FullFinetuneRecipeSingleDevice:
         self._check_tokenizer_fits_model()
         resume_state = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resuming=s.resume_dir is not None, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
+        self._checkpointer = Checkpointer(
+            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
+            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log,
+            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
 
         logger, wandb_dir = _reporting.metric_logger(cfg, log)
         self._metrics = MetricsLog(s.output_dir, logger, log)
@@ -238,9 +242,15 @@ class FullFinetuneRecipeSingleDevice:
         return float(self._optimizer.param_groups[0]["lr"])
 
     def train(self) -> None:
-        """The training loop. A stop signal (SIGTERM, SIGUSR1) ends it at the next step boundary, after a checkpoint."""
+        """The training loop. A stop signal (SIGTERM, SIGUSR1) ends it at the next step boundary, after a checkpoint.
+        It returns once the last checkpoint is written (one written in the background too)."""
         with self._stop:
-            self._train()
+            try:
+                self._train()
+            except Exception:
+                self._checkpointer.settle()  # a checkpoint still being written is a good one: publish it
+                raise
+            self._checkpointer.wait()
 
     def _train(self) -> None:
         s = self.settings
@@ -312,6 +322,8 @@ class FullFinetuneRecipeSingleDevice:
                 self._summary.step(self.global_step, loss_value)
                 if first_step_s is None:
                     first_step_s = time.perf_counter() - t_start
+                    # The optimizer state exists now: size the checkpoint staging buffers, off this thread.
+                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch))
                 if self.global_step % s.log_every == 0:
                     opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
                     elapsed = time.perf_counter() - t0
@@ -336,10 +348,12 @@ class FullFinetuneRecipeSingleDevice:
                         first_logged = True
                     if s.compile:
                         record["compiled_graphs"] = _reporting.compiled_graphs()
+                    record.update(self._checkpointer.metrics(since=t0))
                     if not math.isfinite(loss_value):
                         log.warning(f"loss is {loss_value} at step {self.global_step}")
                     self._metrics.write(record)
                 running_loss = 0.0
+                self._checkpointer.poll()  # a checkpoint written in the background is published (or fails) here
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
@@ -363,9 +377,17 @@ class FullFinetuneRecipeSingleDevice:
                 return
 
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
-        """``{output_dir}/{name}/``: the HF folder and recipe_state.pt, published atomically (``_checkpoint``)."""
-        started, model_sd = time.perf_counter(), self._model.state_dict()
+        """``{output_dir}/{name}/``: the HF folder and recipe_state.pt, published atomically (``_checkpoint``); with
+        async_checkpoint, a copy of them is taken now and written while training goes on."""
+        started, parts = time.perf_counter(), self._checkpoint_parts(epoch, steps_in_epoch)
+        model_sd = parts["weights"]
         check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step)
+        self._checkpointer.save(
+            name, **parts, started=started,
+            need_bytes=lambda: _reporting.checkpoint_bytes(model_sd, self._optimizers))
+
+    def _checkpoint_parts(self, epoch: int, steps_in_epoch: int) -> Dict[str, Any]:
+        """What a checkpoint holds, as live references: the weights and the recipe state."""
         recipe_state = {
             "epoch": epoch,
             "steps_in_epoch": steps_in_epoch,
@@ -378,10 +400,7 @@ class FullFinetuneRecipeSingleDevice:
             "rng": _checkpoint.rng_state(self._device, all_cuda=True),
             "config": self._run_settings(),
         }
-        final = self._checkpointer.save(
-            name, weights=model_sd, recipe_state=recipe_state,
-            need_bytes=lambda: _reporting.checkpoint_bytes(model_sd, self._optimizers), started=started)
-        self._summary.saved_checkpoint(final)
+        return {"weights": self._model.state_dict(), "recipe_state": recipe_state}
 
     # -- the end of a run ------------------------------------------------------------------------
 
@@ -394,6 +413,8 @@ class FullFinetuneRecipeSingleDevice:
         self._metrics.close()
 
     def release(self) -> None:
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.close()
         self._folder.release()
 
 
