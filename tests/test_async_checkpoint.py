@@ -391,9 +391,10 @@ def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path)
         v.zero_()
     ready.synchronize()
     assert [v.is_cuda for v in snap.values()] == [True, True, False, False]
-    save_file(reference, str(tmp_path / "reference.safetensors"))
-    bounce = torch.empty(100_000, dtype=torch.uint8, pin_memory=True)
-    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {}, bounce)
+    save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    bounce = torch.empty(100_000, dtype=torch.uint8, pin_memory=True)  # (1 MiB tensors: 11 pieces each)
+    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"},
+                                  bounce)
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
     gpu_state = {k: v for k, v in snap.items() if v.is_cuda}
     _async_save.pinned_torch_save(gpu_state, tmp_path / "state.pt")
