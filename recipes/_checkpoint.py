@@ -1,4 +1,5 @@
-"""Checkpoints: what a step_N / epoch_E folder holds, how it is written, and how a run resumes from one.
+"""Checkpoints: what a step_N / epoch_E folder holds and how it is written (``_resume.py``: how a run continues from
+one).
 
 A checkpoint is a Hugging Face model folder (``_hf_format.py``: config.json, model.safetensors, the tokenizer) plus
 the resume state: ``recipe_state.pt`` (progress, optimizer state, lr schedule, RNG, the run's settings) and, from the
@@ -8,97 +9,33 @@ folder (``_run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` r
 
 The calls a recipe makes:
 
-- ``Checkpointer(folder, family, hf, tokenizer_path).save(name, weights=..., recipe_state=..., rank_state=...)``
-- ``read_resume(folder, now=...)``: the state file, read ``weights_only``, checked against this run's settings
+- ``Checkpointer(folder, family, hf, tokenizer_path, background=...)``: ``save(name, weights=..., recipe_state=...,
+  rank_state=...)``; with ``background=True`` (async_checkpoint, ``_async_save``) also ``prepare`` after the first
+  step, ``poll`` at every step boundary, ``wait`` at the end (``settle`` on an error), ``metrics`` for the records
+- reading one back to continue: ``_resume.py`` (``read_resume``, the resume table)
 - ``check_finite_weights(state, ...)`` before a save; ``rng_state`` / ``set_rng_state`` for exact resume
 """
 
+import contextlib
+import functools
 import json
 import random
+import resource
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from finetune_base import BadInput, load_state_file
+from finetune_base import BadInput
 from finetune_base.run_files import RUN_FILE
-from recipes import _hf_format
-from recipes._packing import file_digest
+from recipes import _async_save, _hf_format
 from recipes._reporting import announce_saved
-from recipes._run_folder import RunFolder
+from recipes._run_folder import RunFolder, fsync_path
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
-
-# The resume table. A checkpoint records the run's settings (``run_settings``, in recipe_state.pt's "config"); a
-# resume compares them with its own, all in ``read_resume``. Each row: the recorded name, the rule, the config keys
-# it covers, and why. MUST: a difference is refused (one error line naming the key). WARN: accepted with a warning.
-# FREE: accepted without a word (those rows are not recorded; they are here so every config key has its rule).
-MUST, WARN, FREE = "must match", "may change, with a warning", "may change"
-_SAMPLES = "the data position and every later step's samples would differ from the interrupted run's"
-RESUME_TABLE = (
-    ("samples_per_step", MUST, ("batch_size", "gradient_accumulation_steps"),
-     f"batch_size x gradient_accumulation_steps (x ranks) samples make a step: with another number {_SAMPLES}"),
-    ("seed", MUST, ("seed",), f"the data order follows it: {_SAMPLES}"),
-    ("shuffle", MUST, ("shuffle",), f"the data order follows it: {_SAMPLES}"),
-    ("packed", MUST, (), f"packed rows hold other samples than single ones: {_SAMPLES}"),
-    ("dataset", MUST, ("dataset",), f"the dataset section (source, split, train_on_input, ...) makes the samples: "
-                                    f"{_SAMPLES}"),
-    ("data", MUST, ("data_dir",), f"the data files' content makes the samples (an edited file is other data): "
-                                  f"{_SAMPLES}"),
-    ("tokenizer", MUST, ("tokenizer",), "the tokenizer file and its settings (max_seq_len, prompt_template, ...) make "
-                                        f"every sample's tokens: {_SAMPLES}"),
-    ("dtype", MUST, ("dtype",), "the weights and the optimizer state were trained and saved in that dtype"),
-    ("optimizer", MUST, ("optimizer",), "the saved optimizer state is that optimizer's"),
-    ("optimizer_in_bwd", MUST, ("optimizer_in_bwd",), "the saved optimizer state has that layout"),
-    ("lr", MUST, (), "a resume continues the saved lr schedule"),
-    ("optimizer_settings", MUST, (), "the optimizer's settings (weight_decay, betas, eps, ...) are restored with its "
-                                     "state, so the checkpoint's would silently replace a new value"),
-    ("lr_scheduler", MUST, ("lr_scheduler",), "the saved schedule (its warmup included) continues; another one would "
-                                              "not"),
-    ("epochs", WARN, ("epochs",), "the lr schedule's length follows it: the schedule will not match the interrupted "
-                                  "run"),
-    ("max_steps_per_epoch", WARN, ("max_steps_per_epoch",), "the lr schedule's length follows it: the schedule will "
-                                                            "not match the interrupted run"),
-    ("clip_grad_norm", WARN, ("clip_grad_norm",), "every update from here on is clipped differently"),
-    ("world_size", FREE, (), "a step of the same size resumes on any number of ranks (a per-rank optimizer "
-                             "state, as the low-bit optimizers save, excepted: read_resume refuses another number)"),
-    ("model", FREE, ("model",), "the checkpoint's weights must fit it: another size fails when they load"),
-    ("how a step runs", FREE, ("device", "compile", "enable_activation_checkpointing", "ac_mode", "ac_option",
-                               "enable_activation_offloading", "device_memory_limit_gib", "loss",
-                               "fsdp_reshard_after_forward"), "memory and speed, not what a step computes"),
-    ("where and when the run writes", FREE, ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite",
-                                             "pack_cache_dir", "save_every_n_steps", "log_every_n_steps",
-                                             "metric_logger", "log_level", "max_consecutive_skipped_steps"),
-     "files, reports and limits, not the training"),
-)
-RESUME_RULES = {name: (rule, why) for name, rule, _, why in RESUME_TABLE}
-CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
-# torch.optim's keyword arguments that select an implementation, not the math (not compared on resume)
-BACKEND_FLAGS = ("fused", "foreach", "capturable", "differentiable")
-def run_settings(s, *, packed: bool, world_size: Optional[int] = None) -> Dict[str, Any]:
-    """What a checkpoint records of the run (``s``: ``_settings.Settings``) for ``read_resume``: the MUST and WARN
-    rows of RESUME_TABLE, in plain types (paths replaced by their files' digests, so a moved file is the same)."""
-    dataset = {k: v for k, v in (s.dataset_cfg or {}).items() if k not in ("data_files", "packed")}
-    tokenizer = {k: v for k, v in (s.tokenizer_cfg or {}).items() if k != "path"}
-    tokenizer["file"] = file_digest(s.tokenizer_path)
-    kwargs = OmegaConf.to_container(s.optimizer.kwargs, resolve=True)
-    settings = {
-        "batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed, "shuffle": s.shuffle,
-        "packed": packed, "dataset": dataset, "data": [file_digest(Path(f)) for f in s.data_files],
-        "tokenizer": tokenizer, "dtype": s.dtype_name, "optimizer": s.optimizer.path,
-        "optimizer_in_bwd": s.optimizer_in_bwd, "lr": s.optimizer.lr,
-        "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in BACKEND_FLAGS},
-        "lr_scheduler": None if s.lr_scheduler is None else OmegaConf.to_container(s.lr_scheduler, resolve=True),
-        "epochs": s.epochs, "max_steps_per_epoch": s.max_steps_per_epoch, "clip_grad_norm": s.clip,
-    }
-    if world_size is not None:
-        settings["world_size"] = world_size
-    return settings
-
 
 class NonFiniteStop(BadInput):
     """Training cannot go on: too many non-finite steps in a row, or one that was already applied."""
@@ -135,144 +72,260 @@ def set_rng_state(rng: Dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-class Checkpointer:
-    """Writes step_N / epoch_E folders into a claimed run folder, in one model family's HF format."""
+class _InFlight:
+    """The checkpoint a background job is writing: where, since when, and what training paid for it."""
 
-    def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path):
+    def __init__(self, name: str, tmp: Path, started: float, blocked: float, need_bytes: Callable[[], int]):
+        self.name, self.tmp, self.started, self.blocked, self.need_bytes = name, tmp, started, blocked, need_bytes
+
+
+def write_run_file(folder: Path, run_info: Optional[dict], recipe_state: dict) -> None:
+    """``run.json``: the run that wrote the checkpoint (its identity and wandb run: finetune_base.run_files) with the
+    checkpoint's global step, so the eval can add its scores to that run. Nothing without a run to name."""
+    if run_info is not None:
+        run = {**run_info, "global_step": recipe_state.get("global_step")}
+        (folder / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+
+class Checkpointer:
+    """Writes step_N / epoch_E folders into a claimed run folder, in one model family's HF format.
+
+    Synchronous (``background=False``): ``save`` writes and publishes the folder before it returns. In the background
+    (``async_checkpoint=True``, ``_async_save``): ``save`` copies the checkpoint's tensors into staging buffers and
+    returns; a thread writes them into the temporary folder, and ``poll`` (every step boundary) or ``wait`` (before
+    the next save, at the end) publishes it once every rank has written its part, or raises the write's error. At
+    most one save is in flight. Both produce the same files.
+    """
+
+    def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path, *,
+                 background: bool = False, device: Any = "cpu", memory_limit_gib: Optional[float] = None,
+                 on_saved: Optional[Callable[[Path], None]] = None, log=None):
         self.folder, self.family, self.hf, self.tokenizer_path = folder, family, hf, Path(tokenizer_path)
         # The run that writes the checkpoints (its identity and wandb run: finetune_base.run_files), written into
         # each as run.json with the checkpoint's global step, so the eval can add its scores to that run.
         self.run_info: Optional[dict] = None
+        self.background = background
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._staging = _async_save.Staging(self._device, memory_limit_gib) if background else None
+        self._on_saved, self._log = on_saved, log
+        self._job: Optional[_async_save.Job] = None  # the background job: a staging allocation, or a write
+        self._inflight: Optional[_InFlight] = None  # the save that job writes
+        self._writes: List[_async_save.Job] = []  # recent writes, to tell which steps ran beside one
+        self._record: Dict[str, Any] = {}  # figures for the next metrics record
+        self._stream, self._bounce, self._told = None, None, False
 
-    def save(self, name: str, *, weights: Optional[Dict[str, torch.Tensor]], recipe_state: Optional[dict],
+    # -- saving ------------------------------------------------------------------------------------
+
+    def save(self, name: str, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
              need_bytes: Callable[[], int], rank_state: Optional[dict] = None,
-             started: Optional[float] = None) -> Path:
+             started: Optional[float] = None) -> None:
         """``{output_dir}/{name}/``: rank 0 writes the HF folder from ``weights`` (full, torchtune names) and
-        ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. Prints the
-        "Saved checkpoint" line with its size and the time since ``started`` (the recipe's start of the save)."""
+        ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. The parts may hold
+        ``_async_save.Gather`` (a weight gathered from the ranks' shards) and ``_async_save.Owned`` (a private copy)
+        leaves. Prints the "Saved checkpoint" line once the folder is in place; ``started``: when the recipe began
+        the save (the time since is what training was blocked)."""
         started = time.perf_counter() if started is None else started
+        parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
+        if self.background:
+            self.wait()  # at most one save in flight: the previous one is published (or fails) first
+            layout = self._plan(parts)
+            if layout is not None and self._start(name, parts, layout, need_bytes, started):
+                return
+        self._save_now(name, _async_save.materialize(parts), need_bytes, started)
+
+    def _save_now(self, name: str, parts: dict, need_bytes: Callable[[], int], started: float) -> None:
         ranks = self.folder.ranks
 
         def write(tmp: Path) -> None:
-            if rank_state is not None:
-                torch.save(rank_state, tmp / RANK_STATE_FILE.format(rank=ranks.rank))
+            if parts["rank_state"] is not None:
+                torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
             if ranks.main:
-                _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
-                torch.save(recipe_state, tmp / RECIPE_STATE_FILE)
-                if self.run_info is not None:
-                    run = {**self.run_info, "global_step": recipe_state.get("global_step")}
-                    (tmp / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+                _hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
+                torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
+                write_run_file(tmp, self.run_info, parts["recipe_state"])
 
         final = self.folder.publish(name, write, need_bytes)
+        seconds = time.perf_counter() - started
         if ranks.main:
             announce_saved(final, started)
-        return final
+        self._note(checkpoint_saved=name, checkpoint_blocked_s=seconds, checkpoint_write_s=seconds)
+        if self._on_saved is not None:
+            self._on_saved(final)
 
-
-def read_state_file(path: Path, mmap: bool = False) -> dict:
-    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune_base)."""
-    fix = (f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
-           f"with checkpoint_dir={path.parent} and no resume_from_checkpoint")
-    state = load_state_file(path, mmap=mmap, fix=fix)
-    if not isinstance(state, dict) or "optimizer" not in state or (path.name == RECIPE_STATE_FILE
-                                                                   and "config" not in state):
-        raise BadInput(f"{path} is not a recipe state file this recipe wrote; {fix}")
-    return state
-
-
-def read_rank_state(folder: Path, ranks, *, required: bool) -> dict:
-    """This rank's ``recipe_state_rank{r}.pt`` from a checkpoint (``{}`` if it has none and none is ``required``),
-    read by every rank at once: a file that one rank cannot read (missing, truncated, planted) is the same one-line
-    error on every rank, rather than an error on one and a broken connection on the others."""
-    path = Path(folder) / RANK_STATE_FILE.format(rank=ranks.rank)
-    state, error = {}, None
-    try:
-        if path.is_file():
-            state = read_state_file(path)
-        elif required:
-            raise BadInput(f"resume_from_checkpoint={folder} lacks {path.name} (each rank's share of the optimizer "
-                           "state); resume from a checkpoint that has it, with the rank count that wrote it")
-    except BadInput as e:
-        error = str(e)
-    ranks.agree_any(error)
-    return state
-
-
-def _flat(prefix: str, value: Any) -> Dict[str, Any]:
-    """A section as {"section.key": value} (nested sections joined with dots), for messages that name the key."""
-    if isinstance(value, dict):
-        out: Dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flat(f"{prefix}.{k}", v))
-        return out or {prefix: {}}
-    return {prefix: value}
-
-
-def _difference(name: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[tuple]:
-    """(what differs, how to resume instead) between the recorded setting ``name`` and this run's, or None."""
-    if saved[name] == now[name]:
+    def _plan(self, parts: dict) -> Optional[_async_save.Layout]:
+        """Where this save's snapshot goes; None (every rank agrees) where some rank's host lacks the memory."""
+        layout = self._staging.plan(parts)
+        if all(self.folder.ranks.gather(layout is not None)):
+            return layout
+        if self._log is not None and not self._told:
+            self._log.warning(
+                "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while it is "
+                "written (it would pin the part that does not fit in spare GPU memory), so checkpoints are written "
+                "synchronously and training waits for each; free host memory, or set async_checkpoint=False")
+            self._told = True
         return None
-    if name == "samples_per_step":
-        ranks = " x ranks" if "world_size" in now else ""
-        return (f"batch_size x gradient_accumulation_steps{ranks} = {now[name]} samples per step differs from the "
-                f"checkpoint's {saved[name]}", f"{saved[name]} samples per step (e.g. batch_size="
-                f"{saved['batch_size']} gradient_accumulation_steps={saved['gradient_accumulation_steps']})")
-    if name == "data":
-        return "the content of the data files (dataset.data_files) differs from the checkpoint's", \
-            "the data files it was trained on"
-    key = CONFIG_NAMES.get(name, name)
-    flat_saved, flat_now = _flat(key, saved[name]), _flat(key, now[name])
-    for k in sorted(set(flat_saved) | set(flat_now), key=lambda k: (k not in flat_saved or k not in flat_now, k)):
-        if flat_saved.get(k) != flat_now.get(k):
-            was, value = flat_saved.get(k, "(unset)"), flat_now.get(k, "(unset)")
-            return f"{k}={value} differs from the checkpoint's {was}", f"{k}={was}"
-    return None
 
+    def _start(self, name: str, parts: dict, layout: "_async_save.Layout", need_bytes: Callable[[], int],
+               started: float) -> bool:
+        """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
+        the save is then synchronous, and later ones keep their snapshots in host memory)."""
+        try:
+            snap, ready = self._staging.snapshot(parts, layout)
+        except torch.cuda.OutOfMemoryError:
+            if self.folder.ranks.world > 1:
+                raise
+            self._staging.no_gpu()
+            return False
+        tmp = self.folder.begin(name)
+        blocked = time.perf_counter() - started
+        self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
+        self._job = _async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
+        self._writes = self._writes[-3:] + [self._job]  # (ranks that never log keep only the last few)
+        self._note(checkpoint_blocked_s=blocked, checkpoint_staged_gpu_gib=layout.gpu_bytes / 2**30,
+                   checkpoint_staged_host_gib=layout.host_bytes / 2**30,
+                   host_pinned_gib=self._staging.pinned_bytes / 2**30)
+        if self._log is not None and not self._told:
+            where = [f"{b / 2**30:.2f} GiB {what}" for b, what in (
+                (layout.gpu_bytes, "in spare GPU memory, freed once written"),
+                (layout.host_bytes, f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for "
+                                    "the run")) if b]
+            self._log.info(f"async_checkpoint=True: each save copies the checkpoint's tensors ({' and '.join(where)}; "
+                           f"training was blocked {blocked:.2f} s for {name}) and writes them in the background")
+            self._told = True
+        return True
 
-def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=None) -> dict:
-    """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (``run_settings``) by every MUST
-    and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
-    checkpoint did not record (one written before that row existed) is not compared."""
-    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
-    saved, now = dict(state["config"]), dict(now)
-    saved_world = saved.get("world_size", 1)
-    if state.get("optimizer_layout") == "per_rank" and now.get("world_size", saved_world) != saved_world:
-        # (first: with another rank count nothing else can make this checkpoint resume)
-        raise BadInput(f"resume_from_checkpoint={folder} was saved by {saved_world} ranks and its optimizer state "
-                       f"({saved.get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
-                       f"{saved_world}, or start a new run from its weights with checkpoint_dir=...")
-    for d in (saved, now):  # the samples per step: per rank x accumulation x ranks (1 in the single-device recipe)
-        if "batch_size" in d and "gradient_accumulation_steps" in d:
-            d["samples_per_step"] = d["batch_size"] * d["gradient_accumulation_steps"] * d.get("world_size", 1)
-    for name, (rule, why) in RESUME_RULES.items():
-        if rule == FREE or name not in saved or name not in now:
-            continue
-        diff = _difference(name, saved, now)
-        if diff is None:
-            continue
-        what, back = diff
-        if rule == MUST:
-            raise BadInput(f"{what} (resume_from_checkpoint={folder}): {why}; resume with {back}, or start a new run "
-                           "from its weights with checkpoint_dir=... and no resume_from_checkpoint")
-        if log is not None:
-            log.warning(f"{what}: {why}")
-    return state
+    def _write(self, tmp: Path, snap: dict, ready) -> None:
+        """The writer thread: this rank's files of the checkpoint, from the snapshot, each fsynced (rank 0 renames
+        the folder into place on its main thread, after every rank has written: ``commit``)."""
+        ranks = self.folder.ranks
+        own = RANK_STATE_FILE.format(rank=ranks.rank)
+        with self._writer_stream(ready):
+            if snap["rank_state"] is not None:
+                _async_save.pinned_torch_save(snap["rank_state"], tmp / own)
+            if ranks.main:
+                weights = snap["weights"]
+                if any(t.is_cuda for t in weights.values()):  # held on the GPU: streamed through a pinned buffer
+                    if self._bounce is None:
+                        self._bounce = torch.empty(_async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
+                    convert = functools.partial(_hf_format.to_hf, hf=self.hf, family=self.family)
+                    _async_save.write_safetensors(tmp / _hf_format.WEIGHTS_FILE, weights, convert,
+                                                  _hf_format.WEIGHTS_METADATA, self._bounce)
+                    _hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
+                else:  # in host memory: the very writer of a synchronous save
+                    _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
+                _async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
+                write_run_file(tmp, self.run_info, snap["recipe_state"])
+        for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
+            if f.name == own or (ranks.main and not f.name.startswith("recipe_state_rank")):
+                fsync_path(f)
 
+    @contextlib.contextmanager
+    def _writer_stream(self, ready):
+        """On a GPU: the writer's copies run on a stream of their own, after the snapshot's (``ready``), so they
+        overlap the training stream's work instead of queueing behind it."""
+        if ready is None:
+            yield
+            return
+        torch.cuda.set_device(self._device)  # (the current device is per thread)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        self._stream.wait_event(ready)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:  # its copies are done before the snapshot's GPU memory goes back to the training stream
+            self._stream.synchronize()
 
-def progress_after(state: dict, steps_per_epoch: int) -> tuple:
-    """(epoch, steps into it, global step) a resume from ``state`` starts at: a checkpoint at an epoch's last
-    step continues with the next epoch."""
-    epoch, steps = state["epoch"], state["steps_in_epoch"]
-    if steps >= steps_per_epoch:
-        epoch, steps = epoch + 1, 0
-    return epoch, steps, state["global_step"]
+    # -- the save in flight --------------------------------------------------------------------------
 
+    def prepare(self, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
+                rank_state: Optional[dict] = None) -> None:
+        """Plan the staging for checkpoints shaped like these parts and allocate its host buffer on a background
+        thread (pinning ~20 GB takes ~2 s, better not inside the first save). Call it once, after the first optimizer
+        step (the optimizer state exists by then); every rank calls it."""
+        if not self.background or self._job is not None:
+            return
+        layout = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
+        if layout is not None:
+            self._job = _async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
 
-def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int],
-                 log) -> str:
-    """A resume from the end of training: says so (warning) and returns the phrase the summary uses."""
-    phrase = (f"resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of training "
-              f"with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}")
-    log.warning(f"{phrase}: nothing to train, nothing will be written. To train further, raise epochs or "
-                "max_steps_per_epoch (the lr schedule then differs from the finished run's)")
-    return phrase
+    @property
+    def writing(self) -> bool:
+        """This rank's writer is still writing the checkpoint in flight."""
+        return self._inflight is not None and not self._job.done
+
+    def poll(self, all_written: Optional[bool] = None) -> None:
+        """At a step boundary: publish the checkpoint in flight if every rank has written its part, or raise the
+        error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds
+        ``writing`` into its step's all-reduce); left out, this process's own writer decides."""
+        if self._inflight is None:
+            return
+        if self._job.done if all_written is None else all_written:
+            self._complete()
+
+    def wait(self) -> None:
+        """Until the background job is over, publishing the checkpoint it wrote (or raising its error). Every rank
+        calls it at the same point: before a save, and at the end of training."""
+        if self._job is None:
+            return
+        self._job.join()
+        if self._inflight is not None:
+            self._complete()
+            return
+        job, self._job = self._job, None  # a staging allocation: if it failed, the save allocates again
+        if job.error is not None and self._log is not None:
+            self._log.warning(f"could not allocate the checkpoint staging buffer in the background ({job.error!r}); "
+                              "the next save allocates it")
+
+    def settle(self) -> None:
+        """Training stopped on an error: let the checkpoint in flight be published (it is a good one), reporting a
+        failed write as a warning, since the error that stopped training is the one to show."""
+        try:
+            self.wait()
+        except Exception as e:
+            if self._log is not None:
+                self._log.warning(f"the checkpoint being written in the background was lost too: {e}")
+
+    def _complete(self) -> None:
+        f, job = self._inflight, self._job
+        job.join()
+        self._inflight = self._job = None
+        error = job.error if job.error is None or isinstance(job.error, Exception) else RuntimeError(repr(job.error))
+        final = self.folder.commit(f.name, f.tmp, error, f.need_bytes)
+        write_s = job.ended - job.started
+        if self.folder.ranks.main:
+            announce_saved(final, f.started, background=(write_s, f.blocked))
+        self._note(checkpoint_saved=f.name, checkpoint_write_s=write_s)
+        if self._on_saved is not None:
+            self._on_saved(final)
+
+    # -- figures ---------------------------------------------------------------------------------------
+
+    def _note(self, **fields) -> None:
+        blocked = self._record.get("checkpoint_blocked_s", 0.0)
+        self._record.update(fields)
+        if "checkpoint_blocked_s" in fields:  # (a save that waited for the previous one: both count)
+            self._record["checkpoint_blocked_s"] = blocked + fields["checkpoint_blocked_s"]
+
+    def metrics(self, since: float) -> Dict[str, Any]:
+        """The checkpoint figures for the metrics record of a step that began at ``since`` (perf_counter): what the
+        saves since the last record cost (``checkpoint_blocked_s``: training waited; ``checkpoint_write_s``: the
+        write of ``checkpoint_saved``; where its snapshot was held), and ``checkpoint_writing: True`` when a
+        background write ran during the step."""
+        out, self._record = self._record, {}
+        if out:
+            out["peak_host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        self._writes = [j for j in self._writes if not j.done or j.ended > since]
+        if self._writes:
+            out["checkpoint_writing"] = True
+        return out
+
+    def close(self) -> None:
+        """The end of the run: give the staging buffer back (after an allocation still running; a write still
+        running, after an interrupt, keeps the memory it reads until it dies with the process)."""
+        if self._job is not None and self._inflight is None:
+            self._job.join()
+        if self._staging is not None:
+            self._staging.release()

@@ -24,6 +24,7 @@ from finetune_base import BadInput, hf_weight_files, load_state_file
 
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+WEIGHTS_METADATA = {"format": "pt"}  # model.safetensors' header metadata, as transformers writes it
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,12 @@ def to_tune(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[st
                              dim=hf["hidden_size"], head_dim=hf["head_dim"])
 
 
+def to_hf(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[str, torch.Tensor]:
+    """torchtune's names and layout to HF's (q/k permuted back), for the shapes in ``hf``; on the tensors' device."""
+    return family.tune_to_hf(state, num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+                             dim=hf["hidden_size"], head_dim=hf["head_dim"])
+
+
 def misfit_error(folder: Path, detail: str) -> BadInput:
     return BadInput(
         f"the weights in {folder} do not fit the model config ({detail}); make the config's model section "
@@ -145,11 +152,14 @@ def write_folder(folder: Path, tune_state: Dict[str, torch.Tensor], hf: dict, fa
                  tokenizer_path: Path) -> None:
     """The weights (converted to HF names, on the CPU), config.json, generation_config.json and the tokenizer's
     files into ``folder``, which the caller publishes."""
-    state = family.tune_to_hf(tune_state, num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                              dim=hf["hidden_size"], head_dim=hf["head_dim"])
-    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    state = {k: v.detach().to("cpu").contiguous() for k, v in to_hf(tune_state, hf, family).items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata=WEIGHTS_METADATA)
     del state
+    write_config_and_tokenizer(folder, hf, family, tokenizer_path)
+
+
+def write_config_and_tokenizer(folder: Path, hf: dict, family: Family, tokenizer_path: Path) -> None:
+    """The folder's files beside the weights: config.json, generation_config.json and the tokenizer's."""
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": hf["eos_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -251,6 +251,13 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _write_error(e: BaseException, name: str, ranks: "Ranks") -> BadInput:
+    """A checkpoint that could not be written for another reason than a full disk (permissions, say)."""
+    who = f"rank {ranks.rank} " if ranks.world > 1 else ""
+    return BadInput(f"{who}could not write {name} ({_first_line(e)}); nothing was replaced: fix the cause, or set "
+                    "output_dir=DIR to another folder")
+
+
 class RunFolder:
     """``output_dir`` as one run owns it: ``claim`` it, ``refuse_reuse``, ``publish`` checkpoints, ``release``."""
 
@@ -314,8 +321,7 @@ class RunFolder:
         by rank 0, or nothing at all. A failure on any rank is the same error on every rank, raised after each has
         finished its own part; the temporary folder is removed and nothing under ``name`` is replaced.
         ``need_bytes()`` (this rank's share of the checkpoint) is asked only to tell a full disk."""
-        final = self.path / name
-        tmp = Path(self.ranks.broadcast(str(tmp_dir(self.path, name)) if self.ranks.main else None))
+        tmp = self.begin(name)
         error = None
         try:
             write(tmp)
@@ -324,6 +330,29 @@ class RunFolder:
         except BaseException:  # Ctrl-C mid-write: leave no temporary folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        return self.commit(name, tmp, error, need_bytes)
+
+    # publish in two halves, for a checkpoint written in the background (``_checkpoint.Checkpointer``): ``begin`` at
+    # the save, the ranks' writes on their writer threads, ``commit`` at a later step boundary. Both halves run
+    # collectives, so every rank calls them from its main thread, at the same point of training.
+
+    def begin(self, name: str) -> Path:
+        """The temporary folder every rank writes its part of ``name`` into (rank 0 creates it)."""
+        path, error = None, None
+        if self.ranks.main:
+            try:
+                path = str(tmp_dir(self.path, name))
+            except OSError as e:  # (a full disk, a folder made read-only under the run)
+                error = str(disk_full_error(e, self.path, name) or _write_error(e, name, self.ranks))
+        path, error = self.ranks.broadcast((path, error))
+        if error:
+            raise CheckpointWriteError(error)
+        return Path(path)
+
+    def commit(self, name: str, tmp: Path, error: Optional[Exception], need_bytes: Callable[[], int]) -> Path:
+        """Every rank has finished writing into ``tmp`` (``error``: how its part failed, or None): rank 0 fsyncs the
+        folder and renames it to ``{path}/{name}``, or every rank raises the first rank's error."""
+        final = self.path / name
         self._agree_written(error, tmp, final, need_bytes)  # every rank's file is written, or all raise
         error = None
         if self.ranks.main:
@@ -342,11 +371,9 @@ class RunFolder:
             if self.ranks.main:
                 shutil.rmtree(tmp, ignore_errors=True)  # (first: its bytes would hide how full the disk is)
             full = disk_full_error(error, self.path, final.name, need_bytes())
-            if full is None and self.ranks.world == 1:
-                raise error  # one process: an unexpected failure keeps its traceback
-            message = str(full) if full is not None else (
-                f"rank {self.ranks.rank} could not write {final.name} ({_first_line(error)}); nothing was replaced: "
-                "fix the cause, or set output_dir=DIR to another folder")
+            if full is None and self.ranks.world == 1 and not isinstance(error, OSError):
+                raise error  # one process: an unexpected failure (not the system's) keeps its traceback
+            message = str(full if full is not None else _write_error(error, final.name, self.ranks))
         failed = [m for m in self.ranks.gather(message) if m]
         if failed:
             if self.ranks.main:

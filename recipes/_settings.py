@@ -38,7 +38,8 @@ KNOWN_CONFIG_KEYS = (
     "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level", "fp8", "profiler",
+    "save_every_n_steps", "async_checkpoint", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
+    "fp8", "profiler",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
@@ -194,6 +195,7 @@ class Settings:
     tokenizer_cfg: Optional[dict] = None
     dataset_cfg: Optional[dict] = None
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
+    async_checkpoint: bool = True  # write checkpoints in the background (_async_save.py)
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -260,6 +262,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                        f"model.num_kv_heads={heads}")
     number(cfg, "tokenizer.max_seq_len", integer=True, low=0, strict=True, allow_none=True, example=512)
     overwrite = flag(cfg, "overwrite")
+    async_checkpoint = flag(cfg, "async_checkpoint", default=True)
 
     optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
     if optimizer_in_bwd and accum > 1:
@@ -341,7 +344,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         lr_scheduler=lr_scheduler(cfg), dtype_name=dtype_name,
         tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
         dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
-        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)))
+        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+        async_checkpoint=async_checkpoint)
 
 
 def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:

@@ -20,6 +20,7 @@ The keys that differ:
     enable_activation_offloading     not supported (refused)
     optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
     fp8                              as single-device: FP8 matmuls; the FSDP2 all-gathers stay in bf16
+    async_checkpoint                 each rank snapshots its part; the ranks agree in the step's all-reduce
 """
 
 import contextlib
@@ -45,7 +46,8 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format, _metrics, _wandb  # noqa: E402
+from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _wandb  # noqa: E402
+from recipes._async_save import Gather, Owned  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
@@ -150,7 +152,10 @@ class FullFinetuneRecipeDistributed:
         self._check_tokenizer_fits_model()
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
+        self._checkpointer = Checkpointer(
+            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
+            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log if self._rank0 else None,
+            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device,
                                   rank=self._rank)
@@ -267,20 +272,20 @@ class FullFinetuneRecipeDistributed:
                            "model.max_seq_len")
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps (``_checkpoint.RESUME_TABLE``), with the rank count: a resume compares
+        """The settings recipe_state.pt keeps (``_resume.RESUME_TABLE``), with the rank count: a resume compares
         the samples per step (batch_size x gradient_accumulation_steps x ranks), so another rank count with the same
         global batch resumes exactly."""
-        return _checkpoint.run_settings(self.settings, packed=self._packed, world_size=self._world)
+        return _resume.run_settings(self.settings, packed=self._packed, world_size=self._world)
 
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = _checkpoint.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
+        state = _resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
                                         log=log if self._rank0 else None)
         saved_world = state["config"].get("world_size", 1)
         layout = state.get("optimizer_layout", "full")  # (per_rank: read_resume refused another rank count)
         # Every rank reads its own file and loads its own shard; any rank's failure stops all of them together.
-        rank_state = _checkpoint.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
+        rank_state = _resume.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
         error = None
         try:
             if layout == "per_rank":
@@ -298,9 +303,9 @@ class FullFinetuneRecipeDistributed:
         utils.log_rank_zero(log, f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
                                  f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
                                  f"in epoch_{state['epoch']}")
-        self.epoch, self.steps_in_epoch, self.global_step = _checkpoint.progress_after(state, self._steps_per_epoch)
+        self.epoch, self.steps_in_epoch, self.global_step = _resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs and self._rank0:
-            self._nothing_left = _checkpoint.nothing_left(s.resume_dir, self.global_step, s.epochs,
+            self._nothing_left = _resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
                                                           s.max_steps_per_epoch, log)
         return rank_state.get("rng") if saved_world == self._world else None
 
@@ -356,13 +361,18 @@ class FullFinetuneRecipeDistributed:
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
         checkpoint (the signal is folded into the step's all-reduce of the loss); one that came during setup ends
-        it before the first step."""
+        it before the first step. It returns once the last checkpoint is written by every rank."""
         if self._any_rank(self._stop.received):
             utils.log_rank_zero(log, "Stopped by a signal during setup: nothing trained, no checkpoint written")
             self._summary.stop = self._stop.name or "SIGTERM"
             return
         with self._profiler:
-            self._train()
+            try:
+                self._train()
+            except BadInput:  # (raised on every rank at the same point: they can still agree on the write)
+                self._checkpointer.settle()
+                raise
+            self._checkpointer.wait()
 
     def _train(self) -> None:
         s = self.settings
@@ -395,12 +405,14 @@ class FullFinetuneRecipeDistributed:
                 # Loss and token count over all ranks. FSDP2 averages the gradient shards over ranks, so
                 # the sum over all tokens is world/num_tokens times that average. (A signal on any rank stops all.)
                 # (torch.full fills on the device from a kernel argument: no host-to-device copy)
+                # (So do the ranks still writing a checkpoint in the background: published once none is.)
                 f64 = dict(dtype=torch.float64, device=self._device)
                 totals = torch.stack([torch.as_tensor(running_loss, **f64), torch.as_tensor(num_tokens, **f64),
                                       torch.full((), float(self._stop.received), **f64),
-                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64)])
+                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64),
+                                      torch.full((), float(self._checkpointer.writing), **f64)])
                 dist.all_reduce(totals)
-                total_loss, total_tokens, stop, norm_sum = totals.tolist()
+                total_loss, total_tokens, stop, norm_sum, writing = totals.tolist()
                 # Every rank decides from the reduced flag, never from its own: a signal that lands on one rank after
                 # this all-reduce is folded into the next step's, so all ranks stop at the same boundary.
                 stop_now = bool(stop)
@@ -434,6 +446,8 @@ class FullFinetuneRecipeDistributed:
                 self.global_step += 1
 
                 loss_value = total_loss / total_tokens
+                if self._summary.first is None:  # the optimizer state exists now: size the checkpoint staging
+                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch, gather_optimizer=False))
                 self._summary.step(self.global_step, loss_value)
                 # Every step is recorded by rank 0 (the terminal gets a line every log_every_n_steps: MetricsLog).
                 record = self._reduced_record(
@@ -442,9 +456,11 @@ class FullFinetuneRecipeDistributed:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 if self._rank0:
+                    record.update(self._checkpointer.metrics(since=t0))
                     self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss, num_tokens = 0.0, 0
+                self._checkpointer.poll(all_written=writing == 0)  # every rank has written: published here
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
@@ -474,7 +490,8 @@ class FullFinetuneRecipeDistributed:
 
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
         """Every rank calls this. Rank 0 writes the HF weights and recipe_state.pt, each rank its own
-        recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place."""
+        recipe_state_rank{r}.pt, all into one temporary folder that rank 0 renames into place (with
+        async_checkpoint, from copies taken now, written while training goes on)."""
         started, final = time.perf_counter(), self.settings.output_dir / name
         local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self._model.state_dict().items()}
         bad = torch.tensor(float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())),
@@ -483,10 +500,23 @@ class FullFinetuneRecipeDistributed:
         if bad.item():
             raise NonFiniteStop(f"the weights at step {self.global_step} are not finite: refused to write {final}; "
                                 "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0")
-        full_weights = training.gather_cpu_state_dict(self._model, self._rank0, self._device)
+
+        def need_bytes() -> int:
+            # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
+            opt = _reporting.optimizer_state_bytes(self._optimizers)
+            return _reporting.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
+
+        self._checkpointer.save(name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes,
+                                started=started)
+
+    def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
+        """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them
+        (``Gather``: rank 0 keeps them); torch's optimizer state is gathered to rank 0's host memory now (``Owned``:
+        a copy already; left out with ``gather_optimizer=False``, for sizing the staging); the rest are live
+        references."""
         layout = optimizer_state_layout(self._optimizer)
         full_optimizer = None
-        if layout == "full":
+        if layout == "full" and gather_optimizer:
             full_optimizer = training.get_full_optimizer_state_dict(self._model, self._optimizer, self._rank0,
                                                                    self._device)
         recipe_state = None
@@ -497,22 +527,15 @@ class FullFinetuneRecipeDistributed:
                 "global_step": self.global_step,
                 **self._skips.state(),  # skipped steps, in total and in a row
                 "optimizer_layout": layout,
-                "optimizer": full_optimizer,
+                "optimizer": Owned(full_optimizer),
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
                 "rng": _checkpoint.rng_state(self._device),
                 "config": self._run_settings(),
             }
         rank_state = {"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
                       "rng": _checkpoint.rng_state(self._device)}
-
-        def need_bytes() -> int:
-            # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
-            opt = _reporting.optimizer_state_bytes(self._optimizers)
-            return _reporting.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
-
-        self._checkpointer.save(name, weights=full_weights, recipe_state=recipe_state, rank_state=rank_state,
-                                need_bytes=need_bytes, started=started)
-        self._summary.saved_checkpoint(final)
+        weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
+        return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 
     # -- the end of a run ------------------------------------------------------------------------
 
@@ -529,6 +552,8 @@ class FullFinetuneRecipeDistributed:
         dist.destroy_process_group()
 
     def release(self) -> None:
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.close()
         self._folder.release()
         self._stop.uninstall()
 

@@ -20,12 +20,10 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     profiler                         torchtune's profiler: profiler.enabled=True, its schedule keys (default off)
     device                           cuda (default) or cpu
     dtype                            bf16 (default) or fp32; no mixed precision
-    seed                             data order and random init (default 0)
-    shuffle                          reshuffle every epoch (default True)
+    seed, shuffle                    data order and random init (default 0); reshuffle every epoch (default True)
     batch_size                       samples per micro-batch
     gradient_accumulation_steps      micro-batches per optimizer step
-    epochs                           passes over the data
-    max_steps_per_epoch              optimizer steps per epoch; null = the whole epoch
+    epochs, max_steps_per_epoch      passes over the data; optimizer steps per epoch (null = the whole epoch)
     clip_grad_norm                   clip the global grad norm to this; null = no clipping
     optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
     compile                          torch.compile per layer and on the loss (default False)
@@ -37,6 +35,7 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     pack_cache_dir                   cache of tokenized samples for packing; off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
     log_every_n_steps                a metrics line on the terminal every N steps (every step is recorded)
+    async_checkpoint                 write checkpoints in the background (default True); False = training waits
     max_consecutive_skipped_steps    non-finite steps in a row that stop the run (default 10)
     log_level                        INFO (default); DEBUG also prints the config; WARNING
 """
@@ -59,7 +58,7 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format, _metrics, _wandb  # noqa: E402
+from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _wandb  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
@@ -113,7 +112,10 @@ class FullFinetuneRecipeSingleDevice:
         self._check_tokenizer_fits_model()
         resume_state = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(self._folder, self._family, self._hf_config, s.tokenizer_path)
+        self._checkpointer = Checkpointer(
+            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
+            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log,
+            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device)
         self._identity = _wandb.run_identity(cfg, s, packed=self._packed)
@@ -202,12 +204,12 @@ class FullFinetuneRecipeSingleDevice:
                            "model.max_seq_len")
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps, for a resume to compare (``_checkpoint.RESUME_TABLE``)."""
-        return _checkpoint.run_settings(self.settings, packed=self._packed)
+        """The settings recipe_state.pt keeps, for a resume to compare (``_resume.RESUME_TABLE``)."""
+        return _resume.run_settings(self.settings, packed=self._packed)
 
     def _load_resume_state(self) -> dict:
         s = self.settings
-        state = _checkpoint.read_resume(s.resume_dir, now=self._run_settings(), log=log)
+        state = _resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
         try:
             (self._optim_wrapper if s.optimizer_in_bwd else self._optimizer).load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
@@ -218,9 +220,9 @@ class FullFinetuneRecipeSingleDevice:
         self._skips.restore(state)
         log.info(f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
                  f"of {self._steps_per_epoch} in epoch_{state['epoch']}")
-        self.epoch, self.steps_in_epoch, self.global_step = _checkpoint.progress_after(state, self._steps_per_epoch)
+        self.epoch, self.steps_in_epoch, self.global_step = _resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs:
-            self._nothing_left = _checkpoint.nothing_left(s.resume_dir, self.global_step, s.epochs,
+            self._nothing_left = _resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
                                                           s.max_steps_per_epoch, log)
         return state
 
@@ -245,9 +247,15 @@ class FullFinetuneRecipeSingleDevice:
         return float(self._optimizer.param_groups[0]["lr"])
 
     def train(self) -> None:
-        """The training loop. A stop signal (SIGTERM, SIGUSR1) ends it at the next step boundary, after a checkpoint."""
+        """The training loop. A stop signal (SIGTERM, SIGUSR1) ends it at the next step boundary, after a checkpoint.
+        It returns once the last checkpoint is written (one written in the background too)."""
         with self._stop, self._profiler:
-            self._train()
+            try:
+                self._train()
+            except Exception:
+                self._checkpointer.settle()  # a checkpoint still being written is a good one: publish it
+                raise
+            self._checkpointer.wait()
 
     def _train(self) -> None:
         s = self.settings
@@ -317,6 +325,8 @@ class FullFinetuneRecipeSingleDevice:
                 self._summary.step(self.global_step, loss_value)
                 if first_step_s is None:
                     first_step_s = time.perf_counter() - t_start
+                    # The optimizer state exists now: size the checkpoint staging buffers, off this thread.
+                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch))
                 # Every step is recorded (metrics.jsonl, the metric logger); the terminal gets a line every
                 # log_every_n_steps (MetricsLog), the bar the loss and tokens/s.
                 opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
@@ -343,6 +353,7 @@ class FullFinetuneRecipeSingleDevice:
                     first_logged = True
                 if s.compile:
                     record["compiled_graphs"] = _reporting.compiled_graphs()
+                record.update(self._checkpointer.metrics(since=t0))
                 if not math.isfinite(loss_value):
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)
@@ -350,6 +361,7 @@ class FullFinetuneRecipeSingleDevice:
                 self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss = 0.0
+                self._checkpointer.poll()  # a checkpoint written in the background is published (or fails) here
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
@@ -373,9 +385,17 @@ class FullFinetuneRecipeSingleDevice:
                 return
 
     def save_checkpoint(self, name: str, epoch: int, steps_in_epoch: int) -> None:
-        """``{output_dir}/{name}/``: the HF folder and recipe_state.pt, published atomically (``_checkpoint``)."""
-        started, model_sd = time.perf_counter(), self._model.state_dict()
+        """``{output_dir}/{name}/``: the HF folder and recipe_state.pt, published atomically (``_checkpoint``); with
+        async_checkpoint, a copy of them is taken now and written while training goes on."""
+        started, parts = time.perf_counter(), self._checkpoint_parts(epoch, steps_in_epoch)
+        model_sd = parts["weights"]
         check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step)
+        self._checkpointer.save(
+            name, **parts, started=started,
+            need_bytes=lambda: _reporting.checkpoint_bytes(model_sd, self._optimizers))
+
+    def _checkpoint_parts(self, epoch: int, steps_in_epoch: int) -> Dict[str, Any]:
+        """What a checkpoint holds, as live references: the weights and the recipe state."""
         recipe_state = {
             "epoch": epoch,
             "steps_in_epoch": steps_in_epoch,
@@ -388,10 +408,7 @@ class FullFinetuneRecipeSingleDevice:
             "rng": _checkpoint.rng_state(self._device, all_cuda=True),
             "config": self._run_settings(),
         }
-        final = self._checkpointer.save(
-            name, weights=model_sd, recipe_state=recipe_state,
-            need_bytes=lambda: _reporting.checkpoint_bytes(model_sd, self._optimizers), started=started)
-        self._summary.saved_checkpoint(final)
+        return {"weights": self._model.state_dict(), "recipe_state": recipe_state}
 
     # -- the end of a run ------------------------------------------------------------------------
 
@@ -406,6 +423,8 @@ class FullFinetuneRecipeSingleDevice:
         self._metrics.close()
 
     def release(self) -> None:
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.close()
         self._folder.release()
 
 

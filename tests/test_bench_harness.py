@@ -16,11 +16,11 @@ from conftest import DATA_DIR, FAST, REPO_ROOT, recipe_env
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness  # noqa: E402
 
-SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step"]
+SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step", "checkpoint_save"]
 # The fewest arguments each script needs to start a run (compare's config: the real one, by absolute path, so that
 # the copy below finds it).
 MINIMAL = {"compare": ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--variants", "fused"],
-           "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"]}
+           "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"], "checkpoint_save": ["--toy"]}
 
 
 def git(repo: Path, *args: str) -> str:

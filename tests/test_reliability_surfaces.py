@@ -160,12 +160,12 @@ def test_without_fcntl_locks_a_holder_elsewhere_is_live_while_its_lease_is_fresh
 def _read_rank_file(rank: int, folder: Path, port: int) -> None:
     import torch.distributed as dist
 
-    from recipes import _checkpoint
+    from recipes import _resume
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        _checkpoint.read_rank_state(folder, _run_folder.DistributedRanks(), required=False)
+        _resume.read_rank_state(folder, _run_folder.DistributedRanks(), required=False)
         result = "read"
     except _run_folder.BadInput as e:
         result = f"error: {e}"

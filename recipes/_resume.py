@@ -1,0 +1,197 @@
+"""Resume: reading a checkpoint back and checking it against the run that continues from it. Part of the checkpoint
+component (``_checkpoint.py`` writes what this reads).
+
+``run_settings`` is what a checkpoint records of its run (in recipe_state.pt's "config"); ``read_resume`` compares a
+resuming run's settings with it, row by row of RESUME_TABLE: each setting must match, may change with a warning, or
+may change freely, with the reason for each (docs/recipes.md prints the table).
+"""
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import OmegaConf
+
+from finetune_base import BadInput, load_state_file
+from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE
+from recipes._packing import file_digest
+
+# The resume table. A checkpoint records the run's settings (``run_settings``, in recipe_state.pt's "config"); a
+# resume compares them with its own, all in ``read_resume``. Each row: the recorded name, the rule, the config keys
+# it covers, and why. MUST: a difference is refused (one error line naming the key). WARN: accepted with a warning.
+# FREE: accepted without a word (those rows are not recorded; they are here so every config key has its rule).
+MUST, WARN, FREE = "must match", "may change, with a warning", "may change"
+_SAMPLES = "the data position and every later step's samples would differ from the interrupted run's"
+RESUME_TABLE = (
+    ("samples_per_step", MUST, ("batch_size", "gradient_accumulation_steps"),
+     f"batch_size x gradient_accumulation_steps (x ranks) samples make a step: with another number {_SAMPLES}"),
+    ("seed", MUST, ("seed",), f"the data order follows it: {_SAMPLES}"),
+    ("shuffle", MUST, ("shuffle",), f"the data order follows it: {_SAMPLES}"),
+    ("packed", MUST, (), f"packed rows hold other samples than single ones: {_SAMPLES}"),
+    ("dataset", MUST, ("dataset",), f"the dataset section (source, split, train_on_input, ...) makes the samples: "
+                                    f"{_SAMPLES}"),
+    ("data", MUST, ("data_dir",), f"the data files' content makes the samples (an edited file is other data): "
+                                  f"{_SAMPLES}"),
+    ("tokenizer", MUST, ("tokenizer",), "the tokenizer file and its settings (max_seq_len, prompt_template, ...) make "
+                                        f"every sample's tokens: {_SAMPLES}"),
+    ("dtype", MUST, ("dtype",), "the weights and the optimizer state were trained and saved in that dtype"),
+    ("optimizer", MUST, ("optimizer",), "the saved optimizer state is that optimizer's"),
+    ("optimizer_in_bwd", MUST, ("optimizer_in_bwd",), "the saved optimizer state has that layout"),
+    ("lr", MUST, (), "a resume continues the saved lr schedule"),
+    ("optimizer_settings", MUST, (), "the optimizer's settings (weight_decay, betas, eps, ...) are restored with its "
+                                     "state, so the checkpoint's would silently replace a new value"),
+    ("lr_scheduler", MUST, ("lr_scheduler",), "the saved schedule (its warmup included) continues; another one would "
+                                              "not"),
+    ("epochs", WARN, ("epochs",), "the lr schedule's length follows it: the schedule will not match the interrupted "
+                                  "run"),
+    ("max_steps_per_epoch", WARN, ("max_steps_per_epoch",), "the lr schedule's length follows it: the schedule will "
+                                                            "not match the interrupted run"),
+    ("clip_grad_norm", WARN, ("clip_grad_norm",), "every update from here on is clipped differently"),
+    ("fp8", WARN, ("fp8",), "the matmuls' precision changes (FP8 or bf16): the losses will not match the "
+                            "interrupted run's exactly"),
+    ("world_size", FREE, (), "a step of the same size resumes on any number of ranks (a per-rank optimizer "
+                             "state, as the low-bit optimizers save, excepted: read_resume refuses another number)"),
+    ("model", FREE, ("model",), "the checkpoint's weights must fit it: another size fails when they load"),
+    ("how a step runs", FREE, ("device", "compile", "enable_activation_checkpointing", "ac_mode", "ac_option",
+                               "enable_activation_offloading", "device_memory_limit_gib", "loss",
+                               "fsdp_reshard_after_forward"), "memory and speed, not what a step computes"),
+    ("where and when the run writes", FREE, ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite",
+                                             "pack_cache_dir", "save_every_n_steps", "log_every_n_steps",
+                                             "metric_logger", "log_level", "max_consecutive_skipped_steps",
+                                             "async_checkpoint", "profiler"),
+     "files, reports and limits, not the training"),
+)
+RESUME_RULES = {name: (rule, why) for name, rule, _, why in RESUME_TABLE}
+CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
+# torch.optim's keyword arguments that select an implementation, not the math (not compared on resume)
+BACKEND_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def run_settings(s, *, packed: bool, world_size: Optional[int] = None) -> Dict[str, Any]:
+    """What a checkpoint records of the run (``s``: ``_settings.Settings``) for ``read_resume``: the MUST and WARN
+    rows of RESUME_TABLE, in plain types (paths replaced by their files' digests, so a moved file is the same)."""
+    dataset = {k: v for k, v in (s.dataset_cfg or {}).items() if k not in ("data_files", "packed")}
+    tokenizer = {k: v for k, v in (s.tokenizer_cfg or {}).items() if k != "path"}
+    tokenizer["file"] = file_digest(s.tokenizer_path)
+    kwargs = OmegaConf.to_container(s.optimizer.kwargs, resolve=True)
+    settings = {
+        "batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed, "shuffle": s.shuffle,
+        "packed": packed, "dataset": dataset, "data": [file_digest(Path(f)) for f in s.data_files],
+        "tokenizer": tokenizer, "dtype": s.dtype_name, "optimizer": s.optimizer.path,
+        "optimizer_in_bwd": s.optimizer_in_bwd, "lr": s.optimizer.lr,
+        "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in BACKEND_FLAGS},
+        "lr_scheduler": None if s.lr_scheduler is None else OmegaConf.to_container(s.lr_scheduler, resolve=True),
+        "epochs": s.epochs, "max_steps_per_epoch": s.max_steps_per_epoch, "clip_grad_norm": s.clip,
+        "fp8": s.fp8,
+    }
+    if world_size is not None:
+        settings["world_size"] = world_size
+    return settings
+
+
+def read_state_file(path: Path, mmap: bool = False) -> dict:
+    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune_base)."""
+    fix = (f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
+           f"with checkpoint_dir={path.parent} and no resume_from_checkpoint")
+    state = load_state_file(path, mmap=mmap, fix=fix)
+    if not isinstance(state, dict) or "optimizer" not in state or (path.name == RECIPE_STATE_FILE
+                                                                   and "config" not in state):
+        raise BadInput(f"{path} is not a recipe state file this recipe wrote; {fix}")
+    return state
+
+
+def read_rank_state(folder: Path, ranks, *, required: bool) -> dict:
+    """This rank's ``recipe_state_rank{r}.pt`` from a checkpoint (``{}`` if it has none and none is ``required``),
+    read by every rank at once: a file that one rank cannot read (missing, truncated, planted) is the same one-line
+    error on every rank, rather than an error on one and a broken connection on the others."""
+    path = Path(folder) / RANK_STATE_FILE.format(rank=ranks.rank)
+    state, error = {}, None
+    try:
+        if path.is_file():
+            state = read_state_file(path)
+        elif required:
+            raise BadInput(f"resume_from_checkpoint={folder} lacks {path.name} (each rank's share of the optimizer "
+                           "state); resume from a checkpoint that has it, with the rank count that wrote it")
+    except BadInput as e:
+        error = str(e)
+    ranks.agree_any(error)
+    return state
+
+
+def _flat(prefix: str, value: Any) -> Dict[str, Any]:
+    """A section as {"section.key": value} (nested sections joined with dots), for messages that name the key."""
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(f"{prefix}.{k}", v))
+        return out or {prefix: {}}
+    return {prefix: value}
+
+
+def _difference(name: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[tuple]:
+    """(what differs, how to resume instead) between the recorded setting ``name`` and this run's, or None."""
+    if saved[name] == now[name]:
+        return None
+    if name == "samples_per_step":
+        ranks = " x ranks" if "world_size" in now else ""
+        return (f"batch_size x gradient_accumulation_steps{ranks} = {now[name]} samples per step differs from the "
+                f"checkpoint's {saved[name]}", f"{saved[name]} samples per step (e.g. batch_size="
+                f"{saved['batch_size']} gradient_accumulation_steps={saved['gradient_accumulation_steps']})")
+    if name == "data":
+        return "the content of the data files (dataset.data_files) differs from the checkpoint's", \
+            "the data files it was trained on"
+    key = CONFIG_NAMES.get(name, name)
+    flat_saved, flat_now = _flat(key, saved[name]), _flat(key, now[name])
+    for k in sorted(set(flat_saved) | set(flat_now), key=lambda k: (k not in flat_saved or k not in flat_now, k)):
+        if flat_saved.get(k) != flat_now.get(k):
+            was, value = flat_saved.get(k, "(unset)"), flat_now.get(k, "(unset)")
+            return f"{k}={value} differs from the checkpoint's {was}", f"{k}={was}"
+    return None
+
+
+def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=None) -> dict:
+    """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (``run_settings``) by every MUST
+    and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
+    checkpoint did not record (one written before that row existed) is not compared."""
+    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
+    saved, now = dict(state["config"]), dict(now)
+    saved_world = saved.get("world_size", 1)
+    if state.get("optimizer_layout") == "per_rank" and now.get("world_size", saved_world) != saved_world:
+        # (first: with another rank count nothing else can make this checkpoint resume)
+        raise BadInput(f"resume_from_checkpoint={folder} was saved by {saved_world} ranks and its optimizer state "
+                       f"({saved.get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
+                       f"{saved_world}, or start a new run from its weights with checkpoint_dir=...")
+    for d in (saved, now):  # the samples per step: per rank x accumulation x ranks (1 in the single-device recipe)
+        if "batch_size" in d and "gradient_accumulation_steps" in d:
+            d["samples_per_step"] = d["batch_size"] * d["gradient_accumulation_steps"] * d.get("world_size", 1)
+    for name, (rule, why) in RESUME_RULES.items():
+        if rule == FREE or name not in saved or name not in now:
+            continue
+        diff = _difference(name, saved, now)
+        if diff is None:
+            continue
+        what, back = diff
+        if rule == MUST:
+            raise BadInput(f"{what} (resume_from_checkpoint={folder}): {why}; resume with {back}, or start a new run "
+                           "from its weights with checkpoint_dir=... and no resume_from_checkpoint")
+        if log is not None:
+            log.warning(f"{what}: {why}")
+    return state
+
+
+def progress_after(state: dict, steps_per_epoch: int) -> tuple:
+    """(epoch, steps into it, global step) a resume from ``state`` starts at: a checkpoint at an epoch's last
+    step continues with the next epoch."""
+    epoch, steps = state["epoch"], state["steps_in_epoch"]
+    if steps >= steps_per_epoch:
+        epoch, steps = epoch + 1, 0
+    return epoch, steps, state["global_step"]
+
+
+def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int],
+                 log) -> str:
+    """A resume from the end of training: says so (warning) and returns the phrase the summary uses."""
+    phrase = (f"resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of training "
+              f"with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}")
+    log.warning(f"{phrase}: nothing to train, nothing will be written. To train further, raise epochs or "
+                "max_steps_per_epoch (the lr schedule then differs from the finished run's)")
+    return phrase

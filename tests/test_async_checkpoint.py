@@ -1,0 +1,424 @@
+"""Checkpoints written in the background (async_checkpoint=True, the default; recipes/_async_save.py).
+
+What is checked, on the FAST tiny model on the CPU:
+
+- the folder a background save writes is byte for byte the synchronous one, also with a save at every step while
+  each write is slowed down (so each save must wait for the previous: at most one in flight, staging buffers reused);
+- training goes on while a write is held, a kill -9 in the middle of one leaves the previous checkpoint (which resumes
+  to the uninterrupted losses), SIGTERM during one saves and exits 0, a write that fails after training went on (a
+  full disk, a permission) is one ``error:`` line and exit 2 with the previous checkpoint intact (a real full tmpfs:
+  test_reliability.py, whose runs write in the background too);
+- the parts: the streamed model.safetensors writer against safetensors' own, and the snapshot (a copy, views and
+  shared tensors kept, tensor subclasses, one reused host buffer). The ``gpu`` tests check the GPU-held snapshot and
+  a bf16 GPU run against a synchronous one.
+
+A write is held back until training has logged a later step or a file appears (``hold`` in this process; in a
+subprocess ``faults.GatedAdamW``, torch's AdamW whose construction wraps the checkpoint writer), never by a sleep.
+Resumed losses are compared at rel=1e-5 (as in test_reliability.py): the interrupted runs are subprocesses, whose CPU
+kernels are capped at AVX2, the reference is an in-process run. Two subprocess runs, six in-process ones.
+"""
+
+import contextlib
+import errno
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import (DATA_DIR, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_command,
+                      recipe_env)
+
+FILES = {"config.json", "generation_config.json", "model.safetensors", "recipe_state.pt", "tokenizer.model"}
+
+FAULTS = '''
+import json, os, time
+from pathlib import Path
+
+import torch
+
+from recipes import _checkpoint
+
+
+def logged_step(metrics: Path) -> int:
+    try:
+        return max((json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+class GatedAdamW(torch.optim.AdamW):
+    """torch's AdamW. With GATE_HOLD=NAME in the environment, the background write of checkpoint NAME first touches
+    GATE_MARKER, then waits until the file GATE_UNTIL_FILE exists or training has logged step GATE_UNTIL_STEP (neither
+    given: for ever). (The environment, not optimizer kwargs: a resume must not see the optimizer's settings change.)"""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        env = os.environ
+        hold, marker = env.get("GATE_HOLD"), env.get("GATE_MARKER")
+        until_file, until_step = env.get("GATE_UNTIL_FILE"), int(env.get("GATE_UNTIL_STEP") or 0)
+        if hold is None:
+            return
+        write = _checkpoint.Checkpointer._write
+
+        def held(self_, tmp, snap, ready):
+            if tmp.name.startswith(f".tmp-{hold}-"):
+                Path(marker).touch()
+                while not ((until_file and Path(until_file).exists()) or
+                           (until_step and logged_step(tmp.parent / "metrics.jsonl") >= until_step)):
+                    time.sleep(0.02)
+            return write(self_, tmp, snap, ready)
+
+        _checkpoint.Checkpointer._write = held
+'''
+GATED = "optimizer._component_=faults.GatedAdamW"
+
+
+def run_here(output_dir: Path, *overrides: str) -> RecipeRun:
+    """The recipe's entry point in this process (no ~8 s of imports per run), as `tune run` calls it."""
+    from recipes.full_finetune_single_device import recipe_main
+
+    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
+            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv = argv
+    os.chdir(REPO_ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                recipe_main()
+            except SystemExit as e:
+                code = e.code or 0
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return RecipeRun(code, out.getvalue(), err.getvalue(), Path(output_dir), read_metrics(output_dir))
+
+
+def hold(patch, name: str, until_step: int) -> list:
+    """Make the background write of checkpoint ``name`` wait until training has logged ``until_step`` (or 120 s
+    passed, so that a broken run cannot hang the test). Returns the (name, start, end) of every write, as they end."""
+    from recipes import _checkpoint
+
+    spans, write = [], _checkpoint.Checkpointer._write
+
+    def held(self, tmp, snap, ready):
+        began, deadline = time.monotonic(), time.monotonic() + 120
+        if tmp.name.startswith(f".tmp-{name}-"):
+            while last_step(tmp.parent) < until_step and time.monotonic() < deadline:
+                time.sleep(0.02)
+        try:
+            write(self, tmp, snap, ready)
+        finally:
+            spans.append((tmp.name.split("-")[1], began, time.monotonic()))
+
+    patch.setattr(_checkpoint.Checkpointer, "_write", held)
+    return spans
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two FAST runs (6 steps) with step_2, step_4 and epoch_0: synchronous, and in the background with the write of
+    step_2 held until training has logged step 4, so that the save of step_4 comes while step_2 is being written."""
+    root = tmp_path_factory.mktemp("runs")
+    sync = run_here(root / "sync", "save_every_n_steps=2", "async_checkpoint=False")
+    assert sync.ok, sync.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as patch:
+        writes = hold(patch, "step_2", until_step=4)
+        background = run_here(root / "async", "save_every_n_steps=2")
+    assert background.ok, background.stderr[-3000:]
+    return sync, background, writes
+
+
+@pytest.fixture
+def faults(tmp_path, monkeypatch):
+    """faults.py importable here (in-process resumes) and by the subprocess runs (PYTHONPATH)."""
+    (tmp_path / "faults.py").write_text(FAULTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def start(output_dir: Path, env: dict, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(recipe_command(output_dir, *overrides), cwd=REPO_ROOT, env=recipe_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{(out + err)[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def last_step(output_dir: Path) -> int:
+    return max((m["step"] for m in read_metrics(output_dir)), default=0)
+
+
+def assert_complete(folder: Path, global_step: int) -> None:
+    assert {p.name for p in folder.iterdir()} == FILES, sorted(folder.iterdir())
+    assert load_file(folder / "model.safetensors")
+    assert torch.load(folder / "recipe_state.pt", weights_only=True)["global_step"] == global_step
+
+
+# ------------------------------------------------------------------------------------------------
+# the same folder, at most one save in flight
+# ------------------------------------------------------------------------------------------------
+
+
+def test_background_saves_write_the_synchronous_folders_byte_for_byte(runs):
+    sync, background, writes = runs
+    assert background.losses == sync.losses and len(sync.losses) == 6  # training itself is untouched
+    names = sorted(p.name for p in sync.output_dir.iterdir() if p.is_dir())
+    assert names == ["epoch_0", "step_2", "step_4"]
+    assert sorted(p.name for p in background.output_dir.iterdir() if p.is_dir()) == names  # no .tmp-* left
+    for name in names:
+        for f in sorted((sync.output_dir / name).iterdir()):
+            assert (background.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+    # Training went on while step_2 was written (steps 3 and 4 ran beside it), and the save of step_4 waited for
+    # that write to end before taking its snapshot into the same, reused, staging buffer: no two writes overlapped.
+    assert [w[0] for w in writes] == ["step_2", "step_4", "epoch_0"]
+    assert all(later[1] >= earlier[2] for earlier, later in zip(writes, writes[1:])), writes
+    assert [m.get("checkpoint_writing", False) for m in background.metrics[2:4]] == [True, True]
+    assert "written in the background" in background.stdout
+    # Each record names what was published since the one before, and what the saves cost.
+    saved = {m["checkpoint_saved"]: m for m in background.metrics if "checkpoint_saved" in m}
+    assert list(saved) == ["step_2", "step_4"] and saved["step_2"]["step"] == 5  # (published at step_4's save)
+    assert all(m["checkpoint_staged_host_gib"] > 0 for m in background.metrics if "checkpoint_blocked_s" in m)
+
+
+# ------------------------------------------------------------------------------------------------
+# crashes and signals while a write is held
+# ------------------------------------------------------------------------------------------------
+
+
+def test_kill_9_during_a_background_write_keeps_the_previous_checkpoint_which_resumes_exactly(runs, tmp_path, faults):
+    out, marker = tmp_path / "out", tmp_path / "holding"
+    proc = start(out, {**faults, "GATE_HOLD": "step_4", "GATE_MARKER": str(marker)}, "save_every_n_steps=2", GATED)
+    try:
+        wait_for(proc, marker.exists, "the write of step_4 began")
+        wait_for(proc, lambda: last_step(out) >= 6, "training went on to step 6")  # beside the held write
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".tmp-")) == ["step_2"]
+    assert [p.name.split("-")[1] for p in out.glob(".tmp-*")] == ["step_4"]  # the write the kill cut short
+    assert_complete(out / "step_2", 2)
+
+    resumed = run_here(out, GATED, f"resume_from_checkpoint={out / 'step_2'}")
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]
+    assert resumed.losses[2:] == pytest.approx(runs[1].losses[2:], rel=1e-5)
+    assert not list(out.glob(".tmp-*"))  # the dead run's temporary folder is gone
+    assert_complete(out / "epoch_0", 6)
+
+
+def test_sigterm_during_a_background_write_saves_and_exits_0(runs, tmp_path, faults):
+    out, marker, release = tmp_path / "out", tmp_path / "holding", tmp_path / "release"
+    proc = start(out, {**faults, "GATE_HOLD": "step_2", "GATE_MARKER": str(marker), "GATE_UNTIL_FILE": str(release)},
+                 "save_every_n_steps=2", GATED)
+    try:
+        wait_for(proc, marker.exists, "the write of step_2 began")
+        wait_for(proc, lambda: last_step(out) >= 3, "training went on to step 3")
+        assert not (out / "step_2").exists()  # training went on while step_2 was still being written
+        proc.send_signal(signal.SIGTERM)
+        release.touch()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Run stopped by SIGTERM" in stdout
+    steps = sorted(int(p.name[5:]) for p in out.glob("step_*"))
+    assert steps[0] == 2 and steps[-1] >= 3 and not (out / "epoch_0").exists(), steps
+    for n in steps:
+        assert_complete(out / f"step_{n}", n)
+
+    n = steps[-1]
+    resumed = run_here(out, GATED, f"resume_from_checkpoint={out / f'step_{n}'}")
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert resumed.losses[n:] == pytest.approx(runs[1].losses[n:], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# a write that fails
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure, words", [
+    (OSError(errno.ENOSPC, "No space left on device"),
+     "error: no space left on the disk of {out} while writing step_4"),
+    (PermissionError(errno.EACCES, "Permission denied"), "error: could not write step_4 (PermissionError: [Errno 13]"),
+], ids=["full-disk", "permission"])
+def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path, monkeypatch, failure, words):
+    """The write of step_4 fails (a full disk; a permission, as if the folder were made read-only under the run)
+    after training has logged step 5 beside it: the run still stops with one line, before epoch_0, and step_2 stays.
+    (test_reliability.py fills a real tmpfs; the writers then raise without an errno.)"""
+    from recipes import _hf_format
+
+    write = _hf_format.write_config_and_tokenizer
+
+    def refuse(folder, *args, **kwargs):
+        if folder.name.startswith(".tmp-step_4-"):
+            raise failure
+        return write(folder, *args, **kwargs)
+
+    monkeypatch.setattr(_hf_format, "write_config_and_tokenizer", refuse)
+    hold(monkeypatch, "step_4", until_step=5)
+    out = tmp_path / "out"
+    run = run_here(out, "save_every_n_steps=2")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.error.startswith(words.format(out=out)) and "nothing was replaced" in run.error
+    assert "Traceback" not in run.stderr
+    assert max(m["step"] for m in run.metrics) >= 5
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step_2"]  # no .tmp-*, no epoch_0
+    assert_complete(out / "step_2", 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# the parts
+# ------------------------------------------------------------------------------------------------
+
+
+def tensors_of_every_kind(device: str = "cpu") -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layers.1.w": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "layers.0.w": torch.randn(7, generator=g).to(torch.bfloat16),
+        "norm": torch.randn(4, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "index": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "codes": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.randn(2, 2, generator=g).to(torch.float16),
+    } if device == "cpu" else {k: v.to(device) for k, v in tensors_of_every_kind().items()}
+
+
+def test_streamed_safetensors_are_byte_identical_to_save_file(tmp_path):
+    from recipes import _async_save
+
+    tensors = tensors_of_every_kind()
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+
+    def rename(part):  # a converter, as the model families' are: key by key
+        return {f"model.{k}": v for k, v in part.items()}
+
+    save_file(rename(tensors), str(tmp_path / "renamed.safetensors"), metadata={"format": "pt"})
+    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(tensors), rename, {"format": "pt"})
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "renamed.safetensors").read_bytes()
+
+
+def test_a_snapshot_is_a_copy_that_keeps_views_sharing_and_subclasses(tmp_path):
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from recipes import _async_save
+
+    flat = torch.randn(10)
+    quantized = OptimState8bit.zeros((256,), signed=True, block_size=256)
+    quantized.codes.random_(0, 255)
+    shared = torch.ones(3)
+    state = {"a": flat[:4], "b": flat[4:].view(2, 3), "shared": [shared, shared], "q": quantized,
+             "lrs": [0.1, 0.2], "step": 7, "rng": (3, tuple(range(5)), None)}
+    original = io.BytesIO()
+    torch.save(state, original)
+
+    staging = _async_save.Staging(torch.device("cpu"))
+    snap, ready = staging.snapshot(state, staging.plan(state))
+    assert ready is None
+    flat.add_(1.0)
+    quantized.codes.zero_()
+    shared.mul_(3)
+    state["lrs"].append(0.3)  # (the scheduler's lists are copied too)
+    copy = io.BytesIO()
+    torch.save(snap, copy)
+    assert copy.getvalue() == original.getvalue()  # the values at the snapshot, and the same layout for torch.save
+    assert snap["a"].untyped_storage().data_ptr() == snap["b"].untyped_storage().data_ptr()  # one storage, as before
+    assert snap["shared"][0] is snap["shared"][1] and type(snap["q"]) is OptimState8bit
+
+    again, _ = staging.snapshot(state, staging.plan(state))  # the next save reuses the host buffer
+    assert again["a"].untyped_storage().data_ptr() == snap["a"].untyped_storage().data_ptr()
+    assert torch.equal(again["a"], flat[:4]) and not torch.equal(again["a"], state["a"] - 1)
+
+
+def test_checkpoint_bench_toy_rows(tmp_path):
+    """bench/checkpoint_save.py on the tiny config: a synchronous row saving once, an asynchronous row saving twice,
+    each stopped once its saves are measured; the per-save figures come from the recipe's lines and records."""
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/checkpoint_save.py", "--toy", "--data-dir", str(DATA_DIR), "--runs-dir",
+         str(tmp_path / "runs"), "--pack-cache-dir", "off", "--out", str(out), "--allow-dirty"],
+        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {"command", "hardware", "versions", "date", "code"} <= set(doc)
+    sync, background = doc["rows"]
+    assert not sync.get("error") and not background.get("error"), (sync.get("error"), background.get("error"))
+    assert [s["name"] for s in sync["saves"]] == ["step_2"] and not sync["async_checkpoint"]
+    assert sync["saves"][0]["blocked_s"] == sync["saves"][0]["write_s"] == sync["saves"][0]["total_s"]
+    assert [s["name"] for s in background["saves"]] == ["step_3", "step_6"] and background["async_checkpoint"]
+    assert all(s["blocked_s"] <= s["total_s"] for s in background["saves"])
+    assert background["staged_host_gib"] > 0 and background["peak_host_rss_gib"] > 0
+    assert len(background["writing_per_step"]) == len(background["tok_s_per_step"]) >= 7
+    assert not list((tmp_path / "runs").glob("*/step_*"))  # a row's checkpoints go with it
+
+
+# ------------------------------------------------------------------------------------------------
+# on a GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path):
+    """Half the snapshot in spare GPU memory, half in pinned host memory; the GPU half streamed through a small
+    bounce buffer (several pieces per tensor), the state through torch.save's pinned copies."""
+    from recipes import _async_save
+
+    tensors = {f"w{i}": torch.randn(512, 512, device="cuda") for i in range(4)}
+    staging = _async_save.Staging(torch.device("cuda"), gpu_budget=2 * 512 * 512 * 4)
+    layout = staging.plan(tensors)
+    assert layout.on_gpu == [True, True, False, False] and staging.pinned_bytes == 0
+    snap, ready = staging.snapshot(tensors, layout)
+    assert staging.pinned_bytes >= 2 * 512 * 512 * 4
+    reference = {k: v.cpu() for k, v in tensors.items()}
+    for v in tensors.values():
+        v.zero_()
+    ready.synchronize()
+    assert [v.is_cuda for v in snap.values()] == [True, True, False, False]
+    save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    bounce = torch.empty(100_000, dtype=torch.uint8, pin_memory=True)  # (1 MiB tensors: 11 pieces each)
+    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"},
+                                  bounce)
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    gpu_state = {k: v for k, v in snap.items() if v.is_cuda}
+    _async_save.pinned_torch_save(gpu_state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert all(torch.equal(loaded[k].cpu(), reference[k]) and loaded[k].is_cuda for k in gpu_state)
+    staging.release()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_run_in_the_background_writes_the_synchronous_folders(tmp_path):
+    """The tiny model in bf16 on the GPU (in this process: the GPU machine has no `tune` script). Its checkpoint fits
+    spare GPU memory, so it is held there and streamed out: the same bytes as a synchronous save, recipe_state.pt
+    included (its tensors keep their cuda location)."""
+    args = ("device=cuda", "dtype=bf16", "save_every_n_steps=3")
+    background = run_here(tmp_path / "async", *args)
+    sync = run_here(tmp_path / "sync", *args, "async_checkpoint=False")
+    assert background.ok and sync.ok, background.stderr[-3000:] + sync.stderr[-3000:]
+    assert background.losses == sync.losses
+    for name in ("step_3", "epoch_0"):
+        for f in (sync.output_dir / name).iterdir():
+            assert (background.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+    saves = [m for m in background.metrics if "checkpoint_staged_gpu_gib" in m]
+    assert saves and all(m["checkpoint_staged_gpu_gib"] > 0 for m in saves)
