@@ -41,6 +41,12 @@ RECIPE = "recipes/full_finetune_single_device.py"
 TINY_CONFIG = "configs/tiny.yaml"
 TUNE = str(Path(sys.executable).with_name("tune"))
 
+
+def run_command(recipe: str) -> List[str]:
+    """How a test starts a recipe: ``tune run <recipe>`` through the `tune` beside this Python, as a user types it;
+    where there is none (a GPU machine whose image lacks torchtune's script), the recipe file by this Python."""
+    return [TUNE, "run", recipe] if Path(TUNE).is_file() else [sys.executable, recipe]
+
 # The tiny config made smaller still, so a test run takes seconds: 1 layer of width 64,
 # 64-token samples, 2 per batch, 6 optimizer steps at lr 1e-2 (large, so optimizers differ visibly) on a cosine with no warmup,
 # and no wandb (ask for it with run_recipe(..., wandb=True)).
@@ -127,7 +133,7 @@ def recipe_env(**extra: str) -> Dict[str, str]:
 
 def recipe_command(output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fast: bool = True,
                    wandb: bool = False) -> List[str]:
-    args = [TUNE, "run", RECIPE, "--config", config, f"data_dir={DATA_DIR}", f"output_dir={output_dir}"]
+    args = [*run_command(RECIPE), "--config", config, f"data_dir={DATA_DIR}", f"output_dir={output_dir}"]
     if fast:
         args += FAST
     if not wandb:
