@@ -252,6 +252,11 @@ class Checkpointer:
             self._job = _async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
 
     @property
+    def pending(self) -> bool:
+        """A checkpoint written in the background is not published yet (still being written, or written)."""
+        return self._inflight is not None
+
+    @property
     def writing(self) -> bool:
         """This rank's writer is still writing the checkpoint in flight."""
         return self._inflight is not None and not self._job.done

@@ -444,8 +444,16 @@ def recipe_main(cfg: DictConfig) -> None:
         tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
         sys.exit(2)
     except KeyboardInterrupt:
-        # Ctrl-C stops at once (a write in progress leaves no temporary folder): the summary, the last
-        # checkpoint to resume from, and the shell's exit status for SIGINT.
+        # Ctrl-C stops at once: the summary, the last checkpoint to resume from, and the shell's exit status for
+        # SIGINT. A checkpoint being written in the background is a good one: it is finished and published first
+        # (Ctrl-C again abandons it; its temporary folder is removed at the next start).
+        checkpointer = getattr(recipe, "_checkpointer", None)
+        if checkpointer is not None and checkpointer.pending:
+            tqdm.write("\nCtrl-C: finishing the checkpoint being written in the background (Ctrl-C again abandons it)")
+            try:
+                checkpointer.settle()
+            except KeyboardInterrupt:
+                pass
         tqdm.write("\n" + _metrics.interrupted(getattr(recipe, "_summary", None),
                                                   recipe.settings.output_dir if recipe is not None else None))
         sys.exit(130)

@@ -191,8 +191,10 @@ def test_background_saves_write_the_synchronous_folders_byte_for_byte(runs):
     assert [m.get("checkpoint_writing", False) for m in background.metrics[2:4]] == [True, True]
     assert "written in the background" in background.stdout
     # Each record names what was published since the one before, and what the saves cost.
+    # (step_4's write is not held: it is published at the first step boundary after it ends, which may come after the
+    # last record, step 6, on a slow disk)
     saved = {m["checkpoint_saved"]: m for m in background.metrics if "checkpoint_saved" in m}
-    assert list(saved) == ["step_2", "step_4"] and saved["step_2"]["step"] == 5  # (published at step_4's save)
+    assert list(saved) in (["step_2"], ["step_2", "step_4"]) and saved["step_2"]["step"] == 5  # (at step_4's save)
     assert all(m["checkpoint_staged_host_gib"] > 0 for m in background.metrics if "checkpoint_blocked_s" in m)
 
 

@@ -6,7 +6,6 @@ row), with the pack cache in the test's own folder.
 """
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -120,19 +119,21 @@ def test_packed_resume_after_kill_continues_with_same_losses(tmp_path):
 
 def test_packed_compile_with_selective_checkpointing_does_not_recompile(tmp_path):
     """compile + packing + AC on every other layer: torch.compile's graph count is flat after the first step. The
-    run is pinned to AVX2 (conftest.recipe_env), so its compiled code goes to the pinned TorchInductor cache."""
-    started = time.time()
+    run is pinned to AVX2 (conftest.recipe_env), so its compiled code goes to a TorchInductor cache of its own, beside
+    the unpinned one (here a fresh pair of folders, so that what is there was compiled by this run)."""
+    unpinned = tmp_path / "inductor"  # (recipe_env names the pinned cache after the unpinned one: test_interrupt.py)
+    env = recipe_env(TORCHINDUCTOR_CACHE_DIR=pinned_inductor_cache("avx2", str(unpinned)))
     run = run_recipe(tmp_path / "out", *PACKED, f"pack_cache_dir={tmp_path / 'c'}", "compile=True",
                      "model.num_layers=2", "enable_activation_checkpointing=True", "ac_mode=selective",
-                     "ac_option=2", "max_steps_per_epoch=4")
+                     "ac_option=2", "max_steps_per_epoch=4", env=env)
     assert run.ok, run.stderr[-3000:]
     assert all(math.isfinite(x) for x in run.losses) and run.losses[-1] < run.losses[0]
     graphs = [m["compiled_graphs"] for m in run.metrics]
     assert graphs[0] > 0 and len(set(graphs[1:])) == 1, graphs
     assert "first_step_s" in run.metrics[0]
-    pinned = Path(recipe_env()["TORCHINDUCTOR_CACHE_DIR"])
-    assert pinned == Path(pinned_inductor_cache("avx2"))
-    assert any(f.stat().st_mtime >= started for f in pinned.rglob("*") if f.is_file()), pinned
+    pinned = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert pinned == Path(pinned_inductor_cache("avx2", str(unpinned)))
+    assert any(f.is_file() for f in pinned.rglob("*")) and not unpinned.exists()
 
 
 def test_in_backward_warmup_matches_the_one_optimizer_run(tmp_path):
