@@ -11,6 +11,10 @@ rm -rf "$OUT"; mkdir -p "$OUT/site" "$OUT/data"
 for pkg in torchtune torchao omegaconf datasets torchdata dill multiprocess recipes; do
   cp -r "$SITE/$pkg" "$OUT/site/"
 done
+# The fused linear cross-entropy kernels (pip install -e '.[fused-ce]'), where installed: pure Python and Triton.
+for pkg in cut_cross_entropy liger_kernel; do
+  [ -d "$SITE/$pkg" ] && cp -r "$SITE/$pkg" "$SITE"/${pkg}-*.dist-info "$OUT/site/"
+done
 # torchao's C++ extensions are built for another torch; it skips them with a warning, so leave them out.
 find "$OUT/site/torchao" -name '*.so' -delete
 mkdir -p "$OUT/site/bitsandbytes"
