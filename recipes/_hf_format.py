@@ -65,6 +65,7 @@ class Family:
     tune_to_hf: Callable = convert_weights.tune_to_hf
 
 
+# torchtune's builders have no sliding-window attention: the families that can have one say so in config.json.
 _LLAMA_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 FAMILIES: Dict[str, Family] = {
@@ -82,16 +83,18 @@ FAMILIES: Dict[str, Family] = {
     "qwen2": Family(
         name="qwen2", builders=("torchtune.models.qwen2.", "torchtune.models.qwen2_5."), model_type="qwen2",
         architecture="Qwen2ForCausalLM", example_builder="torchtune.models.qwen2_5.qwen2_5_7b_base",
-        fixed={"hidden_act": "silu"}, hf_to_tune=_rename(_QWEN2_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF))),
+        fixed={"hidden_act": "silu", "use_sliding_window": False}, hf_to_tune=_rename(_QWEN2_FROM_HF),
+        tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF))),
     # Qwen3 (our builder, recipes/_models.py): no biases, RMSNorm per head on q and k before RoPE.
     "qwen3": Family(
         name="qwen3", builders=("recipes._models.qwen3",), model_type="qwen3", architecture="Qwen3ForCausalLM",
-        example_builder="recipes._models.qwen3_8b", fixed={"hidden_act": "silu", "attention_bias": False},
+        example_builder="recipes._models.qwen3_8b",
+        fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
         hf_to_tune=_rename(_QWEN3_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF))),
     "mistral": Family(
         name="mistral", builders=("torchtune.models.mistral.", "recipes._models.mistral"), model_type="mistral",
         architecture="MistralForCausalLM", example_builder="recipes._models.mistral_7b_v0_3",
-        fixed={"hidden_act": "silu"}),
+        fixed={"hidden_act": "silu", "sliding_window": None}),
 }
 DEFAULT_FAMILY = "llama2"
 
