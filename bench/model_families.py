@@ -17,8 +17,9 @@ six families on an 8-GPU host run side by side; on one GPU they run one after an
 2. the rows, each one fresh process for ``--steps`` optimizer steps, stopped once its last step is logged (as
    bench/e2e.py does): ours, ``configs/<family>/<size>_full_<class>.yaml`` capped at its class
    (``device_memory_limit_gib``); the stock row, torchtune 0.6.1's own single-device recipe and config for the family
-   at the flags that fit 80 GB (``STOCK``); and with ``--loss-rows``, the 80 GB config with each loss
-   (``recipes._loss.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's ``CEWithChunkedOutputLoss``);
+   at the flags that fit 80 GB (``STOCK_ROWS``); and with ``--loss-rows``, the smaller-class config with each loss
+   (``recipes._loss.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's ``CEWithChunkedOutputLoss``),
+   uncapped, on a GPU of their own;
 3. the checkpoint is deleted before the worker's next family (a 7-8B one is 15-16 GB; the device disk is 64 GB).
 
 The JSON (``--out``; rewritten after every row) opens with the command, hardware, versions, date and commit
@@ -321,13 +322,14 @@ STOCK_ROWS = {
     "stock": ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "enable_activation_checkpointing=True"],
     "stock_8bit": ["optimizer=bitsandbytes.optim.AdamW8bit", "enable_activation_checkpointing=False"],
 }
-# --loss-rows: the 80 GB config with each loss (recipes/_loss.py's paths, and torchtune's chunked loss, which the
-# 80 GB configs name; each row's record says the loss it ran, in ``variant``).
+# --loss-rows: the family's smaller-class config (activation checkpointing, the fused loss) with each loss path of
+# recipes/_loss.py and with torchtune's chunked loss, uncapped: the rows' peak memory says which fit the class, their
+# tokens/s which is fastest (each record's ``variant`` names the loss it ran).
 LOSSES = {
-    "chunked": [],
-    "cce": ["loss._component_=recipes._loss.LinearCrossEntropyLoss", "loss.impl=cce"],
-    "liger": ["loss._component_=recipes._loss.LinearCrossEntropyLoss", "loss.impl=liger"],
-    "torch": ["loss._component_=recipes._loss.LinearCrossEntropyLoss", "loss.impl=torch"],
+    "chunked": ["loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "~loss.impl"],
+    "cce": ["loss.impl=cce"],
+    "liger": ["loss.impl=liger"],
+    "torch": ["loss.impl=torch"],
 }
 
 
@@ -338,16 +340,18 @@ class Row:
     config: str  # ours: under configs/ (no .yaml); stock: under torchtune's recipes/configs
     memory_class: str
     overrides: List[str]
+    cap: Optional[int] = None  # device_memory_limit_gib (ours: the class's); None: uncapped
 
 
 def rows_of(spec: Spec, kinds: List[str], loss_rows: bool) -> List[Row]:
     rows = []
     if "ours" in kinds:
-        rows += [Row(f"ours_{c}", "ours", cfg, c, []) for c, cfg in spec.configs.items()]
+        rows += [Row(f"ours_{c}", "ours", cfg, c, [], CLASS_GIB[c]) for c, cfg in spec.configs.items()]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
     if loss_rows:
-        rows += [Row(f"loss_{name}", "loss", spec.configs["80gb"], "80gb", flags) for name, flags in LOSSES.items()]
+        small = [c for c in spec.configs if c != "80gb"][0]
+        rows += [Row(f"loss_{name}", "loss", spec.configs[small], small, flags) for name, flags in LOSSES.items()]
     return rows
 
 
@@ -367,7 +371,7 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
             "metric_logger._component_=torchtune.training.metric_logging.DiskLogger", steps,
             *spec.stock[1], *STOCK_COMMON, *row.overrides, *(ck / "stock_tokenizer.args").read_text().split("\n"),
             *extra)
-    cap = [] if args.toy else [f"device_memory_limit_gib={CLASS_GIB[row.memory_class]}"]
+    cap = [] if args.toy or row.cap is None else [f"device_memory_limit_gib={row.cap}"]
     extra = [] if not args.toy else ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2",
                                      "tokenizer.max_seq_len=128",
                                      *model_overrides(spec, json.loads((ck / "config.json").read_text()))]
@@ -387,6 +391,8 @@ def variant(row: Row, cmd: List[str]) -> str:
     cfg = OmegaConf.load(REPO_ROOT / "configs" / f"{row.config}.yaml")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in cmd if "=" in o and not o.startswith("~")
                                                        and o.split("=")[0].startswith(("optimizer", "loss"))]))
+    for deleted in [o[1:] for o in cmd if o.startswith("~loss.")]:
+        cfg.loss.pop(deleted.split(".", 1)[1], None)
     loss = cfg.loss._component_.rsplit(".", 1)[1] + (f"({cfg.loss.impl})" if cfg.loss.get("impl") else "")
     return f"{cfg.optimizer._component_} + {loss}"
 
@@ -423,7 +429,7 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
     cmd = command(row, spec, ck, out, args)
     kind = "stock" if row.kind == "stock" else "ours"
     record = {"family": spec.key, "name": row.name, "kind": row.kind, "config": row.config,
-              "memory_class": row.memory_class, "device_memory_limit_gib": CLASS_GIB[row.memory_class],
+              "memory_class": row.memory_class, "device_memory_limit_gib": row.cap,
               "overrides": row.overrides}
     env = {"WANDB_MODE": "disabled"}
     if gpu is not None:
@@ -562,7 +568,8 @@ def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(SPECS), help=f"comma-separated, of: {', '.join(SPECS)}")
     ap.add_argument("--rows", default="ours,stock", help="ours, stock, or both (comma-separated)")
-    ap.add_argument("--loss-rows", action="store_true", help="also the 80 GB config with each loss (LOSSES)")
+    ap.add_argument("--loss-rows", action="store_true",
+                    help="also the smaller-class config with each loss (LOSSES), on a GPU of their own")
     ap.add_argument("--loss-families", default="llama3_1_8b", help="the families that get --loss-rows")
     ap.add_argument("--only", default="", help="only these row names (e.g. ours_80gb,stock); default all")
     ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json and llama2_tokenizer/")
