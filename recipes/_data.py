@@ -151,6 +151,31 @@ def check_chat_records(ds, column, style, train_on_input: bool, where) -> None:
         if not train_on_input and not any(m[role_key] == trained_role for m in conversation):
             raise BadInput(f"record {i} of {where} has no {trained_role} message, so nothing to train on; fix or drop "
                            "that record (or set dataset.train_on_input=True)")
+        turn_error = _turn_order([TORCHTUNE_ROLES.get(m[role_key], m[role_key]) for m in conversation])
+        if turn_error:
+            raise BadInput(f"record {i} of {where}: {turn_error} (torchtune's conversation rules); fix or drop that "
+                           "record")
+
+
+# ShareGPT's roles as torchtune's messages name them.
+TORCHTUNE_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def _turn_order(roles) -> str:
+    """What torchtune's validate_messages would refuse in a conversation (it checks each sample only when it is
+    read: mid-run, or while packing), or "" when the order is fine."""
+    if len(roles) < 2:
+        return f"{len(roles)} message, at least a user and an assistant message are needed"
+    last = "assistant"
+    for j, role in enumerate(roles):
+        if role == "assistant" and last != "user":
+            return f"message {j} is an assistant message that follows no user message"
+        if role == "user" and last == "user":
+            return f"messages {j - 1} and {j} are both user messages"
+        if role == "system" and j > 0:
+            return f"message {j} is a system message after the first"
+        last = role
+    return ""
 
 
 def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, num_replicas: int = 1,

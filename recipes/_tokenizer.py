@@ -154,7 +154,7 @@ class HFTokenizer(ModelTokenizer, Transform):
 
     def _templated(self, messages: List[Message]) -> Tuple[List[int], List[bool]]:
         chat = [{"role": "tool" if m.role == "ipython" else m.role, "content": m.text_content} for m in messages]
-        specials = {k: _token_text(v) or "" for k, v in self.config.items() if k.endswith("_token")}
+        specials = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v)}
         try:
             text = self.chat_template.render(messages=chat, add_generation_prompt=False, **specials)
         except TemplateError as e:

@@ -158,10 +158,13 @@ BAD_CHATS = [
     ({"messages": []}, r"record 2 of .*: 'messages' is .*not a list of messages"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, r"record 2 of .* has no assistant message"),
     ({"conversation": [{"role": "user", "content": "Hi"}]}, r"have no 'messages' field .*dataset.conversation_column"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi?"},
+                   {"role": "assistant", "content": "Hello"}]},
+     r"record 2 of .*: messages 0 and 1 are both user messages \(torchtune's conversation rules\)"),
 ]
 
 
-@pytest.mark.parametrize("bad, message", BAD_CHATS, ids=["role", "content", "empty", "no-answer", "column"])
+@pytest.mark.parametrize("bad, message", BAD_CHATS, ids=["role", "content", "empty", "no-answer", "column", "order"])
 def test_a_bad_chat_record_is_one_error_naming_it(folders, tmp_path, bad, message):
     good = chats(4)
     rows = good[:2] + [bad] + good[2:] if "messages" in bad else [bad] * 4
