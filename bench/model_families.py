@@ -2,7 +2,8 @@
 
     python bench/model_families.py --data-dir /tmp/data --stock-dir .devsite/site/recipes \\
         --out bench/results/model_families_e2e_h200.json            # every family, over every visible GPU
-    python bench/model_families.py --families qwen3_8b,mistral_7b --rows ours,stock ...   # a subset
+    python bench/model_families.py --families qwen3_8b,mistral_7b --only ours_80gb,stock ...   # a subset
+    python bench/model_families.py ... --loss-rows --candidates   # also the loss paths, the configs' alternatives
     python bench/model_families.py --toy --stock-dir <torchtune's recipes folder>           # CPU: tiny models, seconds
 
 Per family (``SPECS``), in its own worker on its own GPU (families are dealt round-robin to the visible GPUs, so
@@ -333,6 +334,11 @@ LOSSES = {
 }
 
 
+# --candidates: alternatives a class's config was chosen against, where one might be faster and still fit (the 3B
+# models at 24 GiB: half the batch with every activation kept, against the whole batch recomputed).
+CANDIDATES = {"24gb": {"bs8_no_ac": ["batch_size=8", "enable_activation_checkpointing=False"]}}
+
+
 @dataclass
 class Row:
     name: str
@@ -343,10 +349,13 @@ class Row:
     cap: Optional[int] = None  # device_memory_limit_gib (ours: the class's); None: uncapped
 
 
-def rows_of(spec: Spec, kinds: List[str], loss_rows: bool) -> List[Row]:
+def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = False) -> List[Row]:
     rows = []
     if "ours" in kinds:
         rows += [Row(f"ours_{c}", "ours", cfg, c, [], CLASS_GIB[c]) for c, cfg in spec.configs.items()]
+    if "ours" in kinds and candidates:
+        rows += [Row(f"ours_{c}_{name}", "ours", cfg, c, flags, CLASS_GIB[c]) for c, cfg in spec.configs.items()
+                 for name, flags in CANDIDATES.get(c, {}).items()]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
     if loss_rows:
@@ -473,7 +482,7 @@ def jobs_of(args) -> List[Job]:
     jobs = []
     for key in args.names:
         spec = SPECS[key]
-        rows = [r for r in rows_of(spec, args.kinds, False) if not args.only or r.name in args.only]
+        rows = [r for r in rows_of(spec, args.kinds, False, args.candidates) if not args.only or r.name in args.only]
         if rows:
             jobs.append(Job(key, spec, rows))
         if args.loss_rows and key in args.loss_families:
@@ -572,6 +581,7 @@ def parse_args(argv: Optional[List[str]] = None):
                     help="also the smaller-class config with each loss (LOSSES), on a GPU of their own")
     ap.add_argument("--loss-families", default="llama3_1_8b", help="the families that get --loss-rows")
     ap.add_argument("--only", default="", help="only these row names (e.g. ours_80gb,stock); default all")
+    ap.add_argument("--candidates", action="store_true", help="also the alternatives in CANDIDATES")
     ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json and llama2_tokenizer/")
     ap.add_argument("--stock-dir", help="torchtune's recipes folder (its full_finetune_single_device.py, configs/)")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per row")
