@@ -648,8 +648,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         harness.write_json(args.out, doc)
 
     devices = gpus(args.toy)
-    # The costliest jobs first, dealt round-robin: on 8 GPUs each has its own; on fewer, later ones queue.
-    plan = {g: jobs[i::len(devices)] for i, g in enumerate(devices)}
+    # The costliest job first, each to the GPU with the least work so far: on 8 GPUs every job has its own.
+    plan: Dict[Optional[int], List[Job]] = {g: [] for g in devices}
+    for job in jobs:
+        plan[min(devices, key=lambda g: sum(j.cost for j in plan[g]))].append(job)
     threads = [threading.Thread(target=worker, args=(g, js, bpe_file, args, records, lock, flush))
                for g, js in plan.items() if js]
     for t in threads:
