@@ -257,8 +257,6 @@ def write_stock_tokenizer(folder: Path, spec: Spec, bpe, data_dir) -> List[str]:
     if spec.family == "llama3":  # tiktoken: base64 of each token's bytes, and its rank (= its BPE id)
         import base64
 
-        from tokenizers.pre_tokenizers import ByteLevel  # noqa: F401  (the byte <-> character map below is GPT-2's)
-
         byte_of = _gpt2_unicode_to_byte()
         lines = [f"{base64.b64encode(bytes(byte_of[c] for c in token)).decode()} {i}"
                  for token, i in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]

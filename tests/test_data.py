@@ -10,11 +10,9 @@ chat template).
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 from torchtune.data import Message
 
@@ -203,3 +201,13 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: record 3 of ") and "role='bot'" in err[-1]
     assert not list((tmp_path / "out").glob("*_*"))  # (no checkpoint, no metrics)
+
+
+def test_a_family_config_without_its_tokenizer_names_the_file(tmp_path):
+    from recipes._settings import read_settings
+
+    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "qwen3" / "8B_full_32gb.yaml"),
+                          {"checkpoint_dir": str(tmp_path), "device": "cpu", "data_dir": str(DATA_DIR)})
+    with pytest.raises(BadInput, match=r"tokenizer.path=.*tokenizer.json does not exist; set checkpoint_dir=DIR \(the "
+                                       r"HF model folder, which holds tokenizer.json\)"):
+        read_settings(cfg)

@@ -209,7 +209,7 @@ def test_packed_chat_finetune_losses_and_exact_resume(key, runs):
 @pytest.mark.parametrize("key", FINETUNED)
 def test_saved_checkpoint_is_the_model_in_transformers(key, runs, sources):
     """The recipe's epoch_0: transformers loads it as the family's class, with our model's logits."""
-    spec, (source, hf), out = mf.SPECS[key], sources[key], runs[key][2]
+    spec, (_, hf), out = mf.SPECS[key], sources[key], runs[key][2]
     ckpt = out / "epoch_0"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "recipe_state.pt"} <= {
         p.name for p in ckpt.iterdir()}
