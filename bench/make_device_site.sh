@@ -11,6 +11,10 @@ rm -rf "$OUT"; mkdir -p "$OUT/site" "$OUT/data"
 for pkg in torchtune torchao omegaconf datasets torchdata dill multiprocess recipes; do
   cp -r "$SITE/$pkg" "$OUT/site/"
 done
+# The fused linear cross-entropy kernels (pip install -e '.[fused-ce]'), where installed: pure Python and Triton, as
+# one xz tarball (liger-kernel is 8 MB unpacked, 0.5 MB packed); bench/device/setup.sh unpacks it into $OUT/site.
+FUSED=$(cd "$SITE" && ls -d cut_cross_entropy liger_kernel cut_cross_entropy-*.dist-info liger_kernel-*.dist-info 2>/dev/null || true)
+[ -n "$FUSED" ] && (cd "$SITE" && tar --exclude=__pycache__ -cJf "$OLDPWD/$OUT/fused_ce.tar.xz" $FUSED)
 # torchao's C++ extensions are built for another torch; it skips them with a warning, so leave them out.
 find "$OUT/site/torchao" -name '*.so' -delete
 mkdir -p "$OUT/site/bitsandbytes"

@@ -1,8 +1,12 @@
-"""Check and load an HF-format Llama checkpoint folder and its SentencePiece tokenizer.
+"""Check and load an HF-format checkpoint folder and its tokenizer.
 
 A checkpoint folder (docs/CONVENTIONS.md) holds config.json, model.safetensors (or shards and
-model.safetensors.index.json) and a copy of tokenizer.model. Everything is checked before anything heavy is
-loaded, so a partial or foreign checkpoint fails with one message that says what to change.
+model.safetensors.index.json) and the tokenizer: Llama 2's SentencePiece tokenizer.model, or the tokenizer.json and
+tokenizer_config.json of the other families (Llama 3.x, Qwen 2.5 / 3, Mistral). Everything is checked before
+anything heavy is loaded, so a partial or foreign checkpoint fails with one message that says what to change: a
+config.json without the model's sizes (transformers would build its default 7B model in fp32), weights of another
+width than config.json says, a shard named outside the folder, a pytorch_model.bin that holds anything but tensors,
+and, once loaded, non-finite weights.
 """
 
 import json
@@ -16,10 +20,15 @@ import transformers
 from safetensors import safe_open
 
 from eval.errors import EvalInputError
-from finetune_base import BadInput, hf_weight_files
+from finetune_base import BadInput, hf_weight_files, load_state_file
 
+# The model_types of the fine-tune recipes' families (recipes/_hf_format.py FAMILIES; a test holds the two together):
+# transformers' AutoModelForCausalLM loads each.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json keys without which transformers falls back to its defaults (a 7B model): required, positive integers.
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format Llama folder)"
+FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format folder of a supported family)"
 
 
 def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
@@ -38,35 +47,75 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise EvalInputError(f"checkpoint_dir={ckpt}: config.json is not valid JSON ({e}) (a partial write?): {FIX_CHECKPOINT}")
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != "llama":
+    if model_type not in MODEL_TYPES:
         raise EvalInputError(
             f"checkpoint_dir={ckpt} holds a {model_type!r} model (config.json model_type); this eval takes "
-            f"Llama-architecture checkpoints (model_type 'llama'): point checkpoint_dir at a Llama checkpoint"
+            f"model_type {' or '.join(repr(t) for t in MODEL_TYPES)} checkpoints: point checkpoint_dir at one of those"
         )
+    missing = [k for k in SIZE_KEYS if not (type(config.get(k)) is int and config[k] > 0)]
+    if missing:
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt}: config.json lacks the model's sizes ({', '.join(f'{k}={config.get(k)!r}' for k in missing)}; "
+            "without them transformers would build its default 7B model): restore the config.json the weights were saved with")
 
     for shard in _weight_files(ckpt):
         if shard.suffix != ".safetensors":
-            continue  # a .bin pickle is opened only by transformers' loader, with weights_only=True
+            # Read here with weights_only=True (tensors only), so a planted pickle is refused by name rather than
+            # failing inside transformers' loader with torch's "set weights_only=False" advice.
+            try:
+                load_state_file(shard, mmap=True, fix=FIX_CHECKPOINT)
+            except BadInput as e:
+                raise EvalInputError(f"checkpoint_dir={ckpt}: {e}") from None
+            continue
         try:
-            with safe_open(str(shard), framework="pt"):
-                pass
+            with safe_open(str(shard), framework="pt") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         except Exception as e:  # safetensors raises its own error type for truncated or garbled files
             raise EvalInputError(f"checkpoint_dir={ckpt}: weights file {shard.name} is unreadable ({e}) (a partial write?): {FIX_CHECKPOINT}")
+        _check_shapes(ckpt, config, shapes)
 
-    tokenizer = Path(tokenizer_path) if tokenizer_path else ckpt / "tokenizer.model"
+    tokenizer = Path(tokenizer_path) if tokenizer_path else _tokenizer_file(ckpt)
     if not tokenizer.is_file():
-        what = f"tokenizer_path={tokenizer} does not exist" if tokenizer_path else f"checkpoint_dir={ckpt} has no tokenizer.model"
-        raise EvalInputError(f"{what}: set tokenizer_path=<data_dir>/llama2_tokenizer/tokenizer.model (or copy that file into the checkpoint)")
-    try:
-        tokenizer_vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).vocab_size()
-    except Exception as e:  # sentencepiece raises RuntimeError/OSError for anything it cannot parse
-        raise EvalInputError(f"tokenizer {tokenizer} is not a SentencePiece model ({e}): set tokenizer_path=<data_dir>/llama2_tokenizer/tokenizer.model")
+        what = f"tokenizer_path={tokenizer} does not exist" if tokenizer_path else f"checkpoint_dir={ckpt} has no tokenizer.model (nor tokenizer.json)"
+        raise EvalInputError(f"{what}: set tokenizer_path= the model's tokenizer.json, or <data_dir>/llama2_tokenizer/tokenizer.model for Llama 2 (or copy it into the checkpoint)")
+    if tokenizer.suffix == ".json":
+        try:
+            tokenizer_vocab = len(load_tokenizer(tokenizer, add_bos=False))
+        except Exception as e:  # tokenizers and transformers raise several types for a file they cannot read
+            raise EvalInputError(f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({str(e)[:200]}): copy the model's tokenizer.json and tokenizer_config.json into the checkpoint")
+    else:
+        try:
+            tokenizer_vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).vocab_size()
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError for anything it cannot parse
+            raise EvalInputError(f"tokenizer {tokenizer} is not a SentencePiece model ({e}): set tokenizer_path=<data_dir>/llama2_tokenizer/tokenizer.model")
     if tokenizer_vocab > config.get("vocab_size", 0):
         raise EvalInputError(
             f"tokenizer {tokenizer} has {tokenizer_vocab} tokens but checkpoint_dir={ckpt} has vocab_size "
             f"{config.get('vocab_size')}: use the tokenizer the model was trained with (tokenizer_path=...)"
         )
     return ckpt, tokenizer
+
+
+def _tokenizer_file(ckpt: Path) -> Path:
+    """The folder's tokenizer: a SentencePiece tokenizer.model (Llama 2) if it has one, else tokenizer.json."""
+    sentencepiece_model = ckpt / "tokenizer.model"
+    return sentencepiece_model if sentencepiece_model.is_file() or not (ckpt / "tokenizer.json").is_file() else ckpt / "tokenizer.json"
+
+
+def _check_shapes(ckpt: Path, config: dict, shapes: dict) -> None:
+    """The embedding's shape and the layer indices against config.json (weights of another model would otherwise
+    fail inside transformers with a table of every tensor)."""
+    embed = shapes.get("model.embed_tokens.weight")
+    want = (config["vocab_size"], config["hidden_size"])
+    if embed is not None and embed != want:
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt}: model.embed_tokens.weight is {list(embed)} but config.json says vocab_size x "
+            f"hidden_size = {list(want)} (weights of another model size?): {FIX_CHECKPOINT}")
+    layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+    if layers and max(layers) >= config["num_hidden_layers"]:
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} holds weights of layer {max(layers)} but config.json says num_hidden_layers="
+            f"{config['num_hidden_layers']} (weights of another model?): {FIX_CHECKPOINT}")
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
@@ -100,23 +149,39 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(ckpt: Path, device: torch.device, dtype: torch.dtype) -> transformers.LlamaForCausalLM:
-    """The checkpoint's weights in eval mode on `device`; missing tensors are an error, not a random init."""
+def load_model(ckpt: Path, device: torch.device, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """The checkpoint's weights in eval mode on `device` (the class config.json's model_type names, as lm-eval's
+    `hf` path loads it); missing tensors, tensors of other shapes and non-finite values are errors, not a score."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # missing weights get our one-line error, not transformers' report too
     try:
-        model, info = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. a shard's tensor of another shape than config.json's
+        raise EvalInputError(f"checkpoint_dir={ckpt} does not load ({' '.join(str(e).split())[:300]}): {FIX_CHECKPOINT}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise EvalInputError(f"checkpoint_dir={ckpt} lacks {len(missing)} weights (e.g. {missing[:3]}) that config.json needs: {FIX_CHECKPOINT}")
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise EvalInputError(f"checkpoint_dir={ckpt} holds non-finite weights ({bad} has NaN or inf): the run that wrote it "
+                             "diverged; evaluate an earlier checkpoint (step_N), or resume that run with a lower optimizer.lr")
     return model.to(device).eval()
 
 
-def load_tokenizer(tokenizer_model: Path, add_bos: bool) -> transformers.PreTrainedTokenizerFast:
-    """An HF fast tokenizer converted offline from the SentencePiece file; it encodes exactly as SentencePiece
-    does, with BOS prepended when `add_bos` (see docs/eval.md, "BOS")."""
+def load_tokenizer(tokenizer_file: Path, add_bos: bool) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer lm-eval's `hf` path would load for the folder, built offline.
+
+    tokenizer.json: transformers' AutoTokenizer on its folder, exactly as lm-eval loads a checkpoint folder (the
+    class comes from tokenizer_config.json and config.json's model_type: Qwen2Tokenizer for Qwen), with
+    `add_bos_token` passed as lm-eval passes it. A SentencePiece tokenizer.model (Llama 2): an HF fast tokenizer
+    converted offline from the file alone; it encodes exactly as SentencePiece does, with BOS prepended when
+    `add_bos` (see docs/eval.md, "BOS")."""
+    tokenizer_file = Path(tokenizer_file)
+    if tokenizer_file.suffix == ".json":
+        return transformers.AutoTokenizer.from_pretrained(tokenizer_file.parent, add_bos_token=add_bos)
+    tokenizer_model = tokenizer_file
     with tempfile.TemporaryDirectory() as tmp:
         # from_pretrained converts a folder's tokenizer.model; a folder of its own keeps any tokenizer.json or
         # tokenizer_config.json beside the checkpoint from changing the result.

@@ -30,7 +30,7 @@ def hf_weight_files(folder: Path) -> List[Path]:
     """The weight files of an HF-format model folder, in load order; [] if it holds none.
 
     Safetensors first: ``model.safetensors``, else the shards ``model.safetensors.index.json`` lists (each must
-    exist), else any ``*.safetensors``. Only without safetensors, ``pytorch_model*.bin`` (old HF downloads): those
+    exist and sit inside the folder), else any ``*.safetensors``. Only without safetensors, ``pytorch_model*.bin`` (old HF downloads): those
     are pickles, which every reader here loads with ``weights_only=True`` (plain tensors, no code). A malformed
     index or a missing shard is a BadInput naming the folder.
     """
@@ -44,6 +44,11 @@ def hf_weight_files(folder: Path) -> List[Path]:
             shards = sorted({folder / str(name) for name in names})
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
             raise BadInput(f"{index} is malformed ({e!r}; a partial copy?): re-copy the checkpoint folder") from None
+        root = folder.resolve()
+        outside = [str(s.relative_to(folder)) for s in shards if not s.resolve().is_relative_to(root)]
+        if outside:
+            raise BadInput(f"{index} names weight files outside {folder} ({outside[0]}; a checkpoint's shards sit in "
+                           "its own folder): refused; re-copy the checkpoint folder")
         missing = [s.name for s in shards if not s.is_file()]
         if missing:
             raise BadInput(f"{folder} is missing weight shards {missing} listed in {index.name} (a partial copy?): "

@@ -389,7 +389,7 @@ def _check_paths(cfg: DictConfig) -> dict:
         if "${data_dir}" in raw:
             return f"set data_dir=DIR (the folder holding {what}, e.g. ../shared/data)"
         if "${checkpoint_dir}" in raw:
-            return "set checkpoint_dir=DIR (the HF model folder, which holds tokenizer.model)"
+            return f"set checkpoint_dir=DIR (the HF model folder, which holds {Path(raw).name})"
         return f"set {section}.{key}=FILE"
 
     tok = Path(cfg.tokenizer.path)

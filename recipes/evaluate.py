@@ -8,9 +8,12 @@ builds the 6-shot QA prompt and the choices, and its `process_results_mc2` turns
 recipe loads our checkpoint, hands it over, and reports.
 
 Features (each behind a config key):
-    - checkpoint_dir: an HF-format Llama folder (the fine-tune recipe's epoch_N/ or step_N/, or any HF Llama).
-      A missing, partial or non-Llama checkpoint stops with one message and exit status 2 (as the fine-tune recipe).
-    - tokenizer_path: the SentencePiece model; default the checkpoint's own tokenizer.model.
+    - checkpoint_dir: an HF-format folder of Llama 2 / 3.x, Qwen 2.5 / 3 or Mistral (the fine-tune recipe's
+      epoch_N/ or step_N/, or a downloaded model), loaded by transformers' AutoModelForCausalLM as lm-eval's `hf`
+      path loads it. A missing, partial, foreign or non-finite checkpoint stops with one message and exit status 2
+      (as the fine-tune recipe).
+    - tokenizer_path: default the checkpoint's own tokenizer: its SentencePiece tokenizer.model (Llama 2), else its
+      tokenizer.json (with tokenizer_config.json beside it).
     - data_source: `local` reads {data_dir}/truthfulqa/mc_task.json (no network) into lm-eval's own task;
       `hub` runs lm-eval's task as-is, downloading truthfulqa/truthful_qa. Same documents, prompt, choices.
     - tasks: [truthfulqa_mc2], the only task supported; any other name is an error.
@@ -30,6 +33,7 @@ lm-eval's warning that HFLM got a loaded model rather than a name is dropped (we
 recipes/_reporting.py, KNOWN_NOISE).
 """
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -106,6 +110,9 @@ class EvalRecipe:
         print(harness.table(results))
         score = results["results"][TASK_NAME]["acc,none"]
         n = results["n-samples"][TASK_NAME]["effective"]
+        if not math.isfinite(score):  # (finite weights can still overflow, e.g. in bf16)
+            raise EvalInputError(f"{TASK_NAME} of {self.checkpoint_dir} is {score} (the model's log-likelihoods are "
+                                 f"not finite; results kept in {path}): evaluate with dtype=fp32, or an earlier checkpoint")
         print(f"{TASK_NAME}: {score:.4f} on {n} questions in {seconds:.1f} s; results: {path}")
         self.report(results, path)
         return results

@@ -1,4 +1,4 @@
-"""Full fine-tune of a Llama2-architecture model sharded over N processes with FSDP2.
+"""Full fine-tune of a Llama 2 / 3.x, Qwen 2.5 / 3 or Mistral model sharded over N processes with FSDP2.
 
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/tiny.yaml [key=value ...]
     tune run --nproc_per_node 2 recipes/full_finetune_distributed.py --config configs/llama2/7B_full_distributed.yaml
@@ -183,7 +183,7 @@ class FullFinetuneRecipeDistributed:
             model = config.instantiate(cfg.model)
         self._family = _hf_format.family_of(s.model_component)
         source = _hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family)
+        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
         meta_sd = model.state_dict()
 
         if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
@@ -270,6 +270,11 @@ class FullFinetuneRecipeDistributed:
             raise BadInput(f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} "
                            f"(its position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise "
                            "model.max_seq_len")
+        tok_vocab, model_vocab = getattr(self._tokenizer, "vocab_size", None), self._hf_config["vocab_size"]
+        if tok_vocab is not None and tok_vocab > model_vocab:
+            raise BadInput(f"the tokenizer ({self.settings.tokenizer_path}) has {tok_vocab} tokens but the model's "
+                           f"vocab_size is {model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or "
+                           "tokenizer.model) or a model with a larger model.vocab_size")
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps (``_resume.RESUME_TABLE``), with the rank count: a resume compares

@@ -1,4 +1,4 @@
-"""Full fine-tune of a Llama2-architecture model on one device (one GPU, or the CPU for tiny runs).
+"""Full fine-tune of a Llama 2 / 3.x, Qwen 2.5 / 3 or Mistral model on one device (one GPU, or the CPU for tiny runs).
 
     tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml [key=value ...]
     tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # manual + keys
@@ -10,10 +10,10 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     overwrite                        True: delete the run already in output_dir first (default False)
     checkpoint_dir                   HF checkpoint folder to start from; null = random init
     resume_from_checkpoint           a step_N/ or epoch_E/ folder this recipe wrote; continues exactly
-    model                            torchtune model builder (config.instantiate)
-    tokenizer                        Llama 2 SentencePiece; tokenizer.max_seq_len truncates (and packs)
-    dataset                          alpaca_dataset; dataset.packed=True packs rows best-fit
-    loss                             e.g. CEWithChunkedOutputLoss (the output layer's loss in chunks)
+    model                            torchtune model builder (config.instantiate); its family: docs/models.md
+    tokenizer                        Llama 2's SentencePiece, or the model's tokenizer.json (chat_template)
+    dataset                          alpaca/instruct/chat_dataset; dataset.packed=True packs rows best-fit
+    loss                             CEWithChunkedOutputLoss, or recipes._loss.LinearCrossEntropyLoss (fused)
     optimizer                        any class: optimizer=optimizers.AdamW8bit swaps it; torch flags dropped
     lr_scheduler                     built with num_training_steps filled in; null = constant lr
     metric_logger                    wandb (offline without WANDB_API_KEY); .name/.group/.tags; null = off
@@ -142,7 +142,7 @@ class FullFinetuneRecipeSingleDevice:
         # The HF config is read off the model before AC and compile wrap its layers.
         self._family = _hf_format.family_of(s.model_component)
         source = _hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family)
+        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
         weights = s.resume_dir or s.checkpoint_dir
         if weights is not None:
             _hf_format.load_weights(model, weights, self._hf_config, self._family)
@@ -202,6 +202,11 @@ class FullFinetuneRecipeSingleDevice:
             raise BadInput(f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} "
                            f"(its position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise "
                            "model.max_seq_len")
+        tok_vocab, model_vocab = getattr(self._tokenizer, "vocab_size", None), self._hf_config["vocab_size"]
+        if tok_vocab is not None and tok_vocab > model_vocab:
+            raise BadInput(f"the tokenizer ({self.settings.tokenizer_path}) has {tok_vocab} tokens but the model's "
+                           f"vocab_size is {model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or "
+                           "tokenizer.model) or a model with a larger model.vocab_size")
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps, for a resume to compare (``_resume.RESUME_TABLE``)."""

@@ -6,8 +6,9 @@ mkdir -p /tmp/data/alpaca /tmp/data/llama2_tokenizer /tmp/data/truthfulqa
 cp .devsite/data/tokenizer.model /tmp/data/llama2_tokenizer/
 [ -f .devsite/data/mc_task.json.xz ] && xz -dc .devsite/data/mc_task.json.xz > /tmp/data/truthfulqa/mc_task.json
 [ -f .devsite/eval_site.tar.xz ] && [ ! -d .devsite/site/lm_eval ] && tar -xJf .devsite/eval_site.tar.xz -C .devsite/site
+[ -f .devsite/fused_ce.tar.xz ] && [ ! -d .devsite/site/liger_kernel ] && tar -xJf .devsite/fused_ce.tar.xz -C .devsite/site
 CKPT=${CKPT:-/tmp/llama2-7b-random}  # CKPT=/dev/shm/... keeps the disk for the run's own checkpoints
-if [ ! -f $CKPT/config.json ]; then
+if [ -z "${SKIP_CKPT:-}" ] && [ ! -f $CKPT/config.json ]; then  # (SKIP_CKPT=1: a benchmark that makes its own)
   t=$(date +%s); python bench/e2e.py --make-checkpoint $CKPT --tokenizer /tmp/data/llama2_tokenizer/tokenizer.model
   echo "checkpoint made in $(( $(date +%s) - t )) s: $(du -sh $CKPT | cut -f1)"
 fi

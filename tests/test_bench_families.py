@@ -1,0 +1,85 @@
+"""bench/model_families.py: its CPU toy mode end to end (checkpoint, our row, torchtune's stock row, the JSON), the
+stand-in tokenizer being one BPE in every format, and the parameter counts its MFU uses."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DATA_DIR, REPO_ROOT, recipe_env
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import model_families as mf  # noqa: E402
+
+# torchtune's wheel ships its recipes (and their configs) beside the package: the stock rows run those.
+import torchtune  # noqa: E402
+
+STOCK_DIR = Path(torchtune.__file__).resolve().parents[1] / "recipes"
+KEYS = {"family", "name", "kind", "config", "memory_class", "device_memory_limit_gib", "variant", "tok_s",
+        "peak_reserved_gib", "mfu", "vs_stock", "command", "losses"}
+
+
+def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
+    out, work = tmp_path / "families.json", tmp_path / "work"
+    cmd = [sys.executable, "bench/model_families.py", "--toy", "--families", "llama3_2_3b", "--only", "ours_24gb,stock",
+           "--stock-dir", str(STOCK_DIR), "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out),
+           "--allow-dirty"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python bench/model_families.py --toy") and doc["hardware"] and doc["date"]
+    records = {r["name"]: r for r in doc["records"]}
+    assert set(records) == {"ours_24gb", "stock"}, records
+    for r in records.values():
+        assert KEYS <= set(r) and not r.get("error"), r
+        assert r["family"] == "llama3_2_3b" and r["tok_s"] > 0 and len(r["losses"]) == 3
+    ours, stock = records["ours_24gb"], records["stock"]
+    assert ours["kind"] == "ours" and ours["config"] == "llama3_2/3B_full_24gb" and ours["device_memory_limit_gib"] == 24
+    assert ours["variant"] == "optimizers.AdamW4bit + LinearCrossEntropyLoss(auto)"
+    assert stock["kind"] == "stock" and stock["config"] == "llama3_2/3B_full_single_device" and stock["vs_stock"] == 1.0
+    assert "full_finetune_single_device.py" in stock["command"] and "optimizer_in_bwd=True" in stock["command"]
+    assert ours["vs_stock"] == pytest.approx(ours["tok_s"] / stock["tok_s"], rel=1e-2)
+    assert not (work / "checkpoints" / "llama3_2_3b").exists()  # deleted before the next family
+
+
+@pytest.mark.parametrize("key", ["llama3_1_8b", "qwen2_5_7b"])
+def test_the_stock_rows_tokenize_as_ours(key, tmp_path):
+    """The stand-in BPE written as torchtune's own format for the family (Llama 3's tiktoken file, Qwen's vocab.json
+    and merges.txt) encodes Alpaca exactly as our tokenizer.json does: both recipes train on the same tokens."""
+    from torchtune.models.llama3 import llama3_tokenizer
+    from torchtune.models.qwen2_5 import qwen2_5_tokenizer
+
+    from recipes._tokenizer import HFTokenizer
+
+    spec = mf.SPECS[key]
+    texts = mf.alpaca_texts(DATA_DIR, 400)
+    bpe = mf.train_bpe(texts[:300], 2000)
+    mf.write_tokenizer(tmp_path, spec, bpe)
+    args = dict(a.split("=", 1) for a in mf.write_stock_tokenizer(tmp_path, spec, bpe, DATA_DIR))
+    special = str(tmp_path / "tokenizer.json")
+    if spec.family == "llama3":
+        stock = llama3_tokenizer(args["tokenizer.path"], special_tokens_path=special)
+    else:
+        stock = qwen2_5_tokenizer(args["tokenizer.path"], args["tokenizer.merges_file"], special_tokens_path=special)
+    ours = HFTokenizer(special)
+    for text in texts[300:] + ["numbers 12345 and  two spaces\n\nnew lines"]:
+        assert stock.encode(text, add_bos=False, add_eos=False) == ours.encode(text, add_bos=False, add_eos=False)
+
+
+@pytest.mark.parametrize("key", list(mf.SPECS))
+def test_parameter_counts_are_the_models(key):
+    """MFU counts 6 x parameters x tokens/s: the count from config.json is that of the builder our config names."""
+    from omegaconf import OmegaConf
+    from torchtune import config
+
+    spec = mf.SPECS[key]
+    with torch.device("meta"):
+        model = config.instantiate(OmegaConf.create({"_component_": spec.builder}))
+    assert mf.n_params(spec) == sum(p.numel() for p in model.parameters())
+    for memory_class, name in spec.configs.items():
+        cfg = OmegaConf.load(REPO_ROOT / "configs" / f"{name}.yaml")
+        assert cfg.model._component_ == spec.builder and name.endswith(f"_full_{memory_class}")
