@@ -93,7 +93,7 @@ def test_bad_tokenizer_files_and_templates_are_one_error_each(folders, tmp_path)
 
 # -- datasets --------------------------------------------------------------------------------------------------------
 
-SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="tokenizer.json")
+SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="tokenizer.json", tokenizer_cfg={})
 
 
 def build(cfg: dict, tok, packed=False):
