@@ -32,7 +32,7 @@ from finetune_base import BadInput
 from finetune_base.run_files import RUN_FILE
 from recipes import _async_save, _hf_format
 from recipes._reporting import announce_saved
-from recipes._run_folder import RunFolder, fsync_path
+from recipes._run_folder import RunFolder, ctrl_c_after, fsync_path
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
@@ -296,15 +296,19 @@ class Checkpointer:
     def _complete(self) -> None:
         f, job = self._inflight, self._job
         job.join()
-        self._inflight = self._job = None
         error = job.error if job.error is None or isinstance(job.error, Exception) else RuntimeError(repr(job.error))
-        final = self.folder.commit(f.name, f.tmp, error, f.need_bytes)
-        write_s = job.ended - job.started
-        if self.folder.ranks.main:
-            announce_saved(final, f.started, background=(write_s, f.blocked))
-        self._note(checkpoint_saved=f.name, checkpoint_write_s=write_s)
-        if self._on_saved is not None:
-            self._on_saved(final)
+        # In place, announced and no longer in flight, or none of these: a Ctrl-C meanwhile takes effect after.
+        with ctrl_c_after():
+            try:
+                final = self.folder.commit(f.name, f.tmp, error, f.need_bytes)
+            finally:
+                self._inflight = self._job = None  # (a failed write is raised once, not again at the next wait)
+            write_s = job.ended - job.started
+            if self.folder.ranks.main:
+                announce_saved(final, f.started, background=(write_s, f.blocked))
+            self._note(checkpoint_saved=f.name, checkpoint_write_s=write_s)
+            if self._on_saved is not None:
+                self._on_saved(final)
 
     # -- figures ---------------------------------------------------------------------------------------
 

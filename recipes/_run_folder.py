@@ -17,11 +17,14 @@ every rank learns the outcome, so no rank waits in a collective for one that fai
 """
 
 import atexit
+import contextlib
 import errno
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
@@ -195,6 +198,28 @@ def replace_dir(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)
         fsync_path(final.parent)
+
+
+@contextlib.contextmanager
+def ctrl_c_after():
+    """Ctrl-C (SIGINT) that arrives inside the block takes effect at its end: publishing a checkpoint and recording
+    that it is published happen both or neither. (A Ctrl-C while a checkpoint is published would otherwise leave a
+    folder on disk that the run's bookkeeping still calls in flight, or the reverse.) Off the main thread, where
+    Python delivers no signal, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):  # (Python's default handler raises KeyboardInterrupt here)
+            previous(signal.SIGINT, received[0])
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 # What tmp_dir and replace_dir name a folder: .tmp-NAME-PID-HEX / .old-NAME-PID-HEX, NAME a checkpoint's name.

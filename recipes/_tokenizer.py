@@ -193,3 +193,17 @@ class HFTokenizer(ModelTokenizer, Transform):
         tokens, mask = self.tokenize_messages(messages, add_end_tokens=not inference)
         sample["tokens"], sample["mask"] = tokens, mask
         return sample
+
+
+def check_fits_model(tokenizer, hf: dict, tokenizer_path: Path) -> None:
+    """The tokenizer against the model built (``hf``: its config.json): no sample longer than its position
+    embeddings, no token id beyond its vocabulary. Either is one BadInput naming the key to change."""
+    tok_len, model_len = tokenizer.max_seq_len, hf.get("max_position_embeddings")
+    if tok_len is not None and model_len is not None and tok_len > model_len:
+        raise BadInput(f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} (its "
+                       f"position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise model.max_seq_len")
+    tok_vocab, model_vocab = getattr(tokenizer, "vocab_size", None), hf["vocab_size"]
+    if tok_vocab is not None and tok_vocab > model_vocab:
+        raise BadInput(f"the tokenizer ({tokenizer_path}) has {tok_vocab} tokens but the model's vocab_size is "
+                       f"{model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or tokenizer.model) or "
+                       "a model with a larger model.vocab_size")

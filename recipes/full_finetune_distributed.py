@@ -46,7 +46,7 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _wandb  # noqa: E402
+from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _tokenizer, _wandb  # noqa: E402
 from recipes._async_save import Gather, Owned  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
@@ -149,7 +149,7 @@ class FullFinetuneRecipeDistributed:
             self._lr_scheduler = config.instantiate(s.lr_scheduler, self._optimizer,
                                                     num_training_steps=s.epochs * self._steps_per_epoch)
 
-        self._check_tokenizer_fits_model()
+        _tokenizer.check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(
@@ -263,18 +263,6 @@ class FullFinetuneRecipeDistributed:
             )
             del full
         model.load_state_dict(sharded, strict=True, assign=True)
-
-    def _check_tokenizer_fits_model(self) -> None:
-        tok_len, model_len = self._tokenizer.max_seq_len, self._hf_config.get("max_position_embeddings")
-        if tok_len is not None and model_len is not None and tok_len > model_len:
-            raise BadInput(f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} "
-                           f"(its position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise "
-                           "model.max_seq_len")
-        tok_vocab, model_vocab = getattr(self._tokenizer, "vocab_size", None), self._hf_config["vocab_size"]
-        if tok_vocab is not None and tok_vocab > model_vocab:
-            raise BadInput(f"the tokenizer ({self.settings.tokenizer_path}) has {tok_vocab} tokens but the model's "
-                           f"vocab_size is {model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or "
-                           "tokenizer.model) or a model with a larger model.vocab_size")
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps (``_resume.RESUME_TABLE``), with the rank count: a resume compares

@@ -26,7 +26,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import List, Optional, Sequence
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -46,16 +45,26 @@ def _proc_stat(pid: int) -> Optional[List[str]]:
 
 def rank_pids(parent: Optional[int] = None) -> List[int]:
     """The ranks torchrun started from ``parent`` (this process): its children that lead their own session (torchrun
-    starts each worker with ``start_new_session``; other children of the launcher, such as a multiprocessing helper,
-    do not)."""
+    starts each worker with ``start_new_session``) and carry ``TORCHELASTIC_RUN_ID`` (torchrun's worker environment).
+    Other children, a multiprocessing helper or a service that also leads its own session (wandb's), are not ranks
+    and never get a stop signal from here."""
     parent = os.getpid() if parent is None else parent
     pids = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             fields = _proc_stat(int(name))
-            if fields is not None and int(fields[1]) == parent and int(fields[3]) == int(name):
+            if fields is not None and int(fields[1]) == parent and int(fields[3]) == int(name) \
+                    and _is_torchrun_worker(int(name)):
                 pids.append(int(name))
     return sorted(pids)
+
+
+def _is_torchrun_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0TORCHELASTIC_RUN_ID=" in b"\0" + f.read()
+    except OSError:
+        return False
 
 
 def listens(pid: int, sig: int) -> bool:
@@ -76,6 +85,11 @@ class StopForwarder:
         self.signum: Optional[int] = None
         self.poll_s = poll_s
         self.sent: set = set()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """No more forwarding (the launcher never needs it: its process ends with the ranks)."""
+        self._stopped.set()
 
     def install(self) -> "StopForwarder":
         for sig in STOP_SIGNALS:
@@ -96,7 +110,7 @@ class StopForwarder:
 
     def _forward(self) -> None:
         # Ranks that start after the signal, or have not yet installed their handler, get it once they listen.
-        while True:
+        while not self._stopped.is_set():
             for pid in rank_pids():
                 if pid not in self.sent and listens(pid, self.signum):
                     try:
@@ -104,7 +118,7 @@ class StopForwarder:
                     except ProcessLookupError:
                         pass
                     self.sent.add(pid)
-            time.sleep(self.poll_s)
+            self._stopped.wait(self.poll_s)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -285,6 +285,36 @@ def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path,
     assert_complete(out / "step_2", 2)
 
 
+@pytest.mark.parametrize("moment", ["before", "after"])
+def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it(tmp_path, monkeypatch, moment):
+    """Ctrl-C lands just {before, after} step_2, written in the background, is renamed into place: the moment a user
+    (or a test) who waits for a step's metrics line most likely hits, since the publish follows that line. The run
+    stops with 130, and step_2 is whole, announced, and named as the checkpoint to resume from."""
+    from recipes import _run_folder
+
+    replace = _run_folder.replace_dir
+
+    def interrupted(tmp, final):
+        if final.name == "step_2" and moment == "before":
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(tmp, final)
+        if final.name == "step_2" and moment == "after":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(_run_folder, "replace_dir", interrupted)
+    out = tmp_path / "out"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a shell)
+    try:
+        run = run_here(out, "save_every_n_steps=2")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step_2"]
+    assert_complete(out / "step_2", 2)
+    assert f"Saved checkpoint {out / 'step_2'} (" in run.stdout
+    assert run.stdout.strip().splitlines()[-1].endswith(f"Continue with resume_from_checkpoint={out / 'step_2'}.")
+
+
 # ------------------------------------------------------------------------------------------------
 # the parts
 # ------------------------------------------------------------------------------------------------

@@ -327,20 +327,27 @@ sys.exit(3)
 def test_the_launcher_passes_a_stop_signal_to_each_rank_once_it_listens():
     from recipes.launch import StopForwarder, rank_pids
 
-    ranks = [subprocess.Popen([sys.executable, "-c", LATE_LISTENER, delay], start_new_session=True,
+    worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}  # (torchrun's worker environment)
+    ranks = [subprocess.Popen([sys.executable, "-c", LATE_LISTENER, delay], start_new_session=True, env=worker_env,
                               stdout=subprocess.PIPE, text=True) for delay in ("0", "1.5")]
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # not a rank: same session
+    # Not ranks: a helper in the launcher's session, and a service in a session of its own (as wandb starts
+    # wandb-core) that listens for SIGTERM too.
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    service = subprocess.Popen([sys.executable, "-c", LATE_LISTENER, "0"], start_new_session=True,
+                               stdout=subprocess.PIPE, text=True)
+    forwarder = StopForwarder(poll_s=0.05)
     try:
         wait_for(lambda: set(rank_pids()) >= {r.pid for r in ranks}, what="the ranks to start")
-        assert helper.pid not in rank_pids()
-        forwarder = StopForwarder(poll_s=0.05)
+        assert service.stdout.readline() == "listening\n"
+        assert helper.pid not in rank_pids() and service.pid not in rank_pids()
         forwarder._on_signal(signal.SIGTERM, None)  # what the launcher's handler runs on SIGTERM
         codes = [r.wait(30) for r in ranks]
         assert codes == [0, 0]  # both got it, in their handler (the late one was not killed by an early signal)
-        assert helper.poll() is None  # the launcher's other children are left alone
+        time.sleep(0.2)  # (a few more rounds of the forwarder)
+        assert helper.poll() is None and service.poll() is None  # the launcher's other children are left alone
     finally:
-        helper.kill()
-        for p in ranks + [helper]:
+        forwarder.stop()  # (its thread would go on signalling this test process's children)
+        for p in ranks + [helper, service]:
             if p.poll() is None:
                 p.kill()
             p.wait()
