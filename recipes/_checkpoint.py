@@ -297,8 +297,9 @@ class Checkpointer:
         f, job = self._inflight, self._job
         job.join()
         error = job.error if job.error is None or isinstance(job.error, Exception) else RuntimeError(repr(job.error))
-        # In place, announced and no longer in flight, or none of these: a Ctrl-C meanwhile takes effect after.
-        with ctrl_c_after():
+        # In place, announced and no longer in flight, or none of these: a Ctrl-C meanwhile takes effect after (one
+        # process; ranks, which Ctrl-C stops each at once, must not wait in the commit's collectives for one another).
+        with ctrl_c_after() if self.folder.ranks.world == 1 else contextlib.nullcontext():
             try:
                 final = self.folder.commit(f.name, f.tmp, error, f.need_bytes)
             finally:
