@@ -204,10 +204,7 @@ def parse_args(argv: Optional[List[str]] = None):
         harness.refuse("the width-2048 benchmark is its own script: python bench/loss_parity_width2048.py "
                        "(the same flags, without --setting)")
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    args.keys = [k.strip() for k in (args.variants or ",".join(defaults)).split(",") if k.strip()]
-    unknown = set(args.keys) - {r[0] for r in table}
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
+    args.keys = report.selected_rows(parser, args.variants, defaults, [r[0] for r in table])
     return args
 
 

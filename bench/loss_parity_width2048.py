@@ -232,10 +232,7 @@ def parse_args(argv: Optional[List[str]] = None):
     harness.add_arguments(parser)
     args = parser.parse_args(argv)
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    args.keys = [k.strip() for k in (args.variants or ",".join(defaults)).split(",") if k.strip()]
-    unknown = set(args.keys) - {r[0] for r in table_rows}
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
+    args.keys = report.selected_rows(parser, args.variants, defaults, [r[0] for r in table_rows])
     return args
 
 
