@@ -87,6 +87,18 @@ class RecipeRun:
         return errors[0]
 
 
+# A process holding an output folder's lock as a live run of the recipes does: ``python -c LOCK_HOLDER LOCK TEXT``
+# takes the fcntl lock on LOCK, writes TEXT (the owner record) into it, says "holding" and keeps it for two minutes.
+LOCK_HOLDER = r'''
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, sys.argv[2].encode())
+print("holding", flush=True)
+time.sleep(120)
+'''
+
+
 def read_metrics(output_dir: Path) -> List[Dict]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():

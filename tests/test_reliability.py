@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DATA_DIR, FAST, RecipeRun, RECIPE, REPO_ROOT, TINY_CONFIG, read_metrics, recipe_command, recipe_env, run_recipe
+from conftest import (DATA_DIR, FAST, LOCK_HOLDER, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics,
+                      recipe_command, recipe_env, run_recipe)
 
 
 def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
@@ -469,15 +470,6 @@ def test_resume_past_the_end_trains_nothing(base, run, tmp_path):
 # 10. the newer surfaces, at the recipe level
 # ------------------------------------------------------------------------------------------------
 
-HOLDER = r'''
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.lockf(fd, fcntl.LOCK_EX)
-os.write(fd, sys.argv[2].encode())
-print("holding", flush=True)
-time.sleep(120)
-'''
-
 
 def test_a_live_run_in_another_container_keeps_its_folder(run, tmp_path):
     """Another container's run (its PID dead here) trains in out/: a second run, even with overwrite=True, is
@@ -487,7 +479,7 @@ def test_a_live_run_in_another_container_keeps_its_folder(run, tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
     owner = json.dumps({"host": "container-b", "boot_id": "other", "pid_ns": "pid:[4026532000]", "pid": dead_pid(),
                         "start": "1", "token": "theirs"})
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / ".lock"), owner], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), owner], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"

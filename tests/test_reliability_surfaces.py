@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG
+from conftest import DATA_DIR, FAST, LOCK_HOLDER, REPO_ROOT, TINY_CONFIG
 
 from recipes import _lock, _packing, _run_folder
 from recipes._lock import OutputDirLock
@@ -44,15 +44,8 @@ def wait_for(predicate, timeout=60.0, what="a condition"):
 # ------------------------------------------------------------------------------------------------
 
 # A run elsewhere (another container or host) holding the lock: its PID means nothing here (this one is dead here),
-# it holds the fcntl lock as a live run of these recipes does, and it never touches this test's process.
-HOLDER = r'''
-import fcntl, json, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.lockf(fd, fcntl.LOCK_EX)
-os.write(fd, sys.argv[2].encode())
-print("holding", flush=True)
-time.sleep(120)
-'''
+# it holds the fcntl lock as a live run of these recipes does (conftest.LOCK_HOLDER), and it never touches this
+# test's process.
 
 
 @pytest.fixture
@@ -62,7 +55,7 @@ def holder_elsewhere(tmp_path):
     out.mkdir()
     owner = {"host": "node-b", "boot_id": "another-boot", "pid_ns": "pid:[1]", "pid": dead_pid(), "start": "1",
              "token": "theirs"}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / ".lock"), json.dumps(owner)],
+    proc = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), json.dumps(owner)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "holding"
     yield out, owner
