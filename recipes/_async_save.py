@@ -20,8 +20,9 @@ Where the snapshot lives, tensor by tensor in the order the checkpoint lists the
 - else host memory: one buffer the size of what did not fit on the GPU, allocated and pinned (cudaHostRegister) once
   and reused by every save; a pinned copy runs about 55 GB/s on an H200 (a 20.6 GB 7B checkpoint: ~0.4 s). Pinning
   new memory costs ~1 s per 10 GB, so ``Checkpointer.prepare`` allocates it in the background after the first step.
-- if the host has not that much memory available (MemAvailable less a reserve), nowhere: the save is then written
-  synchronously, as with async_checkpoint=False (the checkpointer warns once).
+- if the host has not that much memory available (MemAvailable less a reserve), the checkpointer (one process)
+  copies only the larger of the checkpoint's two files whose copy fits and writes the other before training goes
+  on; where neither fits, the save is written synchronously, as with async_checkpoint=False (it warns once).
 
 So the memory an asynchronous save needs is, per rank: G + H = S, the checkpoint's tensors (weights and optimizer
 state; rank 0 of the distributed recipe holds the gathered full weights), with G = min(S, spare GPU memory) on the

@@ -21,6 +21,7 @@ import functools
 import json
 import random
 import resource
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -130,23 +131,26 @@ class Checkpointer:
         parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
         if self.background:
             self.wait()  # at most one save in flight: the previous one is published (or fails) first
-            layout = self._plan(parts)
-            if layout is not None and self._start(name, parts, layout, need_bytes, started):
+            layout, now = self._plan(parts)
+            if layout is not None and self._start(name, parts, layout, need_bytes, started, now):
                 return
         self._save_now(name, _async_save.materialize(parts), need_bytes, started)
 
-    def _save_now(self, name: str, parts: dict, need_bytes: Callable[[], int], started: float) -> None:
+    def _write_now(self, tmp: Path, parts: dict) -> None:
+        """This rank's files of ``parts`` (a part that is None is not written), on the calling thread."""
         ranks = self.folder.ranks
-
-        def write(tmp: Path) -> None:
-            if parts["rank_state"] is not None:
-                torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
-            if ranks.main:
+        if parts["rank_state"] is not None:
+            torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
+        if ranks.main:
+            if parts["weights"] is not None:
                 _hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
+            if parts["recipe_state"] is not None:
                 torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, parts["recipe_state"])
 
-        final = self.folder.publish(name, write, need_bytes)
+    def _save_now(self, name: str, parts: dict, need_bytes: Callable[[], int], started: float) -> None:
+        ranks = self.folder.ranks
+        final = self.folder.publish(name, lambda tmp: self._write_now(tmp, parts), need_bytes)
         seconds = time.perf_counter() - started
         if ranks.main:
             announce_saved(final, started)
@@ -154,31 +158,53 @@ class Checkpointer:
         if self._on_saved is not None:
             self._on_saved(final)
 
-    def _plan(self, parts: dict) -> Optional[_async_save.Layout]:
-        """Where this save's snapshot goes; None (every rank agrees) where some rank's host lacks the memory."""
+    def _plan(self, parts: dict) -> tuple:
+        """Where this save's snapshot goes, and the parts to write before training goes on: the whole checkpoint
+        staged, where every rank's host has the memory. In one process whose host has not, the larger of the
+        checkpoint's two files (model.safetensors, recipe_state.pt) whose copy fits is staged, and the other written
+        first from the live tensors: training waits for that file, not for both. (None, ()) where nothing fits: the
+        save is synchronous."""
         layout = self._staging.plan(parts)
         if all(self.folder.ranks.gather(layout is not None)):
-            return layout
+            return layout, ()
+        if self.folder.ranks.world == 1:
+            best, best_bytes = (None, ()), 0
+            for now in (("weights",), ("recipe_state",)):
+                part = self._staging.plan({k: None if k in now else v for k, v in parts.items()})
+                if part is not None and part.host_bytes + part.gpu_bytes > best_bytes:
+                    best, best_bytes = (part, now), part.host_bytes + part.gpu_bytes
+            if best[0] is not None:
+                return best
         if self._log is not None and not self._told:
             self._log.warning(
                 "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while it is "
                 "written (it would pin the part that does not fit in spare GPU memory), so checkpoints are written "
                 "synchronously and training waits for each; free host memory, or set async_checkpoint=False")
             self._told = True
-        return None
+        return None, ()
 
     def _start(self, name: str, parts: dict, layout: "_async_save.Layout", need_bytes: Callable[[], int],
-               started: float) -> bool:
+               started: float, now: tuple = ()) -> bool:
         """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
-        the save is then synchronous, and later ones keep their snapshots in host memory)."""
+        the save is then synchronous, and later ones keep their snapshots in host memory). ``now``: the parts left
+        out of the snapshot, written here first (training waits for them)."""
+        staged = {k: None if k in now else v for k, v in parts.items()}
         try:
-            snap, ready = self._staging.snapshot(parts, layout)
+            snap, ready = self._staging.snapshot(staged, layout)
         except torch.cuda.OutOfMemoryError:
             if self.folder.ranks.world > 1:
                 raise
             self._staging.no_gpu()
             return False
         tmp = self.folder.begin(name)
+        if now:
+            try:
+                self._write_now(tmp, _async_save.materialize({k: parts[k] if k in now else None for k in parts}))
+            except Exception as e:  # one line, the previous checkpoint kept: as a synchronous save's failure
+                self.folder.commit(name, tmp, e, need_bytes)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         blocked = time.perf_counter() - started
         self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
         self._job = _async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
@@ -191,8 +217,16 @@ class Checkpointer:
                 (layout.gpu_bytes, "in spare GPU memory, freed once written"),
                 (layout.host_bytes, f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for "
                                     "the run")) if b]
-            self._log.info(f"async_checkpoint=True: each save copies the checkpoint's tensors ({' and '.join(where)}; "
-                           f"training was blocked {blocked:.2f} s for {name}) and writes them in the background")
+            if now:
+                files = {"weights": _hf_format.WEIGHTS_FILE, "recipe_state": RECIPE_STATE_FILE}
+                self._log.warning(
+                    f"async_checkpoint=True: this host has the memory to copy only part of the checkpoint, so each "
+                    f"save writes {files[now[0]]} before training goes on and the rest ({' and '.join(where)}) in "
+                    f"the background; training was blocked {blocked:.2f} s for {name}")
+            else:
+                self._log.info(f"async_checkpoint=True: each save copies the checkpoint's tensors "
+                               f"({' and '.join(where)}; training was blocked {blocked:.2f} s for {name}) and writes "
+                               "them in the background")
             self._told = True
         return True
 
@@ -204,8 +238,8 @@ class Checkpointer:
         with self._writer_stream(ready):
             if snap["rank_state"] is not None:
                 _async_save.pinned_torch_save(snap["rank_state"], tmp / own)
-            if ranks.main:
-                weights = snap["weights"]
+            weights = snap["weights"] if ranks.main else None
+            if weights is not None:  # (None: written before training went on, ``_start``'s ``now``)
                 if any(t.is_cuda for t in weights.values()):  # held on the GPU: streamed through a pinned buffer
                     if self._bounce is None:
                         self._bounce = torch.empty(_async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -215,6 +249,7 @@ class Checkpointer:
                     _hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
                 else:  # in host memory: the very writer of a synchronous save
                     _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
+            if ranks.main and snap["recipe_state"] is not None:
                 _async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, snap["recipe_state"])
         for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
@@ -247,7 +282,7 @@ class Checkpointer:
         step (the optimizer state exists by then); every rank calls it."""
         if not self.background or self._job is not None:
             return
-        layout = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
+        layout, _ = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
         if layout is not None:
             self._job = _async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
 

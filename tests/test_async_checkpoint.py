@@ -285,6 +285,47 @@ def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path,
     assert_complete(out / "step_2", 2)
 
 
+def staged_bytes(obj) -> int:
+    """What a host-held copy of ``obj`` takes in the staging buffer (each storage once, each slot page-aligned)."""
+    from recipes import _async_save
+
+    sizes, _, _ = _async_save.Staging._leaves(obj)
+    return _async_save.Layout(sizes, [False] * len(sizes)).host_bytes
+
+
+@pytest.mark.parametrize("room", ["recipe_state", "weights", "nothing"])
+def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, monkeypatch, room):
+    """The host has memory for the copy of only one of the checkpoint's two files (or of neither): that one is
+    copied and written in the background, the other written before training goes on (neither: every save is
+    synchronous). The folders are still the synchronous ones, byte for byte."""
+    from recipes import _async_save
+
+    sync = runs[0]
+    weights = staged_bytes(load_file(sync.output_dir / "step_2" / "model.safetensors"))
+    state = staged_bytes(torch.load(sync.output_dir / "step_2" / "recipe_state.pt", weights_only=True))
+    assert weights < state  # (bf16 weights, fp32 AdamW states: the larger file is the state)
+    limit = {"recipe_state": state, "weights": weights, "nothing": 0}[room]
+    # The host's available memory: ``limit``, less the staging buffer once allocated (as MemAvailable would drop).
+    held, allocate = [0], _async_save.Staging.allocate
+
+    def allocate_and_count(self, layout):
+        allocate(self, layout)
+        held[0] = 0 if self._host is None else self._host.numel()
+
+    monkeypatch.setattr(_async_save.Staging, "allocate", allocate_and_count)
+    monkeypatch.setattr(_async_save, "available_host_bytes", lambda: limit - held[0])
+    run = run_here(tmp_path / "out", "save_every_n_steps=2")
+    assert run.ok, run.stderr[-3000:]
+    names = sorted(p.name for p in sync.output_dir.iterdir() if p.is_dir())
+    assert sorted(p.name for p in run.output_dir.iterdir() if p.is_dir()) == names
+    for name in names:
+        for f in sorted((sync.output_dir / name).iterdir()):
+            assert (run.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+    # What the saves of step_2 and step_4 staged (epoch_0's comes after the last step's record).
+    staged = [m["checkpoint_staged_host_gib"] * 2**30 for m in run.metrics if "checkpoint_staged_host_gib" in m]
+    assert staged == ([] if room == "nothing" else [limit, limit]), [m for m in run.metrics if "checkpoint_saved" in m]
+
+
 @pytest.mark.parametrize("moment", ["before", "after"])
 def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it(tmp_path, monkeypatch, moment):
     """Ctrl-C lands just {before, after} step_2, written in the background, is renamed into place: the moment a user
