@@ -39,7 +39,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -72,6 +72,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--allow-dirty", action="store_true",
                         help="run although recipes/, optimizers/, eval/, configs/ or bench/ have uncommitted changes "
                              "(the result's code is then recorded as <commit>+dirty)")
+
+
+def pick(parser, value: Optional[str], known, what: str, default: Sequence[str] = ()) -> List[str]:
+    """The names a comma-separated option lists (none given: ``default``), in its order, each one of ``known``;
+    otherwise the parser's error naming the unknown ones and the choices."""
+    names = [n.strip() for n in (value or ",".join(default)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def refuse(message: str) -> None:

@@ -13,15 +13,6 @@ from typing import Callable, List
 import _harness as harness
 
 
-def selected_rows(parser, value: str | None, defaults: List[str], known: List[str]) -> List[str]:
-    """The row keys ``--variants`` names (comma-separated; none given: ``defaults``), each one of ``known``."""
-    keys = [k.strip() for k in (value or ",".join(defaults)).split(",") if k.strip()]
-    unknown = set(keys) - set(known)
-    if unknown:
-        parser.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
-    return keys
-
-
 def table(headers: List[str], records: List[dict], cells: Callable[[dict], List[str]]) -> str:
     """One row per record: its label, then cells(r); a failed record shows its error in the last column."""
     failed = ["-"] * (len(headers) - 2)

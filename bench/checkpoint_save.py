@@ -186,10 +186,7 @@ def parse_args(argv: Optional[List[str]] = None):
     args.sync_at = args.sync_at or (2 if toy else 6)
     args.skip_steps = args.skip_steps if args.skip_steps is not None else (1 if toy else 5)
     args.rows_table = TOY_ROWS if toy else ROWS
-    args.names = [n for n in (args.rows or ",".join(args.rows_table)).split(",") if n]
-    unknown = [n for n in args.names if n not in args.rows_table]
-    if unknown:
-        ap.error(f"unknown rows {unknown}; choose from {', '.join(args.rows_table)}")
+    args.names = harness.pick(ap, args.rows, args.rows_table, "rows", list(args.rows_table))
     if not toy and not args.checkpoint_dir:
         ap.error("--checkpoint-dir is required (make one with python bench/e2e.py --make-checkpoint DIR), or --toy")
     return args

@@ -279,10 +279,7 @@ def parse_args(argv: Optional[List[str]] = None):
         return args
     if not args.checkpoint_dir:
         ap.error("--checkpoint-dir is required (make one with --make-checkpoint DIR)")
-    args.names = [n for n in args.rows.split(",") if n]
-    unknown = [n for n in args.names if n not in ROWS]
-    if unknown:
-        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    args.names = harness.pick(ap, args.rows, ROWS, "rows")
     if any(ROWS[n][0] == "stock" for n in args.names) and not args.stock_dir:
         ap.error("stock rows need --stock-dir (torchtune's recipes folder)")
     return args

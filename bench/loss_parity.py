@@ -204,7 +204,7 @@ def parse_args(argv: Optional[List[str]] = None):
         harness.refuse("the width-2048 benchmark is its own script: python bench/loss_parity_width2048.py "
                        "(the same flags, without --setting)")
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    args.keys = report.selected_rows(parser, args.variants, defaults, [r[0] for r in table])
+    args.keys = harness.pick(parser, args.variants, [r[0] for r in table], "variants", defaults)
     return args
 
 

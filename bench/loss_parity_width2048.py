@@ -232,7 +232,7 @@ def parse_args(argv: Optional[List[str]] = None):
     harness.add_arguments(parser)
     args = parser.parse_args(argv)
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
-    args.keys = report.selected_rows(parser, args.variants, defaults, [r[0] for r in table_rows])
+    args.keys = harness.pick(parser, args.variants, [r[0] for r in table_rows], "variants", defaults)
     return args
 
 

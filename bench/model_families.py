@@ -598,10 +598,7 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--bpe", help=argparse.SUPPRESS)
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
-    args.names = [f for f in args.families.split(",") if f]
-    unknown = [f for f in args.names if f not in SPECS]
-    if unknown:
-        ap.error(f"unknown families {unknown}; choose from {', '.join(SPECS)}")
+    args.names = harness.pick(ap, args.families, SPECS, "families")
     args.kinds = [k for k in args.rows.split(",") if k]
     args.loss_families = args.loss_families.split(",")
     args.only = [r for r in args.only.split(",") if r]
