@@ -73,6 +73,13 @@ def set_rng_state(rng: Dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+def _split(parts: dict, now: tuple) -> tuple:
+    """``parts`` as (what the snapshot copies, what is written before training goes on): the names in ``now`` go to
+    the second, the rest to the first; each leaves None where the other has a part."""
+    return ({k: None if k in now else v for k, v in parts.items()},
+            {k: v if k in now else None for k, v in parts.items()})
+
+
 class _InFlight:
     """The checkpoint a background job is writing: where, since when, and what training paid for it."""
 
@@ -170,7 +177,7 @@ class Checkpointer:
         if self.folder.ranks.world == 1:
             best, best_bytes = (None, ()), 0
             for now in (("weights",), ("recipe_state",)):
-                part = self._staging.plan({k: None if k in now else v for k, v in parts.items()})
+                part = self._staging.plan(_split(parts, now)[0])
                 if part is not None and part.host_bytes + part.gpu_bytes > best_bytes:
                     best, best_bytes = (part, now), part.host_bytes + part.gpu_bytes
             if best[0] is not None:
@@ -188,7 +195,7 @@ class Checkpointer:
         """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
         the save is then synchronous, and later ones keep their snapshots in host memory). ``now``: the parts left
         out of the snapshot, written here first (training waits for them)."""
-        staged = {k: None if k in now else v for k, v in parts.items()}
+        staged, written_now = _split(parts, now)
         try:
             snap, ready = self._staging.snapshot(staged, layout)
         except torch.cuda.OutOfMemoryError:
@@ -199,7 +206,7 @@ class Checkpointer:
         tmp = self.folder.begin(name)
         if now:
             try:
-                self._write_now(tmp, _async_save.materialize({k: parts[k] if k in now else None for k in parts}))
+                self._write_now(tmp, _async_save.materialize(written_now))
             except Exception as e:  # one line, the previous checkpoint kept: as a synchronous save's failure
                 self.folder.commit(name, tmp, e, need_bytes)
             except BaseException:
