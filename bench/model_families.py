@@ -313,10 +313,10 @@ CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24}
 # (7-8B x (2 bytes of weights + 4 of bf16 AdamW states) is 45-49 GiB; with their gradients too, no room is left for
 # the activations). Two choices per model: torch's fused AdamW with activation checkpointing, and bitsandbytes'
 # 8-bit AdamW without (half the states' memory pays for the activations). The faster of those that finish is the
-# family's anchor.
+# family's anchor. (Peak memory is logged on every row: torchtune's Qwen2.5 configs turn it off.)
 STOCK_COMMON = ["dataset.packed=True", "compile=True", "batch_size=16", "seed=42", "clip_grad_norm=null",
                 "optimizer.lr=2e-5", "optimizer_in_bwd=True", "enable_activation_offloading=False",
-                "tokenizer.max_seq_len=512"]
+                "tokenizer.max_seq_len=512", "log_peak_memory_stats=True"]
 STOCK_ROWS = {
     "stock": ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "enable_activation_checkpointing=True"],
     "stock_8bit": ["optimizer=bitsandbytes.optim.AdamW8bit", "enable_activation_checkpointing=False"],
