@@ -6,6 +6,7 @@ save, and ``launch.follow_launcher`` makes a rank whose launcher dies outright s
 """
 
 import signal
+import sys
 from typing import Any, Dict, Optional
 
 from tqdm import tqdm
@@ -21,11 +22,19 @@ class StopSignal:
 
     ``with StopSignal() as stop:`` installs the handlers for the loop and restores the previous ones after;
     ``install()`` / ``uninstall()`` do the same for a recipe that listens from its setup on (a signal that arrives
-    before the first step then stops the run after setup, with nothing to save)."""
+    before the first step then stops the run after setup, with nothing to save).
+
+    Ctrl-C (SIGINT) keeps Python's meaning, a KeyboardInterrupt at once, but is also remembered: Python raises it in
+    whatever code runs next on the main thread, and when that is a finalizer or a weakref callback (a checkpoint
+    writer's thread object being freed is one) Python prints "Exception ignored ... KeyboardInterrupt" and training
+    goes on as if no Ctrl-C came. While installed, that message is not printed (``sys.unraisablehook``) and
+    ``check_ctrl_c()``, at every step boundary, raises the KeyboardInterrupt again there."""
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self.ctrl_c = False
         self._previous: Dict[int, Any] = {}
+        self._unraisablehook = None
 
     @property
     def received(self) -> bool:
@@ -39,20 +48,43 @@ class StopSignal:
         self.signum = signum
         tqdm.write(f"{signal.Signals(signum).name}: stopping at the next step boundary, after a checkpoint")
 
+    def _on_ctrl_c(self, signum, frame) -> None:
+        self.ctrl_c = True
+        raise KeyboardInterrupt
+
+    def _on_unraisable(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.ctrl_c:
+            return  # our Ctrl-C, swallowed where Python cannot raise: check_ctrl_c raises it
+        self._unraisablehook(unraisable)
+
+    def check_ctrl_c(self) -> None:
+        """At a step boundary: a Ctrl-C whose KeyboardInterrupt was swallowed on its way (above) is raised here."""
+        if self.ctrl_c:
+            raise KeyboardInterrupt
+
     def install(self) -> "StopSignal":
-        for sig in STOP_SIGNALS:
+        handlers = {sig: self._on_signal for sig in STOP_SIGNALS}
+        # Ctrl-C only where it has Python's default meaning: a process that ignores SIGINT (nohup, a shell's
+        # background job) or whose SIGINT a caller handles keeps that.
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            handlers[signal.SIGINT] = self._on_ctrl_c
+        for sig, handler in handlers.items():
             if sig in self._previous:
                 continue
             try:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                self._previous[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
+        if signal.SIGINT in self._previous and self._unraisablehook is None:
+            self._unraisablehook, sys.unraisablehook = sys.unraisablehook, self._on_unraisable
         return self
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._unraisablehook is not None:
+            sys.unraisablehook, self._unraisablehook = self._unraisablehook, None
 
     def __enter__(self) -> "StopSignal":
         return self.install()

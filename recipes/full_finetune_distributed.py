@@ -454,6 +454,7 @@ class FullFinetuneRecipeDistributed:
                 self._profiler.step(self.global_step)
                 running_loss, num_tokens = 0.0, 0
                 self._checkpointer.poll(all_written=writing == 0)  # every rank has written: published here
+                self._stop.check_ctrl_c()
 
                 if step_in_epoch == self._steps_per_epoch:
                     break

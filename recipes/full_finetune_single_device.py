@@ -355,6 +355,7 @@ class FullFinetuneRecipeSingleDevice:
                 self._profiler.step(self.global_step)
                 running_loss = 0.0
                 self._checkpointer.poll()  # a checkpoint written in the background is published (or fails) here
+                self._stop.check_ctrl_c()
 
                 if step_in_epoch == self._steps_per_epoch:
                     break
