@@ -19,10 +19,17 @@ from conftest import RECIPE, REPO_ROOT, pinned_inductor_cache, read_metrics, rec
 from recipes._stops import StopSignal
 
 
+def ctrl_c_as_in_a_shell() -> None:
+    """A child's SIGINT as a terminal's foreground job has it. Ignoring SIGINT is inherited, and a test run started
+    as a shell's background job (`cmd &`) ignores it: a recipe started from there would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_sums_up_names_the_checkpoint_to_resume_from_and_exits_130(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60"), cwd=REPO_ROOT,
-                            env=recipe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=recipe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_as_in_a_shell)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline and not any(m["step"] >= 3 for m in read_metrics(out)):
         time.sleep(0.05)
@@ -72,7 +79,7 @@ def test_a_ctrl_c_lost_in_a_callback_still_stops_the_run_at_the_next_step(tmp_pa
     args = recipe_command(out, "max_steps_per_epoch=20")
     recipe = args.index(RECIPE)
     run = subprocess.run([sys.executable, "-c", SWALLOWED_CTRL_C, *args[recipe:]], cwd=REPO_ROOT, env=recipe_env(),
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, preexec_fn=ctrl_c_as_in_a_shell)
     assert run.returncode == 130, run.stderr[-3000:]  # (it trained all 20 steps and exited 0)
     assert "KeyboardInterrupt" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
@@ -85,15 +92,19 @@ def test_a_ctrl_c_python_swallows_in_a_weakref_callback_is_raised_at_the_step_bo
     went on to its end with exit status 0. The recipes check at every step boundary."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    with StopSignal() as stop:
-        thing = _Thing()
-        ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # Ctrl-C, handled inside the callback
-        del thing  # no KeyboardInterrupt comes out of here: Python cannot raise from a callback
-        assert ref() is None and stop.ctrl_c
-        with pytest.raises(KeyboardInterrupt):
-            stop.check_ctrl_c()
-    assert seen == []  # nor is "Exception ignored ... KeyboardInterrupt" printed
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and sys.unraisablehook == seen.append
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a shell)
+    try:
+        with StopSignal() as stop:
+            thing = _Thing()
+            ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # Ctrl-C, inside the callback
+            del thing  # no KeyboardInterrupt comes out of here: Python cannot raise from a callback
+            assert ref() is None and stop.ctrl_c
+            with pytest.raises(KeyboardInterrupt):
+                stop.check_ctrl_c()
+        assert seen == []  # nor is "Exception ignored ... KeyboardInterrupt" printed
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and sys.unraisablehook == seen.append
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_other_errors_in_callbacks_are_still_reported_and_an_ignored_ctrl_c_stays_ignored(monkeypatch):
