@@ -99,6 +99,21 @@ time.sleep(120)
 '''
 
 
+# Ctrl-C as a terminal's foreground job has it. A test run started as a shell's background job (`cmd &`) ignores
+# SIGINT, and its children inherit that (Python in them then installs no KeyboardInterrupt handler): tests that
+# Ctrl-C a recipe set it up as in a shell, ``preexec_fn=ctrl_c_as_in_a_shell`` for a child, ``python_ctrl_c`` here.
+def ctrl_c_as_in_a_shell() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """This process's SIGINT raises KeyboardInterrupt (Python's default handler) during the test."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def read_metrics(output_dir: Path) -> List[Dict]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():

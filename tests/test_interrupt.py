@@ -15,14 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import RECIPE, REPO_ROOT, pinned_inductor_cache, read_metrics, recipe_command, recipe_env
+from conftest import (RECIPE, REPO_ROOT, ctrl_c_as_in_a_shell, pinned_inductor_cache, read_metrics,
+                      recipe_command, recipe_env)
 from recipes._stops import StopSignal
-
-
-def ctrl_c_as_in_a_shell() -> None:
-    """A child's SIGINT as a terminal's foreground job has it. Ignoring SIGINT is inherited, and a test run started
-    as a shell's background job (`cmd &`) ignores it: a recipe started from there would never see the Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_sums_up_names_the_checkpoint_to_resume_from_and_exits_130(tmp_path):
@@ -86,25 +81,21 @@ def test_a_ctrl_c_lost_in_a_callback_still_stops_the_run_at_the_next_step(tmp_pa
     assert run.stdout.strip().splitlines()[-1].startswith("Run stopped by Ctrl-C: trained steps 1-3"), run.stdout
 
 
-def test_a_ctrl_c_python_swallows_in_a_weakref_callback_is_raised_at_the_step_boundary(monkeypatch):
+def test_a_ctrl_c_python_swallows_in_a_weakref_callback_is_raised_at_the_step_boundary(monkeypatch, python_ctrl_c):
     """Python raises Ctrl-C's KeyboardInterrupt in whatever runs next on the main thread. When that is a weakref
     callback (a finished checkpoint writer's thread object being freed calls one), Python only prints it, and the run
     went on to its end with exit status 0. The recipes check at every step boundary."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a shell)
-    try:
-        with StopSignal() as stop:
-            thing = _Thing()
-            ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # Ctrl-C, inside the callback
-            del thing  # no KeyboardInterrupt comes out of here: Python cannot raise from a callback
-            assert ref() is None and stop.ctrl_c
-            with pytest.raises(KeyboardInterrupt):
-                stop.check_ctrl_c()
-        assert seen == []  # nor is "Exception ignored ... KeyboardInterrupt" printed
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and sys.unraisablehook == seen.append
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with StopSignal() as stop:
+        thing = _Thing()
+        ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))  # Ctrl-C, handled inside the callback
+        del thing  # no KeyboardInterrupt comes out of here: Python cannot raise from a callback
+        assert ref() is None and stop.ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            stop.check_ctrl_c()
+    assert seen == []  # nor is "Exception ignored ... KeyboardInterrupt" printed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and sys.unraisablehook == seen.append
 
 
 def test_other_errors_in_callbacks_are_still_reported_and_an_ignored_ctrl_c_stays_ignored(monkeypatch):
