@@ -72,8 +72,11 @@ ROWS: Dict[str, tuple] = {
     "ours_80gb_varlen": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "packed_attention=varlen"], "80gb"),
     "ours_80gb_fused_varlen": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fuse_projections=True",
                                                         "packed_attention=varlen"], "80gb"),
-    "ours_24gb_fused_varlen": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fuse_projections=True",
-                                                        "packed_attention=varlen"], "24gb"),
+    "ours_24gb_varlen": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "packed_attention=varlen"], "24gb"),
+    "ours_80gb_fp8_varlen": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=tensorwise",
+                                                      "packed_attention=varlen"], "80gb"),
+    "ours_24gb_fp8_varlen": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fp8=tensorwise",
+                                                      "packed_attention=varlen"], "24gb"),
     # The seed's reference setting (unpacked, AC, fused), and the same with our 8-bit AdamW: the unpacked half of
     # the packed-vs-unpacked loss check.
     "seed_fused": ("ours", "7B_full", ["tokenizer.max_seq_len=512", "clip_grad_norm=null"], "seed"),

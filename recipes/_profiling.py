@@ -44,12 +44,23 @@ RULES = (
 )
 
 
+# inductor's generated pointwise / reduction kernels name the ops they fuse ("triton_poi_fused__to_copy_add_mul_0"):
+# one that only moves data (casts, concatenation, views, transposes) is a copy, any other computes.
+FUSED_KERNEL = re.compile(r"triton_(?:poi|red|per)_fused_(.*)")
+MOVES_ONLY = {"to", "copy", "cat", "clone", "contiguous", "transpose", "permute", "view", "unsafe", "expand", "slice",
+              "select", "split", "with", "sizes", "squeeze", "unsqueeze", "reshape", "stack", "t", "backward", ""}
+
+
 def classify(name: str) -> str:
     """The category of a kernel or op, by its name; ``elementwise`` when no rule matches (pointwise ops, norms,
     reductions, the loss: everything else that computes)."""
     lowered = re.sub(r"log_?softmax", "logprobs", name.lower())  # the loss's log-softmax is not attention
     words = set(re.split(r"[^a-z0-9]+", lowered))
+    fused = FUSED_KERNEL.match(lowered)
     for category, rule in RULES:
+        if category == "copies" and fused:
+            ops = {w for w in re.split(r"[^a-z0-9]+", fused.group(1)) if not w.isdigit()}
+            return "copies" if ops <= MOVES_ONLY else "elementwise"
         if words & rule["words"] or any(fragment in lowered for fragment in rule["anywhere"]):
             return category
     return "elementwise"

@@ -94,10 +94,13 @@ def test_kernels_and_ops_are_sorted_by_name():
                     "sm90_xmma_gemm_bf16bf16_bf16f32", "triton_tem_fused_mm_0"],
         "attention": ["aten::_scaled_dot_product_flash_attention", "flash_fwd_kernel", "aten::_softmax",
                       "triton_tem_fused_flex_attention_0"],
+        # (inductor's fused kernels compute unless they only cast, concatenate or move: RoPE, RMSNorm, a transpose)
         "elementwise": ["aten::mul", "aten::_log_softmax", "triton_poi_fused_add_mul_0",
-                        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>"],
+                        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+                        "triton_poi_fused__to_copy_add_index_mul_neg_select_select_backward_transpose_view_1",
+                        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0"],
         "copies": ["aten::copy_", "aten::_to_copy", "Memcpy HtoD (Pageable -> Device)", "Memset (Device)",
-                   "aten::cat"],
+                   "aten::cat", "triton_poi_fused_cat_4", "triton_poi_fused__unsafe_view_clone_transpose_view_0"],
         "communication": ["nccl:all_reduce", "ncclDevKernel_AllGather_RING_LL", "gloo:all_reduce"],
     }
     assert {c: [classify(n) for n in names] for c, names in expected.items()} == \
