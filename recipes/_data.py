@@ -24,7 +24,7 @@ from torchtune import config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from finetune_base import BadInput
-from recipes import _fusion, _packing
+from recipes import _attention, _packing
 from recipes._settings import Settings, first_line
 
 ALPACA_TEXT_FIELDS = ("instruction", "input", "output")
@@ -191,7 +191,7 @@ def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, 
         batch_size=settings.batch_size,
         sampler=sampler,
         # (packed rows: torchtune's block mask, or the sample boundaries FlashAttention's varlen kernel takes)
-        collate_fn=(_fusion.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
+        collate_fn=(_attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
         if packed else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,

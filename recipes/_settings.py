@@ -23,7 +23,7 @@ from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 
 from finetune_base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
-from recipes import _fusion, _packing
+from recipes import _attention, _packing
 from recipes._checkpoint import RECIPE_STATE_FILE
 from recipes._hf_format import WEIGHTS_FILE
 from recipes._optimizer import OptimizerSpec, resolve_optimizer
@@ -39,7 +39,7 @@ KNOWN_CONFIG_KEYS = (
     "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
     "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
     "save_every_n_steps", "async_checkpoint", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
-    "fp8", "profiler", "fuse_projections", "packed_attention",
+    "fp8", "profiler", "packed_attention",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
@@ -196,8 +196,7 @@ class Settings:
     dataset_cfg: Optional[dict] = None
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
     async_checkpoint: bool = True  # write checkpoints in the background (_async_save.py)
-    fuse_projections: bool = False  # q/k/v and the MLP's gate/up as one matmul each (_fusion.py)
-    packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (_fusion.py)
+    packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (_attention.py)
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -305,7 +304,6 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                            "smaller value or null")
 
     fp8 = read_fp8(cfg, device, compile_=bool(cfg.get("compile", False)))
-    fuse = flag(cfg, "fuse_projections")
     packed_attention = read_packed_attention(cfg, device)
 
     if distributed:
@@ -349,7 +347,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
         dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
-        async_checkpoint=async_checkpoint, fuse_projections=fuse, packed_attention=packed_attention)
+        async_checkpoint=async_checkpoint, packed_attention=packed_attention)
 
 
 def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
@@ -363,10 +361,10 @@ def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
 
 def read_packed_attention(cfg: DictConfig, device: torch.device) -> str:
     """``packed_attention``: ``flex`` (torchtune's BlockMask, the default) or ``varlen`` (FlashAttention's
-    variable-length kernel, recipes/_fusion.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
+    variable-length kernel, recipes/_attention.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
     with a torch that has ``torch.nn.attention.varlen``."""
     value = cfg.get("packed_attention", "flex")
-    if value not in _fusion.PACKED_ATTENTION:
+    if value not in _attention.PACKED_ATTENTION:
         raise BadInput(f"packed_attention={value!r} is not an attention of packed rows; use packed_attention=flex "
                        "(torchtune's flex-attention block mask) or packed_attention=varlen (FlashAttention's "
                        "variable-length kernel, CUDA)")
@@ -383,7 +381,7 @@ def read_packed_attention(cfg: DictConfig, device: torch.device) -> str:
         raise BadInput(f"packed_attention=varlen needs FlashAttention-2's GPUs (compute capability 8.0 or later: "
                        f"Ampere, Hopper); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
                        "set packed_attention=flex")
-    if not _fusion.varlen_available():
+    if not _attention.varlen_available():
         raise BadInput(f"packed_attention=varlen needs torch.nn.attention.varlen (torch 2.9 or later; this is torch "
                        f"{torch.__version__}); set packed_attention=flex")
     return value

@@ -20,7 +20,7 @@ The keys that differ:
     enable_activation_offloading     not supported (refused)
     optimizer                        as single-device; torchao.optim.CPUOffloadOptimizer refused
     fp8                              as single-device: FP8 matmuls; the FSDP2 all-gathers stay in bf16
-    fuse_projections, packed_attention  as single-device
+    packed_attention                 as single-device
     async_checkpoint                 each rank snapshots its part; the ranks agree in the step's all-reduce
 """
 
@@ -50,7 +50,7 @@ from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _tokenizer, _wandb  # noqa: E402
 from recipes._async_save import Gather, Owned  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop  # noqa: E402
-from recipes._fusion import fuse_projections, use_varlen_attention  # noqa: E402
+from recipes._attention import use_varlen_attention  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset  # noqa: E402
 from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
@@ -191,9 +191,6 @@ class FullFinetuneRecipeDistributed:
         if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
             utils.log_rank_zero(log, f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls "
                                      "in FP8")
-        if s.fuse_projections:
-            utils.log_rank_zero(log, "fuse_projections=True: one matmul for q/k/v (attention layers: "
-                                     "{attention}) and for gate/up (MLPs: {mlp})".format(**fuse_projections(model)))
         if s.packed_attention == "varlen":
             utils.log_rank_zero(log, f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use "
                                      "FlashAttention's variable-length kernel")

@@ -30,7 +30,6 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
     ac_mode, ac_option               full (default: every layer) or selective: one layer in ac_option
     fp8                              tensorwise / rowwise: FP8 matmuls (FP8 GPU + compile); null = bf16
-    fuse_projections                 q/k/v and the MLP's gate/up as one matmul each (default False)
     packed_attention                 flex (default) or varlen: packed rows' attention (FlashAttention, CUDA)
     enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
     device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
@@ -62,7 +61,7 @@ from tqdm import tqdm  # noqa: E402
 from finetune_base import BadInput  # noqa: E402
 from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _tokenizer, _wandb  # noqa: E402
 from recipes._checkpoint import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
-from recipes._fusion import fuse_projections, use_varlen_attention  # noqa: E402
+from recipes._attention import use_varlen_attention  # noqa: E402
 from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
 from recipes._packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
 from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
@@ -153,9 +152,6 @@ class FullFinetuneRecipeSingleDevice:
 
         if s.fp8 is not None:
             log.info(f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8")
-        if s.fuse_projections:
-            log.info("fuse_projections=True: one matmul for q/k/v (attention layers: {attention}) and for gate/up "
-                     "(MLPs: {mlp})".format(**fuse_projections(model)))
         if s.packed_attention == "varlen":
             log.info(f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use FlashAttention's "
                      "variable-length kernel")

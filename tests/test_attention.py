@@ -1,11 +1,9 @@
-"""The fusion options (recipes/_fusion.py): ``fuse_projections`` (one matmul for q/k/v and for the MLP's gate/up) and
-``packed_attention=varlen`` (packed rows' attention through FlashAttention's variable-length kernel).
+"""Packed rows' attention (recipes/_attention.py): ``packed_attention=varlen``, FlashAttention's variable-length kernel.
 
-On the CPU: the fused forward against torchtune's (outputs and every gradient), the varlen plumbing (the collate's
-sample boundaries, the layouts, each attention layer pointed at it) against the dense block-causal mask with a
-stand-in for the CUDA kernel, the keys' checks, and a recipe run with fused projections. The GPU tests (the real
-kernel against flex attention, with compile, packing and optimizer-in-backward) are marked ``gpu`` and run on the
-device."""
+On the CPU: the varlen plumbing (the collate's sample boundaries, the layouts, each attention layer pointed at it)
+against torchtune's dense block-causal mask, with a stand-in for the CUDA kernel; the key's checks. The GPU tests
+(the real kernel against flex attention; a recipe run with compile, packing and optimizer-in-backward) are marked
+``gpu`` and run on the device."""
 
 import math
 
@@ -36,50 +34,9 @@ def packed_items(rows):
     return items
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_fused_projections_compute_what_torchtune_computes(kv_heads):
-    """Same logits and same gradient for every parameter, with multi-head and grouped-query attention; the
-    modules, parameter names and objects stay as they were (checkpoints and optimizers see no change)."""
-    from torchtune.modules import FeedForward, MultiHeadAttention
-
-    from recipes._fusion import FusedGateUpFeedForward, FusedQKVAttention, fuse_projections
-
-    plain, fused = tiny_model(kv_heads), tiny_model(kv_heads)
-    params = dict(fused.named_parameters())
-    assert fuse_projections(fused) == {"attention": 2, "mlp": 2}
-    assert type(fused.layers[0].attn) is FusedQKVAttention and type(fused.layers[1].mlp) is FusedGateUpFeedForward
-    assert isinstance(fused.layers[0].attn, MultiHeadAttention) and isinstance(fused.layers[0].mlp, FeedForward)
-    assert dict(fused.named_parameters()) == params and fused.state_dict().keys() == plain.state_dict().keys()
-
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    out_plain, out_fused = plain(tokens), fused(tokens)
-    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
-    out_plain.square().mean().backward()
-    out_fused.square().mean().backward()
-    grads = {name: p.grad for name, p in plain.named_parameters()}
-    for name, p in fused.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_only_plain_linear_layers_fuse():
-    """FP8 layers (another class), mixed biases and Qwen3's own attention keep torchtune's forward."""
-    from torchtune.modules import MultiHeadAttention
-
-    from recipes._fusion import fuse_projections
-    from recipes._models import qwen3
-
-    model = tiny_model()
-    model.layers[0].attn.q_proj = torch.nn.Linear(64, 64, bias=True)  # q with a bias, k and v without
-    model.layers[1].mlp.w1 = type("OtherLinear", (torch.nn.Linear,), {})(64, 256, bias=False)
-    assert fuse_projections(model) == {"attention": 1, "mlp": 1}
-    assert type(model.layers[0].attn) is MultiHeadAttention
-    qwen = qwen3(vocab_size=256, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
-                 max_seq_len=64)
-    assert fuse_projections(qwen) == {"attention": 0, "mlp": 1}
-
 
 def test_collate_varlen_marks_every_sample_and_the_padding():
-    from recipes._fusion import collate_varlen
+    from recipes._attention import collate_varlen
 
     batch = collate_varlen(packed_items([[3, 2, 1], [4, 2]]))
     assert batch["mask"]["cu_seqlens"].tolist() == [0, 3, 5, 6, 10, 12]
@@ -100,24 +57,22 @@ def reference_varlen(q, k, v, cu_seqlens, max_len):
     return out
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, fuse):
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, kv_heads):
     """The model with varlen attention (the CUDA kernel replaced by reference_varlen) gives the logits and gradients
     of torchtune's dense block-causal mask on the same packed rows: the collate's boundaries, the [tokens, heads,
     dim] layouts and the output's way back are right."""
     from torchtune.data import padded_collate_packed
 
-    from recipes import _fusion
+    from recipes import _attention
 
-    monkeypatch.setattr(_fusion, "_flash_varlen", reference_varlen)
+    monkeypatch.setattr(_attention, "_flash_varlen", reference_varlen)
     items = packed_items([[5, 7, 4], [9, 3, 4], [16]])
-    dense, varlen = padded_collate_packed(items), _fusion.collate_varlen(items)
+    dense, varlen = padded_collate_packed(items), _attention.collate_varlen(items)
     assert dense["mask"].dtype == torch.bool  # (on the CPU torchtune makes the dense mask)
 
-    plain, fast = tiny_model(), tiny_model()
-    if fuse:
-        _fusion.fuse_projections(fast)
-    assert _fusion.use_varlen_attention(fast) == 2
+    plain, fast = tiny_model(kv_heads), tiny_model(kv_heads)  # (kv_heads=2: grouped-query attention)
+    assert _attention.use_varlen_attention(fast) == 2
     out_plain = plain(dense["tokens"], mask=dense["mask"], input_pos=dense["input_pos"])
     out_fast = fast(varlen["tokens"], mask=varlen["mask"], input_pos=varlen["input_pos"])
     torch.testing.assert_close(out_fast, out_plain, rtol=1e-5, atol=1e-5)
@@ -129,10 +84,10 @@ def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, fuse):
 
 
 def test_varlen_attention_refuses_another_mask():
-    from recipes._fusion import varlen_attention
+    from recipes._attention import varlen_attention
 
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="needs the batch's mask from recipes._fusion.collate_varlen"):
+    with pytest.raises(ValueError, match="needs the batch's mask from recipes._attention.collate_varlen"):
         varlen_attention(q, q, q, mask=torch.ones(1, 4, 4, dtype=torch.bool))
 
 
@@ -158,12 +113,12 @@ def test_packed_attention_checks(settings, words):
 def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
     """An older GPU, and a torch without the kernel, are one-line errors (checked with a stand-in GPU)."""
     from finetune_base import BadInput
-    from recipes import _fusion
+    from recipes import _attention
     from recipes._settings import read_packed_attention
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
-    monkeypatch.setattr(_fusion, "varlen_available", lambda: available)
+    monkeypatch.setattr(_attention, "varlen_available", lambda: available)
     cfg = OmegaConf.create({"packed_attention": "varlen", "dataset": {"packed": True}})
     if words is None:
         assert read_packed_attention(cfg, torch.device("cuda")) == "varlen"
@@ -172,26 +127,12 @@ def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
             read_packed_attention(cfg, torch.device("cuda"))
 
 
+
 def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "out", "fuse_projections=maybe", capsys=capsys, monkeypatch=monkeypatch)
+    run = run_in_process(tmp_path / "out", "packed_attention=flash", capsys=capsys, monkeypatch=monkeypatch)
     assert run.returncode == 2
-    assert "fuse_projections='maybe' must be True or False" in run.error
+    assert "packed_attention='flash' is not an attention of packed rows; use packed_attention=flex" in run.error
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-
-
-def test_a_run_with_fused_projections_trains_as_without(tmp_path, capsys, monkeypatch, caplog):
-    """The same losses (fp32 on the CPU: the fused matmul sums in another order, so not bit for bit) and the same
-    checkpoint keys."""
-    from safetensors.torch import load_file
-
-    plain = run_in_process(tmp_path / "plain", "max_steps_per_epoch=4", capsys=capsys, monkeypatch=monkeypatch)
-    fused = run_in_process(tmp_path / "fused", "max_steps_per_epoch=4", "fuse_projections=True", capsys=capsys,
-                           monkeypatch=monkeypatch)
-    assert plain.ok and fused.ok, fused.stderr[-3000:]
-    assert "fuse_projections=True: one matmul for q/k/v (attention layers: 1) and for gate/up (MLPs: 1)" in caplog.text
-    assert fused.losses == pytest.approx(plain.losses, rel=1e-4)
-    a, b = (load_file(r.output_dir / "epoch_0" / "model.safetensors") for r in (plain, fused))
-    assert a.keys() == b.keys()
 
 
 # On the device: the real kernel, compile, packing, optimizer-in-backward. A 2-layer model at Llama2-7B's width.
@@ -202,9 +143,9 @@ GPU_MODEL = ["device=cuda", "dtype=bf16", "model.num_layers=2", "model.embed_dim
 
 
 @pytest.mark.gpu
-def test_gpu_varlen_and_fused_train_as_flex(tmp_path):
+def test_gpu_varlen_trains_as_flex(tmp_path):
     runs = {}
-    for name, extra in (("flex", []), ("fast", ["packed_attention=varlen", "fuse_projections=True"])):
+    for name, extra in (("flex", ["packed_attention=flex"]), ("fast", ["packed_attention=varlen"])):
         runs[name] = run_recipe(tmp_path / name, *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", *extra,
                                 fast=False, timeout=900)
         assert runs[name].ok, runs[name].stderr[-3000:]
@@ -220,18 +161,18 @@ def test_gpu_varlen_and_fused_train_as_flex(tmp_path):
 def test_gpu_varlen_kernel_matches_flex_on_one_layer():
     """The real kernel against flex attention's BlockMask on packed rows of random lengths: outputs and the input
     gradient agree within bf16 rounding."""
+    from torch.nn.attention.flex_attention import flex_attention
     from torchtune.modules.attention_utils import packed_block_causal_mask
 
-    from recipes import _fusion
+    from recipes import _attention
 
     lens = [[100, 200, 150, 62], [512], [300, 212]]
     items = packed_items(lens)
-    batch = _fusion.collate_varlen(items)
+    batch = _attention.collate_varlen(items)
     q, k, v = (torch.randn(3, 8, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    from torch.nn.attention.flex_attention import flex_attention
     ref = flex_attention(q, k, v, block_mask=packed_block_causal_mask([torch.tensor(x) for x in lens]))
-    out = _fusion.varlen_attention(q, k, v, mask={"cu_seqlens": batch["mask"]["cu_seqlens"].cuda()})
+    out = _attention.varlen_attention(q, k, v, mask={"cu_seqlens": batch["mask"]["cu_seqlens"].cuda()})
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     g = torch.randn_like(out)
     (dq_ref,) = torch.autograd.grad(ref, q, g)
