@@ -6,8 +6,8 @@ FlashAttention-2's variable-length kernel (``torch.nn.attention.varlen``) where 
 (``cu_seqlens``): no score between two samples is computed, the kernel takes q, k and v in the projections' own
 [tokens, heads, head_dim] layout (flex attention's [b, heads, s, head_dim] costs four transposing copies per layer
 and step), nothing is built per batch on the GPU (the BlockMask is), and there is no flex kernel to compile. On
-an H200 the Llama2-7B configs train 1.9-3.0 % faster with it (bench/results/llama2_7b_fusion_h200.json), so
-they set it. It needs a CUDA GPU of compute capability 8.0 or later and torch 2.9 or later.
+an H200 the Llama2-7B configs train 1.9-6.0 % faster with it, same losses (bench/results/llama2_7b_e2e_h200.json,
+llama2_7b_fusion_h200.json), so they set it. It needs a CUDA GPU of compute capability 8.0 or later and torch 2.9 or later.
 
 ``collate_varlen`` hands the model ``mask={"cu_seqlens": ...}`` instead of a BlockMask; ``use_varlen_attention``
 points each attention layer's attention call at ``varlen_attention``. The number of samples in a batch changes from
