@@ -7,7 +7,8 @@ FlashAttention-2's variable-length kernel (``torch.nn.attention.varlen``) where 
 [tokens, heads, head_dim] layout (flex attention's [b, heads, s, head_dim] costs four transposing copies per layer
 and step), nothing is built per batch on the GPU (the BlockMask is), and there is no flex kernel to compile. On
 an H200 the Llama2-7B configs train 1.9-6.0 % faster with it, same losses (bench/results/llama2_7b_e2e_h200.json,
-llama2_7b_fusion_h200.json), so they set it. It needs a CUDA GPU of compute capability 8.0 or later and torch 2.9 or later.
+llama2_7b_fusion_h200.json), so they set it. It needs a CUDA GPU of compute capability 8.0 or later and torch 2.9 or
+later.
 
 ``collate_varlen`` hands the model ``mask={"cu_seqlens": ...}`` instead of a BlockMask; ``use_varlen_attention``
 points each attention layer's attention call at ``varlen_attention``. The number of samples in a batch changes from
@@ -51,9 +52,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask,
     the projections' [b, s, heads, head_dim]), ``mask`` is ``collate_varlen``'s ``{"cu_seqlens": ...}``; returns
     [b, heads, s, head_dim] as a transposed view, which the layer transposes back for free."""
     if not isinstance(mask, dict) or "cu_seqlens" not in mask:
-        raise ValueError(f"packed_attention=varlen needs the batch's mask from recipes._attention.collate_varlen (a dict "
-                         f"with cu_seqlens), got {type(mask).__name__}: set packed_attention=flex, or use a packed "
-                         "dataset (dataset.packed=True)")
+        raise ValueError(f"packed_attention=varlen needs the batch's mask from recipes._attention.collate_varlen (a "
+                         f"dict with cu_seqlens), got {type(mask).__name__}: set packed_attention=flex, or use a "
+                         "packed dataset (dataset.packed=True)")
     if dropout_p:
         raise ValueError(f"packed_attention=varlen has no attention dropout (attn_dropout={dropout_p}); set "
                          "packed_attention=flex")

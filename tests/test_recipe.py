@@ -86,6 +86,13 @@ def reference_run(tmp_path_factory):
     return run
 
 
+# torchao's FP8 AdamW rounds its states to e4m3 (3 mantissa bits) in inductor-compiled C++. On a Xeon with AVX-512 and
+# AMX, every ISA pin of conftest.recipe_env set, its last recorded loss lands 1.0e-3 from the AVX2 recording (steps 1-5
+# within 1e-4): a state element rounding the other way. Its last step is held to 2e-3, every other step to RTOL, which
+# still tells it from torchao's 8-bit AdamW (4e-4 apart at step 3).
+LAST_STEP_RTOL = {"optimizer=torchao.optim.AdamWFp8": 2e-3}
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [pytest.param(o, e, id=i, marks=m) for i, o, e, m in OPTIMIZER_CASES],
@@ -94,7 +101,9 @@ def test_optimizer_losses(recipe_runner, overrides, expected):
     run = recipe_runner(*overrides)
     assert run.ok, run.stderr[-3000:]
     assert expected is not None, f"no recorded losses for {overrides}: add {run.losses} to OUR_LOSSES"
-    assert run.losses == pytest.approx(expected, rel=RTOL)
+    last_rtol = max([RTOL] + [LAST_STEP_RTOL.get(o, RTOL) for o in overrides])
+    assert run.losses[:-1] == pytest.approx(expected[:-1], rel=RTOL)
+    assert run.losses[-1] == pytest.approx(expected[-1], rel=last_rtol)
 
 
 def test_without_triton_our_optimizer_trains_on_the_plain_path(recipe_runner, tmp_path):
