@@ -15,6 +15,7 @@ points each attention layer's attention call at ``varlen_attention``. The number
 batch to batch: torch.compile recompiles once, at the second step, with that size dynamic.
 """
 
+import functools
 import inspect
 from typing import Dict, List
 
@@ -35,15 +36,22 @@ def varlen_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _causal() -> dict:
+    """The keyword that makes ``varlen_attn`` causal: torch 2.9-2.10 take is_causal, later releases a window, (-1, 0)
+    being causal. Read once, not in every layer's forward."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {
+        "is_causal": True}
+
+
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                   max_len: int) -> torch.Tensor:
     """Causal attention within each sequence of ``cu_seqlens``: q, k, v and the output are [tokens, heads, dim]."""
     from torch.nn.attention.varlen import varlen_attn
 
-    # torch 2.9-2.10 take is_causal; later releases a window, (-1, 0) being causal
-    if "window_size" in inspect.signature(varlen_attn).parameters:
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, is_causal=True)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **_causal())
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask, dropout_p: float = 0.0,

@@ -15,12 +15,12 @@ from conftest import run_recipe
 from test_reliability import run_in_process
 
 
-def tiny_model(num_kv_heads=4, **extra):
+def tiny_model(num_kv_heads=4):
     from torchtune.models.llama2._component_builders import llama2
 
     torch.manual_seed(0)
     return llama2(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, embed_dim=64,
-                  max_seq_len=64, **extra)
+                  max_seq_len=64)
 
 
 def packed_items(rows):
@@ -32,7 +32,6 @@ def packed_items(rows):
         items.append({"tokens": torch.randint(0, 256, (n,), generator=gen), "labels": torch.zeros(n, dtype=torch.long),
                       "input_pos": torch.cat([torch.arange(k) for k in lens]), "seq_lens": torch.tensor(lens)})
     return items
-
 
 
 def test_collate_varlen_marks_every_sample_and_the_padding():
@@ -125,7 +124,6 @@ def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
     else:
         with pytest.raises(BadInput, match=words):
             read_packed_attention(cfg, torch.device("cuda"))
-
 
 
 def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
