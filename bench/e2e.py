@@ -67,7 +67,7 @@ ROWS: Dict[str, tuple] = {
     "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=rowwise"], "80gb"),
     "ours_24gb_fp8": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fp8=tensorwise"], "24gb"),
     # The configs' attention of packed rows is FlashAttention's varlen kernel; torchtune's flex attention is what
-    # it was chosen against (recipes/_attention.py).
+    # it was chosen against (finetune/model/attention.py).
     "ours_80gb_flex": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "packed_attention=flex"], "80gb"),
     "ours_24gb_fp8_flex": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fp8=tensorwise",
                                                     "packed_attention=flex"], "24gb"),
@@ -201,13 +201,13 @@ def epoch_tokens(args) -> Optional[int]:
         from torchtune.datasets import alpaca_dataset
         from torchtune.models.llama2 import llama2_tokenizer
 
-        from recipes import _packing
+        from finetune.data import packing
 
         tok_path = harness.repo_path(args.checkpoint_dir) / "tokenizer.model"
         data = str(harness.repo_path(args.data_dir) / "alpaca" / "alpaca_data.json")
         tok = llama2_tokenizer(str(tok_path), max_seq_len=512, prompt_template=None)
         ds = alpaca_dataset(tok, source="json", data_files=data, split="train", train_on_input=True)
-        samples = _packing.TokenizedSamples.from_dataset(ds)
+        samples = packing.TokenizedSamples.from_dataset(ds)
         return int(samples.lengths.sum() - len(samples))
     except Exception as e:  # the table still has every other column
         print(f"epoch tokens not counted: {e}", file=sys.stderr)

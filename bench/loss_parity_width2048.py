@@ -17,7 +17,7 @@ master weights), `fused` (the same on bf16 weights), ours (every key of optimize
 `{key}_rtn` for each of ours (stochastic_round=False: the bf16 weight write rounded to nearest), torchao's 8- and 4-bit
 (`ao8`, `ao4`: their default rounds to nearest; `ao8_sr`, `ao4_sr`: bf16_stochastic_round=True), `bnb8`; extras:
 `{key}_comp` for each of ours (compensate=True), `{key}_fp8` / `{key}_fp8rw` for each of ours with FP8 matmuls in the
-transformer layers (the recipes' fp8=tensorwise / rowwise: recipes/_model.py's convert_to_fp8 on a copy of the
+transformer layers (the recipes' fp8=tensorwise / rowwise: finetune/model/prepare.py's convert_to_fp8 on a copy of the
 model, eager).
 
 Per row: `heldout_loss`, `gap_vs_ref` ((heldout - heldout_ref) / heldout_ref), `share_of_ref_gain` (the part of the
@@ -87,7 +87,7 @@ class Regime:
         from torchtune.datasets import alpaca_dataset
         from torchtune.models.llama2 import llama2, llama2_tokenizer
 
-        from recipes._packing import PackedSFTDataset, TokenizedSamples
+        from finetune.data.packing import PackedSFTDataset, TokenizedSamples
 
         self.args, self.device = args, device
         shape = dict(REGIME, embed_dim=args.width, num_layers=args.layers, num_heads=args.width // 128,
@@ -309,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                "reference": key == "ref", "error": None, "heldout_start": start_loss[dtype]}
         records.append(rec)
         if fp8 is not None:  # a converted copy: the next rows start from the plain model again
-            from recipes._model import convert_to_fp8
+            from finetune.model.prepare import convert_to_fp8
 
             reg.model = copy.deepcopy(base_model)
             rec["fp8_layers"] = convert_to_fp8(reg.model, fp8)

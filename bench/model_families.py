@@ -19,7 +19,7 @@ six families on an 8-GPU host run side by side; on one GPU they run one after an
    bench/e2e.py does): ours, ``configs/<family>/<size>_full_<class>.yaml`` capped at its class
    (``device_memory_limit_gib``); the stock row, torchtune 0.6.1's own single-device recipe and config for the family
    at the flags that fit 80 GB (``STOCK_ROWS``); and with ``--loss-rows``, the smaller-class config with each loss
-   (``recipes._loss.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's ``CEWithChunkedOutputLoss``),
+   (``finetune.model.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's ``CEWithChunkedOutputLoss``),
    uncapped, on a GPU of their own;
 3. the checkpoint is deleted before the worker's next family (a 7-8B one is 15-16 GB; the device disk is 64 GB).
 
@@ -93,7 +93,7 @@ class Spec:
     """One model of a family: its real config.json, how our recipe and torchtune's stock recipe build it."""
 
     key: str
-    family: str  # recipes/_hf_format.py FAMILIES key
+    family: str  # finetune/checkpoint/hf_format.py FAMILIES key
     config_class: str  # transformers' config class
     hf: Dict  # the model's config.json values (sizes, RoPE, tying, token ids)
     builder: str  # our configs' model._component_ (a sized builder)
@@ -145,14 +145,14 @@ SPECS: Dict[str, Spec] = {s.key: s for s in [
          dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_theta=1000000.0, tie_word_embeddings=False),
-         "recipes._models.qwen3_8b", "recipes._models.qwen3",
+         "finetune.model.qwen3_8b", "finetune.model.qwen3",
          {"80gb": "qwen3/8B_full_80gb", "32gb": "qwen3/8B_full_32gb"}, QWEN_SPECIALS, None, "<|endoftext|>",
          None, {"head_dim": 32}),  # (the toy's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
     Spec("mistral_7b", "mistral", "MistralConfig",
          dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
               num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
               sliding_window=None, tie_word_embeddings=False),
-         "recipes._models.mistral_7b_v0_3", "torchtune.models.mistral.mistral",
+         "finetune.model.mistral_7b_v0_3", "torchtune.models.mistral.mistral",
          {"80gb": "mistral/7B_full_80gb", "32gb": "mistral/7B_full_32gb"}, MISTRAL_SPECIALS, "<s>", "</s>",
          ("mistral/7B_full_low_memory", [
              "model._component_=torchtune.models.mistral.mistral", "model.vocab_size=32768", "model.num_layers=32",
@@ -322,7 +322,7 @@ STOCK_ROWS = {
     "stock_8bit": ["optimizer=bitsandbytes.optim.AdamW8bit", "enable_activation_checkpointing=False"],
 }
 # --loss-rows: the family's smaller-class config (activation checkpointing, the fused loss) with each loss path of
-# recipes/_loss.py and with torchtune's chunked loss, uncapped: the rows' peak memory says which fit the class, their
+# finetune/model/loss.py and with torchtune's chunked loss, uncapped: the rows' peak memory says which fit the class, their
 # tokens/s which is fastest (each record's ``variant`` names the loss it ran).
 LOSSES = {
     "chunked": ["loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss", "~loss.impl"],

@@ -5,7 +5,7 @@
     python bench/table.py outputs/llama2-7b-* --out-dir outputs/bench/table       # table.md, table.json, plots
 
 Each row is one training run, and each number is a key of its summary, the one the fine-tune recipe writes both to
-``{output_dir}/summary.json`` and to its wandb run's summary (recipes/_metrics.py, ``summary_metrics``), with the
+``{output_dir}/summary.json`` and to its wandb run's summary (finetune/reporting/metrics.py, ``summary_metrics``), with the
 eval's ``eval/truthfulqa_mc2`` beside them (recipes/evaluate.py writes it into both as well):
 
     run              the run's name (config-variant: ``7B_full_80gb-AdamW4bit``)
@@ -45,8 +45,8 @@ from typing import Any, Dict, List, Optional
 
 import _harness as harness
 
-from finetune_base.run_files import METRICS_FILE, SUMMARY_FILE, read_json
-from recipes._metrics import read_records, summary_metrics
+from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json
+from finetune.reporting.metrics import read_records, summary_metrics
 
 # (summary key, column header, format); the first of a tuple of keys that a row has is shown.
 COLUMNS = [

@@ -3,7 +3,7 @@ kernel by kernel.
 
     python bench/trace_kernels.py outputs/run/profiler/iteration_8/*.pt.trace.json.gz [--top 40] [--json out.json]
 
-Reads the Chrome trace that ``profiler.enabled=True`` writes (recipes/_profiling.py), groups its kernels by name, and
+Reads the Chrome trace that ``profiler.enabled=True`` writes (finetune/reporting/profiler.py), groups its kernels by name, and
 prints per kernel: its category (the paragraph's rules), the calls and milliseconds per recorded step, and the share
 of all kernel time; then the categories' totals. ``--json`` writes the same table.
 """
@@ -20,7 +20,7 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes._profiling import classify  # noqa: E402
+from finetune.reporting.profiler import classify  # noqa: E402
 
 
 def kernels(trace: dict):

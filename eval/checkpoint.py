@@ -20,9 +20,9 @@ import transformers
 from safetensors import safe_open
 
 from eval.errors import EvalInputError
-from finetune_base import BadInput, hf_weight_files, load_state_file
+from finetune.base import BadInput, hf_weight_files, load_state_file
 
-# The model_types of the fine-tune recipes' families (recipes/_hf_format.py FAMILIES; a test holds the two together):
+# The model_types of the fine-tune recipes' families (finetune/checkpoint/hf_format.py FAMILIES; a test holds the two together):
 # transformers' AutoModelForCausalLM loads each.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # config.json keys without which transformers falls back to its defaults (a 7B model): required, positive integers.
@@ -119,7 +119,7 @@ def _check_shapes(ckpt: Path, config: dict, shapes: dict) -> None:
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
-    """The folder's weight files by the recipes' one definition (finetune_base: safetensors, or
+    """The folder's weight files by the recipes' one definition (finetune.base: safetensors, or
     pytorch_model*.bin, which transformers loads with weights_only=True), or an EvalInputError."""
     try:
         files = hf_weight_files(ckpt)

@@ -1,5 +1,3 @@
-# Our recipes package. torchtune's wheel also installs a top-level package named
-# `recipes` (whose __init__ raises on import), and `tune run recipes/<file>.py` imports
-# `recipes.<file>` by module name. The editable install (see hatch_build.py) puts a
-# finder at the front of sys.meta_path that resolves the name `recipes` to this
-# folder, so this file, not torchtune's, is the one that runs.
+# The entry points: the two fine-tune recipes, the eval and the launcher; the library is finetune/. torchtune's wheel
+# also installs a top-level package named `recipes`; finetune/tune_run.py (loaded at interpreter start by the
+# install's finetune_tune_run.pth) resolves the name to this folder, so `tune run recipes/<file>.py` runs ours.

@@ -30,7 +30,7 @@ Features (each behind a config key):
       a Weights & Biases run of their own (`eval-<checkpoint name>`) in this project.
 The table, the score, the time taken and the results file are printed at the end; lm-eval shows a progress bar.
 lm-eval's warning that HFLM got a loaded model rather than a name is dropped (we hand it one on purpose:
-recipes/_reporting.py, KNOWN_NOISE).
+finetune/reporting/console.py, KNOWN_NOISE).
 """
 
 import math
@@ -41,9 +41,9 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from recipes import _reporting
+from finetune.reporting import console
 
-_reporting.quiet_known_noise()  # before torchtune and lm-eval are imported (see _reporting.KNOWN_NOISE)
+console.quiet_known_noise()  # before torchtune and lm-eval are imported (see console.KNOWN_NOISE)
 
 from torchtune import config  # noqa: E402
 
@@ -51,7 +51,7 @@ from eval import harness  # noqa: E402
 from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
 from eval.errors import EvalInputError  # noqa: E402
 from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
-from finetune_base.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
+from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
 
 CONFIG_KEYS = ("checkpoint_dir", "tokenizer_path", "data_source", "data_dir", "tasks", "add_bos", "device", "dtype",
                "batch_size", "limit", "output_dir", "wandb_project", "training_run")
@@ -164,5 +164,5 @@ def recipe_main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
-    _reporting.print_help_if_asked(__doc__, CONFIG_KEYS)
+    console.print_help_if_asked(__doc__, CONFIG_KEYS)
     sys.exit(recipe_main())

@@ -37,29 +37,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from recipes import _reporting
+from finetune.reporting import console
 
-_reporting.quiet_known_noise()  # before torchtune imports torchao, in each rank (see _reporting.KNOWN_NOISE)
+console.quiet_known_noise()  # before torchtune imports torchao, in each rank (see console.KNOWN_NOISE)
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _tokenizer, _wandb  # noqa: E402
-from recipes._async_save import Gather, Owned  # noqa: E402
-from recipes._checkpoint import Checkpointer, NonFiniteStop  # noqa: E402
-from recipes._attention import use_varlen_attention  # noqa: E402
-from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
-from recipes._packing import PackedSFTDataset  # noqa: E402
-from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
-from recipes._profiling import Profiler  # noqa: E402
-from recipes._run_folder import DistributedRanks, RunFolder  # noqa: E402
-from recipes._optimizer import warn_round_to_nearest  # noqa: E402
-from recipes._settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
-from recipes._stops import SkipCounter, StopSignal  # noqa: E402
-from recipes.launch import follow_launcher  # noqa: E402
+from finetune.base import BadInput  # noqa: E402
+from finetune.checkpoint import checkpointer  # noqa: E402
+from finetune.data import loading  # noqa: E402
+from finetune.checkpoint import hf_format  # noqa: E402
+from finetune.reporting import metrics as _metrics  # noqa: E402
+from finetune.checkpoint import resume as _resume  # noqa: E402
+from finetune.data import tokenizer  # noqa: E402
+from finetune.reporting import wandb_run as _wandb_run  # noqa: E402
+from finetune.checkpoint.async_save import Gather, Owned  # noqa: E402
+from finetune.checkpoint.checkpointer import Checkpointer, NonFiniteStop  # noqa: E402
+from finetune.model.attention import use_varlen_attention  # noqa: E402
+from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
+from finetune.data.packing import PackedSFTDataset  # noqa: E402
+from finetune.reporting.metrics import MetricsLog, RunSummary  # noqa: E402
+from finetune.reporting.profiler import Profiler  # noqa: E402
+from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
+from finetune.optimizer import warn_round_to_nearest  # noqa: E402
+from finetune.settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
+from finetune.stops import SkipCounter, StopSignal  # noqa: E402
+from finetune.launch import follow_launcher  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -134,9 +140,9 @@ class FullFinetuneRecipeDistributed:
         self._folder.claim(log)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
-        dataset = _data.build_dataset(cfg.dataset, self._tokenizer, s, log)
+        dataset = loading.build_dataset(cfg.dataset, self._tokenizer, s, log)
         self._packed = isinstance(dataset, PackedSFTDataset)
-        self._dataloader, self._sampler, self._steps_per_epoch = _data.build_dataloader(
+        self._dataloader, self._sampler, self._steps_per_epoch = loading.build_dataloader(
             dataset, s, pad_id=self._tokenizer.pad_id, ignore_index=self._loss_fn.ignore_index,
             num_replicas=self._world, rank=self._rank)
 
@@ -151,7 +157,7 @@ class FullFinetuneRecipeDistributed:
             self._lr_scheduler = config.instantiate(s.lr_scheduler, self._optimizer,
                                                     num_training_steps=s.epochs * self._steps_per_epoch)
 
-        _tokenizer.check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
+        tokenizer.check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         self._checkpointer = Checkpointer(
@@ -161,11 +167,11 @@ class FullFinetuneRecipeDistributed:
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device,
                                   rank=self._rank)
-        self._identity = _wandb.run_identity(cfg, s, packed=self._packed, world=self._world)
-        self._logger, wandb_dir = _wandb.metric_logger(cfg, log, self._identity) if self._rank0 else (None, None)
-        wandb_run = _wandb.wandb_run_info(self._logger)
+        self._identity = _wandb_run.run_identity(cfg, s, packed=self._packed, world=self._world)
+        self._logger, wandb_dir = _wandb_run.metric_logger(cfg, log, self._identity) if self._rank0 else (None, None)
+        wandb_run = _wandb_run.wandb_run_info(self._logger)
         if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
-            self._checkpointer.run_info = {**_wandb.run_file(self._identity), "wandb": wandb_run}
+            self._checkpointer.run_info = {**_wandb_run.run_file(self._identity), "wandb": wandb_run}
         self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
         if self._rank0:
             self._metrics.start(resume_step=None if s.resume_dir is None else self.global_step)
@@ -174,7 +180,7 @@ class FullFinetuneRecipeDistributed:
         self._summary.nothing_left = self._nothing_left
         dist.barrier()
         if resume_rng is not None:
-            _checkpoint.set_rng_state(resume_rng)
+            checkpointer.set_rng_state(resume_rng)
             if resume_rng.get("cuda") is not None and self._device.type == "cuda":
                 torch.cuda.set_rng_state(resume_rng["cuda"], self._device)
 
@@ -183,9 +189,9 @@ class FullFinetuneRecipeDistributed:
         s = self.settings
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
-        self._family = _hf_format.family_of(s.model_component)
-        source = _hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
+        self._family = hf_format.family_of(s.model_component)
+        source = hf_format.read_source_config(s.checkpoint_dir)
+        self._hf_config = hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
         meta_sd = model.state_dict()
 
         if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
@@ -238,17 +244,17 @@ class FullFinetuneRecipeDistributed:
             del full
         else:
             try:
-                sd = _hf_format.read_weights(weights)
-                sd = _hf_format.to_tune(sd, self._hf_config, self._family)
+                sd = hf_format.read_weights(weights)
+                sd = hf_format.to_tune(sd, self._hf_config, self._family)
             except BadInput as e:
                 error = str(e)
             except (RuntimeError, KeyError) as e:  # a checkpoint of another size fails in the q/k permutation
-                error = str(_hf_format.misfit_error(weights, " ".join(str(e).split())[:600]))
+                error = str(hf_format.misfit_error(weights, " ".join(str(e).split())[:600]))
             if error is None:
                 bad = sorted(set(sd) ^ set(meta_sd))
                 bad += [k for k in sd if k in meta_sd and tuple(sd[k].shape) != tuple(meta_sd[k].shape)]
                 if bad:
-                    error = str(_hf_format.misfit_error(weights, f"keys or shapes differ: {', '.join(bad[:5])}"))
+                    error = str(hf_format.misfit_error(weights, f"keys or shapes differ: {', '.join(bad[:5])}"))
             log.info(f"Loading weights from {weights}")
         self._ranks.agree(error)
         return sd
@@ -270,7 +276,7 @@ class FullFinetuneRecipeDistributed:
         model.load_state_dict(sharded, strict=True, assign=True)
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps (``_resume.RESUME_TABLE``), with the rank count: a resume compares
+        """The settings recipe_state.pt keeps (``resume.RESUME_TABLE``), with the rank count: a resume compares
         the samples per step (batch_size x gradient_accumulation_steps x ranks), so another rank count with the same
         global batch resumes exactly."""
         return _resume.run_settings(self.settings, packed=self._packed, world_size=self._world)
@@ -330,8 +336,8 @@ class FullFinetuneRecipeDistributed:
     def _reduced_record(self, step: int, epoch: int, loss: float, lr: float, num_tokens: int, elapsed: float,
                         opt_ms: Optional[float], grad_norm: Optional[float]) -> Dict[str, Any]:
         """One metrics record with every rank's numbers (called on all ranks: it gathers)."""
-        mine = {"elapsed": elapsed, "opt_ms": opt_ms, "state_bytes": _reporting.optimizer_state_bytes(self._optimizers),
-                **_reporting.memory_metrics(self._device)}
+        mine = {"elapsed": elapsed, "opt_ms": opt_ms, "state_bytes": console.optimizer_state_bytes(self._optimizers),
+                **console.memory_metrics(self._device)}
         every = self._ranks.gather(mine)
         wall = max(r["elapsed"] for r in every)
         record: Dict[str, Any] = {
@@ -377,9 +383,9 @@ class FullFinetuneRecipeDistributed:
         params = [p for p in self._model.parameters() if p.requires_grad]
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            _data.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
+            loading.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
             step_in_epoch = start
-            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=_reporting.epoch_label(epoch, s.epochs),
+            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=console.epoch_label(epoch, s.epochs),
                         dynamic_ncols=True, disable=not self._rank0)
             running_loss, num_tokens, micro = 0.0, 0, 0
             t0 = time.perf_counter()
@@ -502,8 +508,8 @@ class FullFinetuneRecipeDistributed:
 
         def need_bytes() -> int:
             # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
-            opt = _reporting.optimizer_state_bytes(self._optimizers)
-            return _reporting.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
+            opt = console.optimizer_state_bytes(self._optimizers)
+            return console.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
 
         self._checkpointer.save(name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes,
                                 started=started)
@@ -528,11 +534,11 @@ class FullFinetuneRecipeDistributed:
                 "optimizer_layout": layout,
                 "optimizer": Owned(full_optimizer),
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
-                "rng": _checkpoint.rng_state(self._device),
+                "rng": checkpointer.rng_state(self._device),
                 "config": self._run_settings(),
             }
         rank_state = {"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
-                      "rng": _checkpoint.rng_state(self._device)}
+                      "rng": checkpointer.rng_state(self._device)}
         weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
         return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 
@@ -546,7 +552,7 @@ class FullFinetuneRecipeDistributed:
 
     def cleanup(self) -> None:
         if self._rank0:
-            self._summary.finish(self._identity, push=lambda values: _wandb.push_summary(self._logger, values))
+            self._summary.finish(self._identity, push=lambda values: _wandb_run.push_summary(self._logger, values))
         self._metrics.close()
         dist.destroy_process_group()
 
@@ -562,19 +568,19 @@ def recipe_main(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     recipe = None
     try:
-        _reporting.set_log_level(log, cfg, show=rank == 0)  # one banner and one set of progress lines, from rank 0
+        console.set_log_level(log, cfg, show=rank == 0)  # one banner and one set of progress lines, from rank 0
         recipe = FullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
         if rank == 0:
-            _reporting.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
+            console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
         recipe.train()
         recipe.cleanup()
         if rank == 0:
             tqdm.write(recipe.summary())
     except BadInput as e:
         # One line (every rank finds the same error), no traceback: under torchrun in the ranks' error files, which
-        # `tune run` prints once, last; without torchrun from rank 0 (_reporting.report_bad_input).
-        _reporting.report_bad_input(e, rank)
+        # `tune run` prints once, last; without torchrun from rank 0 (console.report_bad_input).
+        console.report_bad_input(e, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2)
@@ -590,5 +596,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    _reporting.print_help_if_asked(__doc__, DISTRIBUTED_CONFIG_KEYS, MANUAL)
+    console.print_help_if_asked(__doc__, DISTRIBUTED_CONFIG_KEYS, MANUAL)
     sys.exit(recipe_main())

@@ -13,7 +13,7 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     model                            torchtune model builder (config.instantiate); its family: docs/models.md
     tokenizer                        Llama 2's SentencePiece, or the model's tokenizer.json (chat_template)
     dataset                          alpaca/instruct/chat_dataset; dataset.packed=True packs rows best-fit
-    loss                             CEWithChunkedOutputLoss, or recipes._loss.LinearCrossEntropyLoss (fused)
+    loss                             CEWithChunkedOutputLoss, or finetune.model.LinearCrossEntropyLoss (fused)
     optimizer                        any class: optimizer=optimizers.AdamW8bit swaps it; torch flags dropped
     lr_scheduler                     built with num_training_steps filled in; null = constant lr
     metric_logger                    wandb (offline without WANDB_API_KEY); .name/.group/.tags; null = off
@@ -51,26 +51,32 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from recipes import _reporting
+from finetune.reporting import console
 
-_reporting.quiet_known_noise()  # before torchtune imports torchao (see _reporting.KNOWN_NOISE)
+console.quiet_known_noise()  # before torchtune imports torchao (see console.KNOWN_NOISE)
 
 from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from finetune_base import BadInput  # noqa: E402
-from recipes import _checkpoint, _data, _hf_format, _metrics, _resume, _tokenizer, _wandb  # noqa: E402
-from recipes._checkpoint import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
-from recipes._attention import use_varlen_attention  # noqa: E402
-from recipes._model import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
-from recipes._packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
-from recipes._metrics import MetricsLog, RunSummary  # noqa: E402
-from recipes._profiling import Profiler  # noqa: E402
-from recipes._reporting import StepTimer  # noqa: E402
-from recipes._run_folder import RunFolder  # noqa: E402
-from recipes._optimizer import warn_round_to_nearest  # noqa: E402
-from recipes._settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
-from recipes._stops import SkipCounter, StopSignal  # noqa: E402
+from finetune.base import BadInput  # noqa: E402
+from finetune.checkpoint import checkpointer as _checkpointer  # noqa: E402
+from finetune.data import loading  # noqa: E402
+from finetune.checkpoint import hf_format  # noqa: E402
+from finetune.reporting import metrics as _metrics  # noqa: E402
+from finetune.checkpoint import resume as _resume  # noqa: E402
+from finetune.data import tokenizer as _tokenizer  # noqa: E402
+from finetune.reporting import wandb_run as _wandb_run  # noqa: E402
+from finetune.checkpoint.checkpointer import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
+from finetune.model.attention import use_varlen_attention  # noqa: E402
+from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
+from finetune.data.packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
+from finetune.reporting.metrics import MetricsLog, RunSummary  # noqa: E402
+from finetune.reporting.profiler import Profiler  # noqa: E402
+from finetune.reporting.console import StepTimer  # noqa: E402
+from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
+from finetune.optimizer import warn_round_to_nearest  # noqa: E402
+from finetune.settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
+from finetune.stops import SkipCounter, StopSignal  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -103,9 +109,9 @@ class FullFinetuneRecipeSingleDevice:
         self._folder.claim(log)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._loss_fn = config.instantiate(cfg.loss)
-        dataset = _data.build_dataset(cfg.dataset, self._tokenizer, s, log)
+        dataset = loading.build_dataset(cfg.dataset, self._tokenizer, s, log)
         self._packed = isinstance(dataset, PackedSFTDataset)
-        self._dataloader, self._sampler, self._steps_per_epoch = _data.build_dataloader(
+        self._dataloader, self._sampler, self._steps_per_epoch = loading.build_dataloader(
             dataset, s, pad_id=self._tokenizer.pad_id, ignore_index=self._loss_fn.ignore_index)
 
         self._model = self._setup_model(cfg)
@@ -120,11 +126,11 @@ class FullFinetuneRecipeSingleDevice:
             on_saved=lambda folder: self._summary.saved_checkpoint(folder))
 
         self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device)
-        self._identity = _wandb.run_identity(cfg, s, packed=self._packed)
-        self._logger, wandb_dir = _wandb.metric_logger(cfg, log, self._identity)
-        wandb_run = _wandb.wandb_run_info(self._logger)
+        self._identity = _wandb_run.run_identity(cfg, s, packed=self._packed)
+        self._logger, wandb_dir = _wandb_run.metric_logger(cfg, log, self._identity)
+        wandb_run = _wandb_run.wandb_run_info(self._logger)
         if wandb_run is not None:  # each checkpoint names its wandb run (run.json), for the eval
-            self._checkpointer.run_info = {**_wandb.run_file(self._identity), "wandb": wandb_run}
+            self._checkpointer.run_info = {**_wandb_run.run_file(self._identity), "wandb": wandb_run}
         self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
         self._metrics.start(resume_step=None if resume_state is None else self.global_step)
         self._summary = RunSummary(self._metrics.path, wandb_dir,
@@ -133,7 +139,7 @@ class FullFinetuneRecipeSingleDevice:
         if resume_state is not None:
             # RNG last, so nothing in setup shifts it after the restore.
             rng = resume_state["rng"]
-            _checkpoint.set_rng_state(rng)
+            _checkpointer.set_rng_state(rng)
             if rng.get("cuda") is not None and self._device.type == "cuda":
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
@@ -142,12 +148,12 @@ class FullFinetuneRecipeSingleDevice:
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg.model)
         # The HF config is read off the model before AC and compile wrap its layers.
-        self._family = _hf_format.family_of(s.model_component)
-        source = _hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = _hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
+        self._family = hf_format.family_of(s.model_component)
+        source = hf_format.read_source_config(s.checkpoint_dir)
+        self._hf_config = hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
         weights = s.resume_dir or s.checkpoint_dir
         if weights is not None:
-            _hf_format.load_weights(model, weights, self._hf_config, self._family)
+            hf_format.load_weights(model, weights, self._hf_config, self._family)
             log.info(f"Loaded weights from {weights}")
 
         if s.fp8 is not None:
@@ -202,7 +208,7 @@ class FullFinetuneRecipeSingleDevice:
         return scheduler
 
     def _run_settings(self) -> Dict[str, Any]:
-        """The settings recipe_state.pt keeps, for a resume to compare (``_resume.RESUME_TABLE``)."""
+        """The settings recipe_state.pt keeps, for a resume to compare (``resume.RESUME_TABLE``)."""
         return _resume.run_settings(self.settings, packed=self._packed)
 
     def _load_resume_state(self) -> dict:
@@ -211,7 +217,7 @@ class FullFinetuneRecipeSingleDevice:
         try:
             (self._optim_wrapper if s.optimizer_in_bwd else self._optimizer).load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise BadInput(f"the optimizer state in {s.resume_dir / _checkpoint.RECIPE_STATE_FILE} does not fit this "
+            raise BadInput(f"the optimizer state in {s.resume_dir / _checkpointer.RECIPE_STATE_FILE} does not fit this "
                            f"model and optimizer ({first_line(e)}); resume with the config that wrote it") from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -264,10 +270,10 @@ class FullFinetuneRecipeSingleDevice:
         timer = StepTimer(self._device)
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            _data.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
+            loading.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
             step_in_epoch = start
             pbar = tqdm(total=self._steps_per_epoch, initial=start, dynamic_ncols=True,
-                        desc=_reporting.epoch_label(epoch, s.epochs))
+                        desc=console.epoch_label(epoch, s.epochs))
             running_loss = 0.0
             t0 = time.perf_counter()
             batches = iter(self._dataloader)
@@ -337,20 +343,20 @@ class FullFinetuneRecipeSingleDevice:
                     "tokens": int(num_tokens),
                     "tokens_per_second": float(num_tokens) / elapsed,
                     "step_time_s": elapsed,
-                    **_reporting.memory_metrics(self._device),
+                    **console.memory_metrics(self._device),
                     "optimizer_step_ms": opt_ms,
-                    "optimizer_state_bytes": _reporting.optimizer_state_bytes(self._optimizers),
+                    "optimizer_state_bytes": console.optimizer_state_bytes(self._optimizers),
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "skipped_steps": self._skips.skipped,
                 }
-                nonfinite = _reporting.nonfinite_elements(self._optimizers)
+                nonfinite = console.nonfinite_elements(self._optimizers)
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
                 if not first_logged:
                     record["first_step_s"] = first_step_s  # the first step of this process: compile included
                     first_logged = True
                 if s.compile:
-                    record["compiled_graphs"] = _reporting.compiled_graphs()
+                    record["compiled_graphs"] = console.compiled_graphs()
                 record.update(self._checkpointer.metrics(since=t0))
                 if not math.isfinite(loss_value):
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
@@ -391,7 +397,7 @@ class FullFinetuneRecipeSingleDevice:
         check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step)
         self._checkpointer.save(
             name, **parts, started=started,
-            need_bytes=lambda: _reporting.checkpoint_bytes(model_sd, self._optimizers))
+            need_bytes=lambda: console.checkpoint_bytes(model_sd, self._optimizers))
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int) -> Dict[str, Any]:
         """What a checkpoint holds, as live references: the weights and the recipe state."""
@@ -404,7 +410,7 @@ class FullFinetuneRecipeSingleDevice:
             # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
             "lr_scheduler": None if self._lr_scheduler is None else {
                 k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)},
-            "rng": _checkpoint.rng_state(self._device, all_cuda=True),
+            "rng": _checkpointer.rng_state(self._device, all_cuda=True),
             "config": self._run_settings(),
         }
         return {"weights": self._model.state_dict(), "recipe_state": recipe_state}
@@ -418,7 +424,7 @@ class FullFinetuneRecipeSingleDevice:
         return "\n".join(p for p in (self._profiler.text(), self._summary.text()) if p)
 
     def cleanup(self) -> None:
-        self._summary.finish(self._identity, push=lambda values: _wandb.push_summary(self._logger, values))
+        self._summary.finish(self._identity, push=lambda values: _wandb_run.push_summary(self._logger, values))
         self._metrics.close()
 
     def release(self) -> None:
@@ -431,10 +437,10 @@ class FullFinetuneRecipeSingleDevice:
 def recipe_main(cfg: DictConfig) -> None:
     recipe = None
     try:
-        _reporting.set_log_level(log, cfg)
+        console.set_log_level(log, cfg)
         recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
         recipe.setup(cfg=cfg)
-        _reporting.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
+        console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
         recipe.train()
         recipe.cleanup()
         tqdm.write(recipe.summary())
@@ -462,5 +468,5 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    _reporting.print_help_if_asked(__doc__, KNOWN_CONFIG_KEYS, MANUAL)
+    console.print_help_if_asked(__doc__, KNOWN_CONFIG_KEYS, MANUAL)
     sys.exit(recipe_main())

@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (async_checkpoint=True, the default; recipes/_async_save.py).
+"""Checkpoints written in the background (async_checkpoint=True, the default; finetune/checkpoint/async_save.py).
 
 What is checked, on the FAST tiny model on the CPU:
 
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import _checkpoint
+from finetune.checkpoint import checkpointer
 
 
 def logged_step(metrics: Path) -> int:
@@ -65,7 +65,7 @@ class GatedAdamW(torch.optim.AdamW):
         until_file, until_step = env.get("GATE_UNTIL_FILE"), int(env.get("GATE_UNTIL_STEP") or 0)
         if hold is None:
             return
-        write = _checkpoint.Checkpointer._write
+        write = checkpointer.Checkpointer._write
 
         def held(self_, tmp, snap, ready):
             if tmp.name.startswith(f".tmp-{hold}-"):
@@ -75,7 +75,7 @@ class GatedAdamW(torch.optim.AdamW):
                     time.sleep(0.02)
             return write(self_, tmp, snap, ready)
 
-        _checkpoint.Checkpointer._write = held
+        checkpointer.Checkpointer._write = held
 '''
 GATED = "optimizer._component_=faults.GatedAdamW"
 
@@ -105,9 +105,9 @@ def run_here(output_dir: Path, *overrides: str) -> RecipeRun:
 def hold(patch, name: str, until_step: int) -> list:
     """Make the background write of checkpoint ``name`` wait until training has logged ``until_step`` (or 120 s
     passed, so that a broken run cannot hang the test). Returns the (name, start, end) of every write, as they end."""
-    from recipes import _checkpoint
+    from finetune.checkpoint import checkpointer
 
-    spans, write = [], _checkpoint.Checkpointer._write
+    spans, write = [], checkpointer.Checkpointer._write
 
     def held(self, tmp, snap, ready):
         began, deadline = time.monotonic(), time.monotonic() + 120
@@ -119,7 +119,7 @@ def hold(patch, name: str, until_step: int) -> list:
         finally:
             spans.append((tmp.name.split("-")[1], began, time.monotonic()))
 
-    patch.setattr(_checkpoint.Checkpointer, "_write", held)
+    patch.setattr(checkpointer.Checkpointer, "_write", held)
     return spans
 
 
@@ -264,16 +264,16 @@ def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path,
     """The write of step_4 fails (a full disk; a permission, as if the folder were made read-only under the run)
     after training has logged step 5 beside it: the run still stops with one line, before epoch_0, and step_2 stays.
     (test_reliability.py fills a real tmpfs; the writers then raise without an errno.)"""
-    from recipes import _hf_format
+    from finetune.checkpoint import hf_format
 
-    write = _hf_format.write_config_and_tokenizer
+    write = hf_format.write_config_and_tokenizer
 
     def refuse(folder, *args, **kwargs):
         if folder.name.startswith(".tmp-step_4-"):
             raise failure
         return write(folder, *args, **kwargs)
 
-    monkeypatch.setattr(_hf_format, "write_config_and_tokenizer", refuse)
+    monkeypatch.setattr(hf_format, "write_config_and_tokenizer", refuse)
     hold(monkeypatch, "step_4", until_step=5)
     out = tmp_path / "out"
     run = run_here(out, "save_every_n_steps=2")
@@ -287,10 +287,10 @@ def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path,
 
 def staged_bytes(obj) -> int:
     """What a host-held copy of ``obj`` takes in the staging buffer (each storage once, each slot page-aligned)."""
-    from recipes import _async_save
+    from finetune.checkpoint import async_save
 
-    sizes, _, _ = _async_save.Staging._leaves(obj)
-    return _async_save.Layout(sizes, [False] * len(sizes)).host_bytes
+    sizes, _, _ = async_save.Staging._leaves(obj)
+    return async_save.Layout(sizes, [False] * len(sizes)).host_bytes
 
 
 @pytest.mark.parametrize("room", ["recipe_state", "weights", "nothing"])
@@ -298,7 +298,7 @@ def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, 
     """The host has memory for the copy of only one of the checkpoint's two files (or of neither): that one is
     copied and written in the background, the other written before training goes on (neither: every save is
     synchronous). The folders are still the synchronous ones, byte for byte."""
-    from recipes import _async_save
+    from finetune.checkpoint import async_save
 
     sync = runs[0]
     weights = staged_bytes(load_file(sync.output_dir / "step_2" / "model.safetensors"))
@@ -306,14 +306,14 @@ def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, 
     assert weights < state  # (bf16 weights, fp32 AdamW states: the larger file is the state)
     limit = {"recipe_state": state, "weights": weights, "nothing": 0}[room]
     # The host's available memory: ``limit``, less the staging buffer once allocated (as MemAvailable would drop).
-    held, allocate = [0], _async_save.Staging.allocate
+    held, allocate = [0], async_save.Staging.allocate
 
     def allocate_and_count(self, layout):
         allocate(self, layout)
         held[0] = 0 if self._host is None else self._host.numel()
 
-    monkeypatch.setattr(_async_save.Staging, "allocate", allocate_and_count)
-    monkeypatch.setattr(_async_save, "available_host_bytes", lambda: limit - held[0])
+    monkeypatch.setattr(async_save.Staging, "allocate", allocate_and_count)
+    monkeypatch.setattr(async_save, "available_host_bytes", lambda: limit - held[0])
     run = run_here(tmp_path / "out", "save_every_n_steps=2")
     assert run.ok, run.stderr[-3000:]
     names = sorted(p.name for p in sync.output_dir.iterdir() if p.is_dir())
@@ -332,9 +332,9 @@ def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it
     """Ctrl-C lands just {before, after} step_2, written in the background, is renamed into place: the moment a user
     (or a test) who waits for a step's metrics line most likely hits, since the publish follows that line. The run
     stops with 130, and step_2 is whole, announced, and named as the checkpoint to resume from."""
-    from recipes import _run_folder
+    from finetune.checkpoint import run_folder
 
-    replace = _run_folder.replace_dir
+    replace = run_folder.replace_dir
 
     def interrupted(tmp, final):
         if final.name == "step_2" and moment == "before":
@@ -343,7 +343,7 @@ def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it
         if final.name == "step_2" and moment == "after":
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(_run_folder, "replace_dir", interrupted)
+    monkeypatch.setattr(run_folder, "replace_dir", interrupted)
     out = tmp_path / "out"
     run = run_here(out, "save_every_n_steps=2")
     assert run.returncode == 130, run.stderr[-3000:]
@@ -374,7 +374,7 @@ def tensors_of_every_kind(device: str = "cpu") -> dict:
 
 
 def test_streamed_safetensors_are_byte_identical_to_save_file(tmp_path):
-    from recipes import _async_save
+    from finetune.checkpoint import async_save
 
     tensors = tensors_of_every_kind()
     save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
@@ -383,14 +383,14 @@ def test_streamed_safetensors_are_byte_identical_to_save_file(tmp_path):
         return {f"model.{k}": v for k, v in part.items()}
 
     save_file(rename(tensors), str(tmp_path / "renamed.safetensors"), metadata={"format": "pt"})
-    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(tensors), rename, {"format": "pt"})
+    async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(tensors), rename, {"format": "pt"})
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "renamed.safetensors").read_bytes()
 
 
 def test_a_snapshot_is_a_copy_that_keeps_views_sharing_and_subclasses(tmp_path):
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from recipes import _async_save
+    from finetune.checkpoint import async_save
 
     flat = torch.randn(10)
     quantized = OptimState8bit.zeros((256,), signed=True, block_size=256)
@@ -401,7 +401,7 @@ def test_a_snapshot_is_a_copy_that_keeps_views_sharing_and_subclasses(tmp_path):
     original = io.BytesIO()
     torch.save(state, original)
 
-    staging = _async_save.Staging(torch.device("cpu"))
+    staging = async_save.Staging(torch.device("cpu"))
     snap, ready = staging.snapshot(state, staging.plan(state))
     assert ready is None
     flat.add_(1.0)
@@ -452,10 +452,10 @@ def test_checkpoint_bench_toy_rows(tmp_path):
 def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path):
     """Half the snapshot in spare GPU memory, half in pinned host memory; the GPU half streamed through a small
     bounce buffer (several pieces per tensor), the state through torch.save's pinned copies."""
-    from recipes import _async_save
+    from finetune.checkpoint import async_save
 
     tensors = {f"w{i}": torch.randn(512, 512, device="cuda") for i in range(4)}
-    staging = _async_save.Staging(torch.device("cuda"), gpu_budget=2 * 512 * 512 * 4)
+    staging = async_save.Staging(torch.device("cuda"), gpu_budget=2 * 512 * 512 * 4)
     layout = staging.plan(tensors)
     assert layout.on_gpu == [True, True, False, False] and staging.pinned_bytes == 0
     snap, ready = staging.snapshot(tensors, layout)
@@ -467,11 +467,11 @@ def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path)
     assert [v.is_cuda for v in snap.values()] == [True, True, False, False]
     save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
     bounce = torch.empty(100_000, dtype=torch.uint8, pin_memory=True)  # (1 MiB tensors: 11 pieces each)
-    _async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"},
+    async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"},
                                   bounce)
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
     gpu_state = {k: v for k, v in snap.items() if v.is_cuda}
-    _async_save.pinned_torch_save(gpu_state, tmp_path / "state.pt")
+    async_save.pinned_torch_save(gpu_state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert all(torch.equal(loaded[k].cpu(), reference[k]) and loaded[k].is_cuda for k in gpu_state)
     staging.release()

@@ -1,4 +1,4 @@
-"""Packed rows' attention (recipes/_attention.py): ``packed_attention=varlen``, FlashAttention's variable-length kernel.
+"""Packed rows' attention (finetune/model/attention.py): ``packed_attention=varlen``, FlashAttention's variable-length kernel.
 
 On the CPU: the varlen plumbing (the collate's sample boundaries, the layouts, each attention layer pointed at it)
 against torchtune's dense block-causal mask, with a stand-in for the CUDA kernel; the key's checks. The GPU tests
@@ -24,7 +24,7 @@ def tiny_model(num_kv_heads=4):
 
 
 def packed_items(rows):
-    """torchtune-format packed rows (``_packing.PackedSFTDataset`` items) from each row's segment lengths."""
+    """torchtune-format packed rows (``packing.PackedSFTDataset`` items) from each row's segment lengths."""
     gen = torch.Generator().manual_seed(1)
     items = []
     for lens in rows:
@@ -35,7 +35,7 @@ def packed_items(rows):
 
 
 def test_collate_varlen_marks_every_sample_and_the_padding():
-    from recipes._attention import collate_varlen
+    from finetune.model.attention import collate_varlen
 
     batch = collate_varlen(packed_items([[3, 2, 1], [4, 2]]))
     assert batch["mask"]["cu_seqlens"].tolist() == [0, 3, 5, 6, 10, 12]
@@ -63,7 +63,7 @@ def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, kv_heads):
     dim] layouts and the output's way back are right."""
     from torchtune.data import padded_collate_packed
 
-    from recipes import _attention
+    from finetune.model import attention as _attention
 
     monkeypatch.setattr(_attention, "_flash_varlen", reference_varlen)
     items = packed_items([[5, 7, 4], [9, 3, 4], [16]])
@@ -83,10 +83,10 @@ def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, kv_heads):
 
 
 def test_varlen_attention_refuses_another_mask():
-    from recipes._attention import varlen_attention
+    from finetune.model.attention import varlen_attention
 
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="needs the batch's mask from recipes._attention.collate_varlen"):
+    with pytest.raises(ValueError, match="needs the batch's mask from finetune.model.attention.collate_varlen"):
         varlen_attention(q, q, q, mask=torch.ones(1, 4, 4, dtype=torch.bool))
 
 
@@ -96,8 +96,8 @@ def test_varlen_attention_refuses_another_mask():
     ({"packed_attention": "varlen", "dataset": {"packed": True}}, "needs device=cuda"),
 ])
 def test_packed_attention_checks(settings, words):
-    from finetune_base import BadInput
-    from recipes._settings import read_packed_attention
+    from finetune.base import BadInput
+    from finetune.settings import read_packed_attention
 
     with pytest.raises(BadInput, match=words):
         read_packed_attention(OmegaConf.create(settings), torch.device("cpu"))
@@ -111,9 +111,9 @@ def test_packed_attention_checks(settings, words):
 ])
 def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
     """An older GPU, and a torch without the kernel, are one-line errors (checked with a stand-in GPU)."""
-    from finetune_base import BadInput
-    from recipes import _attention
-    from recipes._settings import read_packed_attention
+    from finetune.base import BadInput
+    from finetune.model import attention as _attention
+    from finetune.settings import read_packed_attention
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
@@ -162,7 +162,7 @@ def test_gpu_varlen_kernel_matches_flex_on_one_layer():
     from torch.nn.attention.flex_attention import flex_attention
     from torchtune.modules.attention_utils import packed_block_causal_mask
 
-    from recipes import _attention
+    from finetune.model import attention as _attention
 
     lens = [[100, 200, 150, 62], [512], [300, 212]]
     items = packed_items(lens)

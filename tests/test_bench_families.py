@@ -53,7 +53,7 @@ def test_the_stock_rows_tokenize_as_ours(key, tmp_path):
     from torchtune.models.llama3 import llama3_tokenizer
     from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
-    from recipes._tokenizer import HFTokenizer
+    from finetune.data.tokenizer import HFTokenizer
 
     spec = mf.SPECS[key]
     texts = mf.alpaca_texts(DATA_DIR, 400)

@@ -62,7 +62,7 @@ def test_config_loads_and_components_import(path, tmp_path):
 
 @pytest.mark.parametrize("path", FINETUNE_CONFIGS, ids=str)
 def test_finetune_config_instantiates(path, tmp_path):
-    from recipes._optimizer import resolve_optimizer
+    from finetune.optimizer import resolve_optimizer
 
     cfg = load(path, tmp_path)
     header = (REPO_ROOT / path).read_text().split("\n\n")[0]
@@ -70,7 +70,7 @@ def test_finetune_config_instantiates(path, tmp_path):
 
     tokenizer = config.instantiate(cfg.tokenizer)
     assert tokenizer.vocab_size == 32000 or "tokenizer.json" in str(cfg.tokenizer.path)  # (the stand-in's size)
-    # The recipe builds the samples unpacked and packs them itself (recipes/_packing.py) when dataset.packed=True.
+    # The recipe builds the samples unpacked and packs them itself (finetune/data/packing.py) when dataset.packed=True.
     assert cfg.dataset.get("packed", False) in (True, False)
     dataset = config.instantiate(OmegaConf.merge(cfg.dataset, {"packed": False}), tokenizer)
     assert len(dataset) == 52002 and len(dataset[0]["tokens"]) > 0

@@ -1,8 +1,8 @@
 """Data beyond Alpaca and the families' own tokenizers, in this process (no training).
 
-recipes/_tokenizer.py reads a model folder's tokenizer.json and tokenizer_config.json: Alpaca formatted as plain
+finetune/data/tokenizer.py reads a model folder's tokenizer.json and tokenizer_config.json: Alpaca formatted as plain
 text (BOS, prompt, response, EOS), conversations through the family's chat template with only the assistant's text
-and its end-of-turn token trained. recipes/_data.py builds torchtune's instruct_dataset and chat_dataset from local
+and its end-of-turn token trained. finetune/data/loading.py builds torchtune's instruct_dataset and chat_dataset from local
 JSON, JSONL or Parquet, checks every record first (one BadInput naming the record), and packs them like Alpaca. The
 tokenizers are bench/model_families.py's stand-ins (a BPE trained here on Alpaca, each family's special tokens and
 chat template).
@@ -21,10 +21,10 @@ from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import model_families as mf  # noqa: E402
 
-from finetune_base import BadInput  # noqa: E402
-from recipes import _data  # noqa: E402
-from recipes._packing import PackedSFTDataset  # noqa: E402
-from recipes._tokenizer import HFTokenizer  # noqa: E402
+from finetune.base import BadInput  # noqa: E402
+from finetune.data import loading  # noqa: E402
+from finetune.data.packing import PackedSFTDataset  # noqa: E402
+from finetune.data.tokenizer import HFTokenizer  # noqa: E402
 
 FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
 CONVERSATION = [Message("user", "Name a colour.", masked=True), Message("assistant", "Blue."),
@@ -97,7 +97,7 @@ SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="t
 
 
 def build(cfg: dict, tok, packed=False):
-    return _data.build_dataset(OmegaConf.create({**cfg, "packed": packed}), tok, SETTINGS, log=SimpleNamespace(
+    return loading.build_dataset(OmegaConf.create({**cfg, "packed": packed}), tok, SETTINGS, log=SimpleNamespace(
         info=lambda *_: None, warning=lambda *_: None))
 
 
@@ -191,7 +191,7 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
     path.write_text("".join(json.dumps(r) + "\n" for r in chats(3) + [BAD_CHATS[0][0]]))
     monkeypatch.setattr(sys, "argv", [
         RECIPE_PATH, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={tmp_path / 'out'}",
-        "metric_logger=null", "tokenizer._component_=recipes._tokenizer.HFTokenizer", "~tokenizer.prompt_template",
+        "metric_logger=null", "tokenizer._component_=finetune.data.HFTokenizer", "~tokenizer.prompt_template",
         f"tokenizer.path={folders['qwen2'] / 'tokenizer.json'}", "tokenizer.chat_template=True",
         *[f"dataset.{k}={v}" for k, v in chat_cfg(path).items()], "model.vocab_size=1024"])
     monkeypatch.chdir(REPO_ROOT)
@@ -204,7 +204,7 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
 
 
 def test_a_family_config_without_its_tokenizer_names_the_file(tmp_path):
-    from recipes._settings import read_settings
+    from finetune.settings import read_settings
 
     cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "qwen3" / "8B_full_32gb.yaml"),
                           {"checkpoint_dir": str(tmp_path), "device": "cpu", "data_dir": str(DATA_DIR)})

@@ -306,8 +306,8 @@ def test_a_live_lock_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_no_torchao_extensions_warning_in_a_two_rank_run(runs):
-    """The ranks filter torchao's "Skipping import of cpp extensions" (recipes/_reporting.py, KNOWN_NOISE), and the
-    `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook, hatch_build.py)."""
+    """The ranks filter torchao's "Skipping import of cpp extensions" (finetune/reporting/console.py, KNOWN_NOISE), and the
+    `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook, finetune/tune_run.py)."""
     run = runs("torch.optim.AdamW")
     assert "Skipping import of cpp extensions" not in run.stdout + run.stderr
 

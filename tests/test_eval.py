@@ -183,16 +183,16 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
     from safetensors.torch import load_file
 
     import eval.checkpoint as ec
-    import finetune_base
+    import finetune.base
 
-    assert ec.hf_weight_files is finetune_base.hf_weight_files
+    assert ec.hf_weight_files is finetune.base.hf_weight_files
     score = {}
     for kind in ("safetensors", "bin"):
         ckpt = _copy(tiny_checkpoint, tmp_path / kind)
         if kind == "bin":
             torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
             (ckpt / "model.safetensors").unlink()
-        assert [f.name for f in finetune_base.hf_weight_files(ckpt)] == (["pytorch_model.bin"] if kind == "bin"
+        assert [f.name for f in finetune.base.hf_weight_files(ckpt)] == (["pytorch_model.bin"] if kind == "bin"
                                                                     else ["model.safetensors"])
         cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
                                                             "device": "cpu", "limit": 2, "output_dir": str(ckpt / "e")})
@@ -205,8 +205,8 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
     (broken / "model.safetensors").rename(broken / "model-00001-of-00002.safetensors")
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    with pytest.raises(finetune_base.BadInput, match="model-00002-of-00002.safetensors"):
-        finetune_base.hf_weight_files(broken)
+    with pytest.raises(finetune.base.BadInput, match="model-00002-of-00002.safetensors"):
+        finetune.base.hf_weight_files(broken)
     with pytest.raises(ec.EvalInputError, match=f"checkpoint_dir={broken}.*model-00002-of-00002"):
         ec.check_checkpoint(broken)
 
@@ -336,7 +336,7 @@ def test_recipe_checkpoint_evaluates(tmp_path):
     evaluate = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={checkpoint}", f"data_dir={DATA_DIR}", "limit=4", "device=cpu"]
     proc = subprocess.run(evaluate, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (recipes/_reporting.py, KNOWN_NOISE)
+    # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (finetune/reporting/console.py, KNOWN_NOISE)
     assert "`pretrained` model kwarg is not of type" not in proc.stdout + proc.stderr
     (results_file,) = (run_dir / "eval" / "epoch_0").glob("results_*.json")  # the default output_dir
     score = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]

@@ -32,7 +32,7 @@ from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG, read_metrics, recipe_env
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import model_families as mf  # noqa: E402
 
-from recipes import _hf_format  # noqa: E402
+from finetune.checkpoint import hf_format  # noqa: E402
 
 RTOL = 1e-4
 FINETUNED = ["llama3_1_8b", "llama3_2_3b", "qwen2_5_7b", "qwen3_8b", "mistral_7b"]
@@ -103,7 +103,7 @@ def finetune_args(key, source, hf, data, out, cache, *extra):
     return ["--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", f"checkpoint_dir={source}",
             "metric_logger=null", "batch_size=2", "max_steps_per_epoch=6", "optimizer.lr=1e-2",
             "lr_scheduler.num_warmup_steps=0", "save_every_n_steps=3", f"pack_cache_dir={cache}",
-            "tokenizer._component_=recipes._tokenizer.HFTokenizer", f"tokenizer.path={source / 'tokenizer.json'}",
+            "tokenizer._component_=finetune.data.HFTokenizer", f"tokenizer.path={source / 'tokenizer.json'}",
             "~tokenizer.prompt_template", "tokenizer.max_seq_len=256", "tokenizer.chat_template=True",
             "dataset._component_=torchtune.datasets.chat_dataset", f"dataset.data_files={data}",
             "dataset.conversation_column=messages", "dataset.conversation_style=openai", "dataset.train_on_input=False",
@@ -138,14 +138,14 @@ def runs(tmp_path_factory, sources):
 @pytest.mark.parametrize("key", ROUND_TRIP)
 def test_hf_round_trip(key, sources, tmp_path):
     spec, (source, hf) = mf.SPECS[key], sources[key]
-    family = _hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
+    family = hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
     assert family.name == spec.family and family.model_type == hf["model_type"]
     tokens = torch.randint(0, hf["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
 
     # transformers' checkpoint -> our model (fp32)
     ours = build_model(spec, hf)
-    ours_hf = _hf_format.hf_config(ours, torch.float32, hf, family)
-    _hf_format.load_weights(ours, source, ours_hf, family)
+    ours_hf = hf_format.hf_config(ours, torch.float32, hf, family)
+    hf_format.load_weights(ours, source, ours_hf, family)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
@@ -155,8 +155,8 @@ def test_hf_round_trip(key, sources, tmp_path):
     ours_bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()})
     folder = tmp_path / "written"
     folder.mkdir()
-    written = _hf_format.hf_config(ours_bf16, torch.bfloat16, None, family, tokenizer=None)
-    _hf_format.write_folder(folder, ours_bf16.state_dict(), written, family, source / "tokenizer.json")
+    written = hf_format.hf_config(ours_bf16, torch.bfloat16, None, family, tokenizer=None)
+    hf_format.write_folder(folder, ours_bf16.state_dict(), written, family, source / "tokenizer.json")
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [family.architecture] and config["torch_dtype"] == "bfloat16"
     assert config["tie_word_embeddings"] == hf["tie_word_embeddings"]
@@ -176,20 +176,20 @@ def test_hf_round_trip(key, sources, tmp_path):
 
 def test_a_checkpoint_of_another_family_or_tying_is_refused(sources):
     """Building Llama 3.1 for a Qwen checkpoint, or an untied model for a tied one, is one BadInput naming a fix."""
-    from finetune_base import BadInput
+    from finetune.base import BadInput
 
     llama = mf.SPECS["llama3_1_8b"]
     model = build_model(llama, mf.toy_hf(llama))
     with pytest.raises(BadInput, match=r"model_type='qwen2'.*torchtune\.models\.qwen2_5\.qwen2_5_7b_base"):
-        _hf_format.hf_config(model, torch.float32, sources["qwen2_5_7b"][1], _hf_format.FAMILIES["llama3"])
+        hf_format.hf_config(model, torch.float32, sources["qwen2_5_7b"][1], hf_format.FAMILIES["llama3"])
     with pytest.raises(BadInput, match="tie_word_embeddings=True"):
-        _hf_format.hf_config(model, torch.float32, sources["llama3_2_3b"][1], _hf_format.FAMILIES["llama3"])
+        hf_format.hf_config(model, torch.float32, sources["llama3_2_3b"][1], hf_format.FAMILIES["llama3"])
 
 
 def test_eval_takes_every_family():
     from eval.checkpoint import MODEL_TYPES
 
-    assert {f.model_type for f in _hf_format.FAMILIES.values()} <= set(MODEL_TYPES)
+    assert {f.model_type for f in hf_format.FAMILIES.values()} <= set(MODEL_TYPES)
 
 
 # -- fine-tune, resume, the saved folder, eval ---------------------------------------------------------------------
@@ -215,9 +215,9 @@ def test_saved_checkpoint_is_the_model_in_transformers(key, runs, sources):
         p.name for p in ckpt.iterdir()}
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model_type"] == hf["model_type"] and config["eos_token_id"] == hf["eos_token_id"]
-    family = _hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
+    family = hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
     ours = build_model(spec, hf)
-    _hf_format.load_weights(ours, ckpt, config, family)
+    hf_format.load_weights(ours, ckpt, config, family)
     assert not torch.equal(ours.tok_embeddings.weight, build_model(spec, hf).tok_embeddings.weight)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tokens = torch.randint(0, hf["vocab_size"], (1, 31), generator=torch.Generator().manual_seed(1))

@@ -27,8 +27,8 @@ def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
 ])
 def test_the_gpu_checks(monkeypatch, capability, compile_, words):
     """A GPU without FP8 tensor cores, and FP8 without compile, are one-line errors (checked with a stand-in GPU)."""
-    from finetune_base import BadInput
-    from recipes._settings import read_fp8
+    from finetune.base import BadInput
+    from finetune.settings import read_fp8
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
@@ -49,7 +49,7 @@ def test_every_projection_of_llama2_7b_converts_and_the_output_stays_bf16(recipe
     from torchao.float8.float8_linear import Float8Linear
     from torchtune.models.llama2 import llama2_7b
 
-    from recipes._model import convert_to_fp8
+    from finetune.model.prepare import convert_to_fp8
 
     with torch.device("meta"):
         model = llama2_7b()
@@ -62,7 +62,7 @@ def test_every_projection_of_llama2_7b_converts_and_the_output_stays_bf16(recipe
 def test_small_layers_stay_bf16():
     """torchao's thresholds: a 3B model's 1024-wide key/value projections stay in bf16 under tensorwise, and a
     layer whose dimensions are not multiples of 16 never converts."""
-    from recipes._model import fp8_suits
+    from finetune.model.prepare import fp8_suits
 
     kv = torch.nn.Linear(3072, 1024, device="meta")
     assert not fp8_suits("layers.0.attn.k_proj", kv, "tensorwise")

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import (RECIPE, REPO_ROOT, ctrl_c_as_in_a_shell, pinned_inductor_cache, read_metrics,
                       recipe_command, recipe_env)
-from recipes._stops import StopSignal
+from finetune.stops import StopSignal
 
 
 def test_ctrl_c_sums_up_names_the_checkpoint_to_resume_from_and_exits_130(tmp_path):
@@ -50,7 +50,7 @@ class _Thing:
 # checkpoint writer's thread object is freed): `python -c SWALLOWED_CTRL_C RECIPE ARGS...`.
 SWALLOWED_CTRL_C = r"""
 import runpy, signal, sys, weakref
-from recipes._metrics import MetricsLog
+from finetune.reporting.metrics import MetricsLog
 
 write = MetricsLog.write
 class Thing:

@@ -1,6 +1,7 @@
 """The shape of the code, checked: the arrows between packages point one way, the two fine-tune recipes are
-siblings (neither imports the other), no module grows into the one-class-does-everything recipe again, and every
-test reaches the CLI the same way. Static reads of the source: no imports, milliseconds."""
+siblings (neither imports the other), recipes/ holds entry points only, no module grows into the
+one-class-does-everything recipe again, configs name public paths, and every test reaches the CLI the same way.
+Static reads of the source: no imports, milliseconds."""
 
 import ast
 import re
@@ -11,9 +12,29 @@ import pytest
 from conftest import REPO_ROOT
 
 RECIPES = REPO_ROOT / "recipes"
-RECIPE_FILES = {"full_finetune_single_device.py": 850, "full_finetune_distributed.py": 750}
-COMPONENT_LIMIT = 500  # lines, any other module of recipes/
+LIBRARY = REPO_ROOT / "finetune"
+RECIPE_FILES = {"full_finetune_single_device.py": 600, "full_finetune_distributed.py": 600}
+ENTRY_POINTS = {"__init__.py", "evaluate.py", "launch.py", *RECIPE_FILES}
+MODULE_LIMIT = 500  # lines, any module of the library
 DOCSTRING_INDEX_LIMIT = 45  # the recipe docstring is an index of keys; the manual is a docs page
+# The library's layers, bottom first: a module imports only from its own layer or those below it. The bottom is
+# what eval/ shares; settings reads every concern's keys; the concerns sit between.
+LAYERS = [
+    {"finetune.base", "finetune.run_files", "finetune.tune_run"},
+    {"finetune.checkpoint.lock", "finetune.model.builders", "finetune.model.loss", "finetune.model.attention",
+     "finetune.data.tokenizer", "finetune.data.packing", "finetune.reporting.wandb_run", "finetune.reporting.console",
+     "finetune.reporting.profiler", "finetune.optimizer", "finetune.checkpoint.async_save", "finetune.launch"},
+    {"finetune.checkpoint.run_folder", "finetune.checkpoint.hf_format"},
+    {"finetune.reporting.metrics", "finetune.checkpoint.checkpointer"},
+    {"finetune.checkpoint.resume", "finetune.stops"},
+    {"finetune.settings"},
+    {"finetune.model.prepare", "finetune.data.loading"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_modules(path: Path):
@@ -24,6 +45,15 @@ def imported_modules(path: Path):
         elif isinstance(node, ast.ImportFrom) and node.module:
             yield node.module
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def library_modules():
+    return sorted(p for p in LIBRARY.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_recipes_hold_the_entry_points_only():
+    assert {p.name for p in RECIPES.glob("*.py")} == ENTRY_POINTS
+    assert not [p for p in RECIPES.iterdir() if p.is_dir() and p.name != "__pycache__"]
 
 
 def test_recipes_are_siblings_within_their_size():
@@ -45,24 +75,49 @@ def test_no_recipe_class_is_subclassed():
                 assert not node.bases, f"{name}: {node.name} derives from {ast.unparse(node.bases[0])}"
 
 
-@pytest.mark.parametrize("path", sorted(p for p in RECIPES.glob("*.py") if p.name not in RECIPE_FILES),
-                         ids=lambda p: p.name)
-def test_components_stay_small(path):
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(LIBRARY)))
+def test_library_modules_stay_small(path):
     lines = len(path.read_text().splitlines())
-    assert lines <= COMPONENT_LIMIT, f"{path.name}: {lines} lines (split it by concern)"
+    assert lines <= MODULE_LIMIT, f"{path.name}: {lines} lines (split it by concern)"
 
 
-def test_eval_and_the_base_import_nothing_above_them():
+def test_every_library_module_has_a_layer():
+    named = set().union(*LAYERS)
+    modules = {module_name(p) for p in library_modules() if p.name != "__init__.py"}
+    assert modules == named, f"unlayered: {sorted(modules - named)}; gone: {sorted(named - modules)}"
+
+
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(LIBRARY)))
+def test_the_library_imports_down_only(path):
+    """No upward import (a library module never imports recipes/, eval/ or a higher layer), hence no cycles."""
+    layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    me = module_name(path)
+    mine = layer_of.get(me, len(LAYERS))  # (a package's __init__ re-exports: it may import any of its modules)
+    for name in set(imported_modules(path)):
+        top = name.split(".")[0]
+        assert top not in ("recipes", "eval"), f"{me} imports {name}"
+        if name in layer_of and not me.startswith(name + ".") and not (path.name == "__init__.py"):
+            assert layer_of[name] <= mine, f"{me} (layer {mine}) imports {name} (layer {layer_of[name]})"
+
+
+def test_eval_and_the_optimizers_import_nothing_above_them():
     for path in (REPO_ROOT / "eval").glob("*.py"):
-        assert not [m for m in imported_modules(path) if m == "recipes" or m.startswith("recipes.")], path
-    for path in (REPO_ROOT / "finetune_base").glob("*.py"):
-        assert not [m for m in imported_modules(path) if m.split(".")[0] in ("recipes", "eval", "optimizers")], path
+        assert not [m for m in imported_modules(path) if m.split(".")[0] == "recipes"], path
+        assert not [m for m in imported_modules(path) if m.startswith("finetune.") and
+                    m.split(".")[1] not in ("base", "run_files")], path
     for path in (REPO_ROOT / "optimizers").glob("*.py"):
-        assert not [m for m in imported_modules(path) if m.split(".")[0] in ("recipes", "eval", "torchtune")], path
+        assert not [m for m in imported_modules(path) if m.split(".")[0] in ("recipes", "eval", "finetune",
+                                                                              "torchtune")], path
+
+
+def test_configs_name_no_private_module():
+    for path in sorted((REPO_ROOT / "configs").rglob("*.yaml")):
+        for component in re.findall(r"_component_:\s*(\S+)", path.read_text()):
+            assert not [part for part in component.split(".") if part.startswith("_")], f"{path}: {component}"
 
 
 def test_tests_reach_the_cli_through_conftest():
     """A bare ``"tune"`` exists only in an activated venv; tests use conftest's TUNE (beside sys.executable)."""
-    for path in (REPO_ROOT / "tests").glob("*.py"):
+    for path in (REPO_ROOT / "tests").rglob("*.py"):
         # (a list that starts with "tune" and is not compared with ``==``: a command about to run)
         assert not re.search(r"""(?<!== )\[\s*["']tune["']\s*,""", path.read_text()), f"{path.name} calls a bare tune"

@@ -1,4 +1,4 @@
-"""recipes/_loss.py's LinearCrossEntropyLoss against torchtune's CEWithChunkedOutputLoss: the same loss and the same
+"""finetune/model/loss.py's LinearCrossEntropyLoss against torchtune's CEWithChunkedOutputLoss: the same loss and the same
 gradients (untied and tied output layers), the same recorded losses in the recipe, and its bad settings. On the CPU
 it takes its torch path (chunks recomputed in backward); the GPU kernels (cce, liger) are measured by
 bench/model_families.py --loss-rows."""
@@ -10,8 +10,8 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from test_recipe import RTOL, TORCH_ADAMW_LOSSES
 
-from finetune_base import BadInput
-from recipes._loss import LinearCrossEntropyLoss
+from finetune.base import BadInput
+from finetune.model.loss import LinearCrossEntropyLoss
 
 
 def model(tied: bool):
@@ -60,7 +60,7 @@ def test_bad_settings_are_one_error_each():
 
 def test_the_recipe_trains_the_same_with_it(recipe_runner):
     """The FAST tiny run with this loss instead of the config's chunked one: the recorded losses."""
-    run = recipe_runner("loss._component_=recipes._loss.LinearCrossEntropyLoss")
+    run = recipe_runner("loss._component_=finetune.model.LinearCrossEntropyLoss")
     assert run.ok, run.stderr[-3000:]
     assert "linear cross-entropy in one step (torch)" in run.stdout + run.stderr
     assert run.losses == pytest.approx(TORCH_ADAMW_LOSSES, rel=RTOL)

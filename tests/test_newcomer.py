@@ -69,7 +69,7 @@ def test_tune_run_from_another_folder_runs_our_recipe(tmp_path, monkeypatch, cap
 
 
 def test_another_recipe_outside_the_current_folder_is_one_error_line(tmp_path, capsys, monkeypatch):
-    """What `tune run` does with a path it cannot import (the launcher hook of hatch_build.py, in this process)."""
+    """What `tune run` does with a path it cannot import (the launcher hook of finetune/tune_run.py, in this process)."""
     from torchtune._cli.run import Run
 
     monkeypatch.chdir(tmp_path)

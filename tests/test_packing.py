@@ -1,6 +1,6 @@
 """Packing (``dataset.packed=True``), the activation-memory keys and compile with packing.
 
-Unit tests of recipes/_packing.py run in-process on real Alpaca records; the recipe tests run ``tune run`` on the
+Unit tests of finetune/data/packing.py run in-process on real Alpaca records; the recipe tests run ``tune run`` on the
 FAST tiny model (tests/conftest.py) over the first 400 records at a pack length of 256 tokens (about two samples a
 row), with the pack cache in the test's own folder.
 """
@@ -13,7 +13,7 @@ import torch
 
 from conftest import DATA_DIR, REPO_ROOT, kill_once_saved, pinned_inductor_cache, recipe_env, run_recipe
 
-from recipes import _packing
+from finetune.data import packing as _packing
 
 RTOL = 1e-4
 SPLIT = "dataset.split=train[:400]"
@@ -159,7 +159,7 @@ def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
     """Checked in-process (the recipe's own classes, fast); the subprocess test below shows the one-line exit 2."""
     from omegaconf import OmegaConf
 
-    from finetune_base import BadInput
+    from finetune.base import BadInput
     from recipes.full_finetune_single_device import FullFinetuneRecipeSingleDevice
 
     cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "tiny.yaml"),

@@ -1,4 +1,4 @@
-"""The profiler (recipes/_profiling.py): off by default, and on the CPU a run with profiler.enabled=True writes a
+"""The profiler (finetune/reporting/profiler.py): off by default, and on the CPU a run with profiler.enabled=True writes a
 trace and ends with the paragraph of where its recorded steps' time went; both recipes.
 
 Each recipe runs once in this process (FAST, 6 steps, steps 3-4 recorded): about 10 s on 2 cores.
@@ -76,7 +76,7 @@ def test_the_distributed_recipe_profiles_too(tmp_path, monkeypatch):
 def test_off_by_default_it_builds_nothing(tmp_path):
     from omegaconf import OmegaConf
 
-    from recipes._profiling import Profiler
+    from finetune.reporting.profiler import Profiler
 
     for cfg in (None, OmegaConf.load(REPO_ROOT / TINY_CONFIG).profiler):
         profiler = Profiler(cfg, output_dir=tmp_path, device=torch.device("cpu"))
@@ -87,7 +87,7 @@ def test_off_by_default_it_builds_nothing(tmp_path):
 
 
 def test_kernels_and_ops_are_sorted_by_name():
-    from recipes._profiling import breakdown, classify
+    from finetune.reporting.profiler import breakdown, classify
 
     expected = {
         "matmuls": ["aten::mm", "aten::addmm", "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", "nvjet_tst_192x192",
@@ -129,7 +129,7 @@ def test_gpu_kernels_are_counted_once_by_the_op_that_launched_them():
 
     from torch.autograd import DeviceType
 
-    from recipes._profiling import breakdown
+    from finetune.reporting.profiler import breakdown
 
     def event(name, start, end, parent=None, kernels=(), device=DeviceType.CPU, annotation=False):
         return Event(name=name, device_type=device, is_async=False, cpu_parent=parent, is_user_annotation=annotation,

@@ -97,7 +97,7 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
 
     import bitsandbytes.optim
     import optimizers
-    from recipes import _checkpoint
+    from finetune.checkpoint import checkpointer
 
     def roundtrip(obj):
         buf = io.BytesIO()
@@ -114,10 +114,10 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
         roundtrip(opt.state_dict())
     import numpy as np
     np.random.seed(3)
-    state = roundtrip(_checkpoint.rng_state())
+    state = roundtrip(checkpointer.rng_state())
     expected = np.random.rand()
     np.random.seed(4)
-    _checkpoint.set_rng_state(state)
+    checkpointer.set_rng_state(state)
     assert np.random.rand() == expected
 
 
@@ -171,7 +171,7 @@ def test_consecutive_nonfinite_steps_stop_the_run(run, tmp_path):
 
 
 def test_nonfinite_weights_are_never_written(tmp_path):
-    from recipes._checkpoint import BadInput, check_finite_weights
+    from finetune.checkpoint.checkpointer import BadInput, check_finite_weights
 
     check_finite_weights({"w": torch.ones(3)}, tmp_path / "step_1", 1)
     with pytest.raises(BadInput, match="not finite .*refused to write"):
@@ -229,7 +229,7 @@ def test_live_lock_refuses_naming_its_pid_and_stale_one_is_taken_over(run, tmp_p
     assert result.returncode == 2
     assert f"in use by a live run (PID {other_process.pid}" in result.error
 
-    from recipes._run_folder import OutputDirLock
+    from finetune.checkpoint.run_folder import OutputDirLock
 
     (out / ".lock").write_text(json.dumps({"pid": dead_pid()}))
     lock = OutputDirLock(out)
@@ -272,7 +272,7 @@ def test_unknown_key_suggests_the_closest(run):
 def test_known_keys_cover_every_config_file():
     from omegaconf import OmegaConf
 
-    from recipes._settings import DISTRIBUTED_CONFIG_KEYS, KNOWN_CONFIG_KEYS
+    from finetune.settings import DISTRIBUTED_CONFIG_KEYS, KNOWN_CONFIG_KEYS
 
     known = set(DISTRIBUTED_CONFIG_KEYS)
     for path in [*(REPO_ROOT / "configs").glob("*.yaml"), *(REPO_ROOT / "configs" / "llama2").glob("*.yaml")]:
@@ -340,12 +340,12 @@ def test_checkpoint_of_another_size_and_pickled_bin_are_one_line(base, tmp_path,
 
 
 def test_full_disk_while_saving_is_one_line(run, tmp_path, monkeypatch):
-    from recipes import _hf_format
+    from finetune.checkpoint import hf_format
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_hf_format, "save_file", full)
+    monkeypatch.setattr(hf_format, "save_file", full)
     result = run("max_steps_per_epoch=1")
     assert result.returncode == 2
     assert f"no space left on the disk of {tmp_path / 'out'} while writing epoch_0" in result.error
@@ -393,25 +393,25 @@ def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_recovery_restores_old_and_removes_dead_tmp(tmp_path, other_process, monkeypatch):
-    from recipes import _run_folder
+    from finetune.checkpoint import run_folder
 
     dead = dead_pid()
     (tmp_path / f".old-step_2-{dead}-abcd1234").mkdir()
     (tmp_path / f".old-step_2-{dead}-abcd1234" / "model.safetensors").write_text("w")
     (tmp_path / f".tmp-step_4-{dead}-abcd1234").mkdir()
     (tmp_path / f".tmp-step_6-{other_process.pid}-abcd1234").mkdir()
-    _run_folder.recover_run_folder(tmp_path)
+    run_folder.recover_run_folder(tmp_path)
     assert (tmp_path / "step_2" / "model.safetensors").read_text() == "w"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-step_6-{other_process.pid}-abcd1234", "step_2"]
 
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
-    a, b = _run_folder.tmp_dir(tmp_path, "step_8"), _run_folder.tmp_dir(tmp_path, "step_8")
+    a, b = run_folder.tmp_dir(tmp_path, "step_8"), run_folder.tmp_dir(tmp_path, "step_8")
     assert a != b  # a PID plus a random part: never the same name twice
     (a / "f").write_text("x")
-    _run_folder.finish_dir(a)
-    _run_folder.replace_dir(a, tmp_path / "step_2")
+    run_folder.finish_dir(a)
+    run_folder.replace_dir(a, tmp_path / "step_2")
     assert len(synced) >= 3 and (tmp_path / "step_2" / "f").exists()
 
 

@@ -3,7 +3,7 @@ and hosts, start-up repair, the pack cache, the launcher's stop signals and a ra
 signal during the distributed recipe's setup.
 
 Everything runs in this process or in small helper processes that import nothing heavy (a few import torch through
-recipes._stops); the recipe-level cases are in test_reliability.py and, on two ranks, in test_distributed.py.
+finetune.stops); the recipe-level cases are in test_reliability.py and, on two ranks, in test_distributed.py.
 """
 
 import errno
@@ -22,8 +22,10 @@ import pytest
 
 from conftest import DATA_DIR, FAST, LOCK_HOLDER, REPO_ROOT, TINY_CONFIG
 
-from recipes import _lock, _packing, _run_folder
-from recipes._lock import OutputDirLock
+from finetune.checkpoint import lock as _lock
+from finetune.data import packing
+from finetune.checkpoint import run_folder
+from finetune.checkpoint.lock import OutputDirLock
 
 
 def dead_pid() -> int:
@@ -68,7 +70,7 @@ def test_a_live_run_in_another_namespace_keeps_its_lock(holder_elsewhere):
     run must neither take the lock nor remove it."""
     out, owner = holder_elsewhere
     lock = OutputDirLock(out)
-    with pytest.raises(_run_folder.BadInput, match=rf"in use by a live run \(PID {owner['pid']} on node-b"):
+    with pytest.raises(run_folder.BadInput, match=rf"in use by a live run \(PID {owner['pid']} on node-b"):
         lock.acquire()
     lock.release()
     assert json.loads((out / ".lock").read_text()) == owner
@@ -82,7 +84,7 @@ def _racer(folders, start, tried, holders) -> None:
             lock.acquire()
             with holders.get_lock():
                 holders[i] += 1
-        except _run_folder.BadInput:
+        except run_folder.BadInput:
             pass
         tried.wait()  # every taker has tried before any holder lets go
         lock.release()
@@ -134,7 +136,7 @@ def test_without_fcntl_locks_a_holder_elsewhere_is_live_while_its_lease_is_fresh
     elsewhere = {"host": "node-b", "boot_id": "b", "pid_ns": me["pid_ns"], "pid": os.getpid(), "start": me["start"],
                  "token": "theirs"}
     (tmp_path / ".lock").write_text(json.dumps(elsewhere))
-    with pytest.raises(_run_folder.BadInput, match="on node-b.*its lease ends 300 s after"):
+    with pytest.raises(run_folder.BadInput, match="on node-b.*its lease ends 300 s after"):
         OutputDirLock(tmp_path).acquire()
     old = time.time() - _lock.LEASE_S - 60  # not touched for longer than the lease: that run is gone
     os.utime(tmp_path / ".lock", (old, old))
@@ -153,14 +155,14 @@ def test_without_fcntl_locks_a_holder_elsewhere_is_live_while_its_lease_is_fresh
 def _read_rank_file(rank: int, folder: Path, port: int) -> None:
     import torch.distributed as dist
 
-    from recipes import _resume
+    from finetune.checkpoint import resume as _resume
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        _resume.read_rank_state(folder, _run_folder.DistributedRanks(), required=False)
+        _resume.read_rank_state(folder, run_folder.DistributedRanks(), required=False)
         result = "read"
-    except _run_folder.BadInput as e:
+    except run_folder.BadInput as e:
         result = f"error: {e}"
     (folder / f"result-{rank}").write_text(result)
     dist.barrier()  # (both still connected: neither rank was left waiting in a collective)
@@ -202,7 +204,7 @@ def test_repair_touches_only_the_folders_a_run_makes(tmp_path):
         (tmp_path / name / "mine.txt").write_text("keep")
     (tmp_path / f".tmp-step_4-{dead}-abcd1234").mkdir()
     (tmp_path / f".old-epoch_0-{dead}-abcd1234").mkdir()
-    _run_folder.recover_run_folder(tmp_path)
+    run_folder.recover_run_folder(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [".tmp-notes", ".old-notes", ".tmp-step_x", f".old-results-{dead}-abcd1234", "epoch_0"])
     assert (tmp_path / ".tmp-notes" / "mine.txt").read_text() == "keep"
@@ -232,17 +234,17 @@ def small_ds():
                            prompt_template=None)
     ds = alpaca_dataset(tok, source="json", data_files=str(DATA_DIR / "alpaca" / "alpaca_data.json"),
                         split="train[:24]", train_on_input=True)
-    return ds, tok, _packing.TokenizedSamples.from_dataset(ds)
+    return ds, tok, packing.TokenizedSamples.from_dataset(ds)
 
 
 def _pack(ds, tok, cache_dir, log):
     parts = dict(dataset_cfg={"split": "train[:24]"}, data_files=[],
                  tokenizer_path=str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), tokenizer_cfg={"max_seq_len": 64})
-    return _packing.pack_dataset(ds, max_seq_len=64, padding_idx=tok.pad_id, cache_dir=cache_dir, cache_parts=parts,
+    return packing.pack_dataset(ds, max_seq_len=64, padding_idx=tok.pad_id, cache_dir=cache_dir, cache_parts=parts,
                                  log=log, vocab_size=tok.vocab_size), parts
 
 
-def _craft(kind: str, good: "_packing.TokenizedSamples", path: Path, key: str) -> None:
+def _craft(kind: str, good: "packing.TokenizedSamples", path: Path, key: str) -> None:
     tokens, labels, offsets = good.tokens.copy(), good.labels.copy(), good.offsets.copy()
     if kind == "npy":  # an array file under the cache's name
         with open(path, "wb") as f:
@@ -254,7 +256,7 @@ def _craft(kind: str, good: "_packing.TokenizedSamples", path: Path, key: str) -
         offsets = np.delete(offsets, 1)
     elif kind == "poisoned":  # consistent arrays, a valid checksum: other tokens than the tokenizer makes
         tokens = (tokens + 1) % 32000
-    crafted = _packing.TokenizedSamples(tokens, labels, offsets)
+    crafted = packing.TokenizedSamples(tokens, labels, offsets)
     crafted.save(path, key if kind != "other-key" else "another key")
 
 
@@ -262,7 +264,7 @@ def _craft(kind: str, good: "_packing.TokenizedSamples", path: Path, key: str) -
 def test_a_crafted_pack_cache_is_rebuilt(small_ds, tmp_path, kind):
     ds, tok, good = small_ds
     _, parts = _pack(ds, tok, None, _Log())
-    key = _packing.cache_key(max_seq_len=64, **parts)
+    key = packing.cache_key(max_seq_len=64, **parts)
     path = tmp_path / f"samples-{key}.npz"
     if kind == "longer-than-the-pack":
         assert good.lengths[0] + good.lengths[1] > 64
@@ -271,7 +273,7 @@ def test_a_crafted_pack_cache_is_rebuilt(small_ds, tmp_path, kind):
     packed, _ = _pack(ds, tok, tmp_path, log)
     assert any("is not usable" in line for line in log.lines), log.lines
     assert np.array_equal(packed.samples.tokens, good.tokens) and np.array_equal(packed.samples.offsets, good.offsets)
-    again = _packing.TokenizedSamples.load(path, key)  # rewritten with the right samples
+    again = packing.TokenizedSamples.load(path, key)  # rewritten with the right samples
     assert again is not None and np.array_equal(again.tokens, good.tokens)
 
 
@@ -294,7 +296,7 @@ def test_the_pack_cache_cleans_up_and_evicts(small_ds, tmp_path, monkeypatch):
     unused = aged("samples-0123456789abcdef01234567.npz", 40 * 86400)
     big_old = aged("samples-aaaaaaaaaaaaaaaaaaaaaaaa.npz", 2 * 86400, size=3000)
     big_new = aged("samples-bbbbbbbbbbbbbbbbbbbbbbbb.npz", 1 * 86400, size=3000)
-    monkeypatch.setattr(_packing, "MAX_BYTES", current.stat().st_size + 3500)  # room for one of the two big ones
+    monkeypatch.setattr(packing, "MAX_BYTES", current.stat().st_size + 3500)  # room for one of the two big ones
     _pack(ds, tok, tmp_path, _Log())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, big_new.name, current.name])
     assert not any(p.exists() for p in (leftover, unused, big_old))
@@ -318,7 +320,7 @@ sys.exit(3)
 
 
 def test_the_launcher_passes_a_stop_signal_to_each_rank_once_it_listens():
-    from recipes.launch import StopForwarder, rank_pids
+    from finetune.launch import StopForwarder, rank_pids
 
     worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}  # (torchrun's worker environment)
     ranks = [subprocess.Popen([sys.executable, "-c", LATE_LISTENER, delay], start_new_session=True, env=worker_env,
@@ -347,7 +349,7 @@ def test_the_launcher_passes_a_stop_signal_to_each_rank_once_it_listens():
 
 
 def test_the_launcher_keeps_stop_signals_from_torchrun():
-    from recipes.launch import main, torchrun_signals
+    from finetune.launch import main, torchrun_signals
 
     assert torchrun_signals(["--nproc_per_node", "2", "r.py"]) == (["--nproc_per_node", "2", "r.py"],
                                                                     "SIGINT,SIGHUP,SIGQUIT")
@@ -364,7 +366,7 @@ import os, signal, sys, time
 sys.path.insert(0, sys.argv[2])
 marker = sys.argv[1]
 signal.signal(signal.SIGTERM, lambda *a: (open(marker, "w").write("stopped"), sys.exit(0)))
-from recipes.launch import follow_launcher
+from finetune.launch import follow_launcher
 assert follow_launcher()
 print("ready", flush=True)
 time.sleep(60)

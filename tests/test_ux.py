@@ -113,7 +113,7 @@ def test_help_reaches_the_recipe_through_tune_run():
 
 
 def test_known_third_party_noise_is_dropped_by_message_only():
-    from recipes import _reporting
+    from finetune.reporting import console
 
     seen = []
 
@@ -121,7 +121,7 @@ def test_known_third_party_noise_is_dropped_by_message_only():
         def emit(self, record):
             seen.append((record.name, record.getMessage()))
 
-    _reporting.quiet_known_noise()
+    console.quiet_known_noise()
     handler = Keep()
     loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes.backends.cpu.ops",
                                                     "lm_eval.models.huggingface")]

@@ -28,7 +28,7 @@ import table  # noqa: E402  (bench/table.py)
 EVAL_CONFIG = REPO_ROOT / "configs" / "eval" / "truthfulqa_mc2.yaml"
 VARIANTS = {"torch.optim.AdamW": "torch.AdamW", "optimizers.AdamW8bit": "AdamW8bit"}
 STEPS = 4
-# The numbers every run's summary holds, in summary.json and in its wandb run alike (recipes/_metrics.py).
+# The numbers every run's summary holds, in summary.json and in its wandb run alike (finetune/reporting/metrics.py).
 SUMMARY_KEYS = ("steps", "last_step", "tokens_per_second_median", "peak_rss_gib", "optimizer_state_gib",
                 "first_step_s", "epoch_time_s", "final_loss", "skipped_steps")
 
@@ -169,8 +169,8 @@ def test_a_checkpoint_without_a_run_id_still_evaluates(runs, tmp_path):
 
 
 def test_metric_logger_name_group_tags_override_the_defaults():
-    from recipes._settings import read_settings
-    from recipes._wandb import run_identity, variant_label
+    from finetune.settings import read_settings
+    from finetune.reporting.wandb_run import run_identity, variant_label
 
     cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), OmegaConf.from_dotlist(
         [f"data_dir={DATA_DIR}", "metric_logger.name=mine", "metric_logger.tags=[a,b]", "compile=True"]))

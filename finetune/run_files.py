@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-METRICS_FILE = "metrics.jsonl"  # every step's record (recipes/_metrics.py); it marks a run folder
+METRICS_FILE = "metrics.jsonl"  # every step's record (finetune/reporting/metrics.py); it marks a run folder
 SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"
 

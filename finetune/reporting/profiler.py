@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from finetune_base import BadInput
+from finetune.base import BadInput
 
 COMPONENT = "torchtune.training.setup_torch_profiler"
 CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "copies", "communication", "idle")

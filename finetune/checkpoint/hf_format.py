@@ -25,7 +25,7 @@ from torchtune.models import convert_weights
 from torchtune.models.convert_weights import get_mapped_key
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 
-from finetune_base import BadInput, hf_weight_files, load_state_file
+from finetune.base import BadInput, hf_weight_files, load_state_file
 
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -86,15 +86,16 @@ FAMILIES: Dict[str, Family] = {
         architecture="Qwen2ForCausalLM", example_builder="torchtune.models.qwen2_5.qwen2_5_7b_base",
         fixed={"hidden_act": "silu", "use_sliding_window": False}, hf_to_tune=_rename(_QWEN2_FROM_HF),
         tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF))),
-    # Qwen3 (our builder, recipes/_models.py): no biases, RMSNorm per head on q and k before RoPE.
+    # Qwen3 (our builder, finetune/model/builders.py): no biases, RMSNorm per head on q and k before RoPE.
     "qwen3": Family(
-        name="qwen3", builders=("recipes._models.qwen3",), model_type="qwen3", architecture="Qwen3ForCausalLM",
-        example_builder="recipes._models.qwen3_8b",
+        name="qwen3", builders=("finetune.model.qwen3", "finetune.model.builders.qwen3"), model_type="qwen3", architecture="Qwen3ForCausalLM",
+        example_builder="finetune.model.qwen3_8b",
         fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
         hf_to_tune=_rename(_QWEN3_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF))),
     "mistral": Family(
-        name="mistral", builders=("torchtune.models.mistral.", "recipes._models.mistral"), model_type="mistral",
-        architecture="MistralForCausalLM", example_builder="recipes._models.mistral_7b_v0_3",
+        name="mistral", builders=("torchtune.models.mistral.", "finetune.model.mistral", "finetune.model.builders.mistral"),
+        model_type="mistral",
+        architecture="MistralForCausalLM", example_builder="finetune.model.mistral_7b_v0_3",
         fixed={"hidden_act": "silu", "sliding_window": None}),
 }
 DEFAULT_FAMILY = "llama2"

@@ -1,18 +1,18 @@
-"""Checkpoints: what a step_N / epoch_E folder holds and how it is written (``_resume.py``: how a run continues from
+"""Checkpoints: what a step_N / epoch_E folder holds and how it is written (``finetune/checkpoint/resume.py``: how a run continues from
 one).
 
-A checkpoint is a Hugging Face model folder (``_hf_format.py``: config.json, model.safetensors, the tokenizer) plus
+A checkpoint is a Hugging Face model folder (``finetune/checkpoint/hf_format.py``: config.json, model.safetensors, the tokenizer) plus
 the resume state: ``recipe_state.pt`` (progress, optimizer state, lr schedule, RNG, the run's settings) and, from the
 distributed recipe, one ``recipe_state_rank{r}.pt`` per rank; with a wandb logger, ``run.json`` names the run that
 wrote it (``Checkpointer.run_info``). It is published whole or not at all through the run
-folder (``_run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` recovery, one-line full-disk errors).
+folder (``finetune/checkpoint/run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` recovery, one-line full-disk errors).
 
 The calls a recipe makes:
 
 - ``Checkpointer(folder, family, hf, tokenizer_path, background=...)``: ``save(name, weights=..., recipe_state=...,
   rank_state=...)``; with ``background=True`` (async_checkpoint, ``_async_save``) also ``prepare`` after the first
   step, ``poll`` at every step boundary, ``wait`` at the end (``settle`` on an error), ``metrics`` for the records
-- reading one back to continue: ``_resume.py`` (``read_resume``, the resume table)
+- reading one back to continue: ``finetune/checkpoint/resume.py`` (``read_resume``, the resume table)
 - ``check_finite_weights(state, ...)`` before a save; ``rng_state`` / ``set_rng_state`` for exact resume
 """
 
@@ -29,11 +29,12 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from finetune_base import BadInput
-from finetune_base.run_files import RUN_FILE
-from recipes import _async_save, _hf_format
-from recipes._reporting import announce_saved
-from recipes._run_folder import RunFolder, ctrl_c_after, fsync_path
+from finetune.base import BadInput
+from finetune.run_files import RUN_FILE
+from finetune.checkpoint import async_save
+from finetune.checkpoint import hf_format
+from finetune.reporting.console import announce_saved
+from finetune.checkpoint.run_folder import RunFolder, ctrl_c_after, fsync_path
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
@@ -88,7 +89,7 @@ class _InFlight:
 
 
 def write_run_file(folder: Path, run_info: Optional[dict], recipe_state: dict) -> None:
-    """``run.json``: the run that wrote the checkpoint (its identity and wandb run: finetune_base.run_files) with the
+    """``run.json``: the run that wrote the checkpoint (its identity and wandb run: finetune.run_files) with the
     checkpoint's global step, so the eval can add its scores to that run. Nothing without a run to name."""
     if run_info is not None:
         run = {**run_info, "global_step": recipe_state.get("global_step")}
@@ -105,22 +106,22 @@ class Checkpointer:
     most one save is in flight. Both produce the same files.
     """
 
-    def __init__(self, folder: RunFolder, family: _hf_format.Family, hf: dict, tokenizer_path: Path, *,
+    def __init__(self, folder: RunFolder, family: hf_format.Family, hf: dict, tokenizer_path: Path, *,
                  background: bool = False, device: Any = "cpu", memory_limit_gib: Optional[float] = None,
                  on_saved: Optional[Callable[[Path], None]] = None, log=None):
         self.folder, self.family, self.hf, self.tokenizer_path = folder, family, hf, Path(tokenizer_path)
-        # The run that writes the checkpoints (its identity and wandb run: finetune_base.run_files), written into
+        # The run that writes the checkpoints (its identity and wandb run: finetune.run_files), written into
         # each as run.json with the checkpoint's global step, so the eval can add its scores to that run.
         self.run_info: Optional[dict] = None
         self.background = background
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._staging = _async_save.Staging(self._device, memory_limit_gib) if background else None
+        self._staging = async_save.Staging(self._device, memory_limit_gib) if background else None
         self._on_saved, self._log = on_saved, log
-        self._job: Optional[_async_save.Job] = None  # the background job: a staging allocation, or a write
+        self._job: Optional[async_save.Job] = None  # the background job: a staging allocation, or a write
         self._inflight: Optional[_InFlight] = None  # the save that job writes
-        self._writes: List[_async_save.Job] = []  # recent writes, to tell which steps ran beside one
+        self._writes: List[async_save.Job] = []  # recent writes, to tell which steps ran beside one
         self._record: Dict[str, Any] = {}  # figures for the next metrics record
         self._stream, self._bounce, self._told = None, None, False
 
@@ -131,7 +132,7 @@ class Checkpointer:
              started: Optional[float] = None) -> None:
         """``{output_dir}/{name}/``: rank 0 writes the HF folder from ``weights`` (full, torchtune names) and
         ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. The parts may hold
-        ``_async_save.Gather`` (a weight gathered from the ranks' shards) and ``_async_save.Owned`` (a private copy)
+        ``async_save.Gather`` (a weight gathered from the ranks' shards) and ``async_save.Owned`` (a private copy)
         leaves. Prints the "Saved checkpoint" line once the folder is in place; ``started``: when the recipe began
         the save (the time since is what training was blocked)."""
         started = time.perf_counter() if started is None else started
@@ -141,7 +142,7 @@ class Checkpointer:
             layout, now = self._plan(parts)
             if layout is not None and self._start(name, parts, layout, need_bytes, started, now):
                 return
-        self._save_now(name, _async_save.materialize(parts), need_bytes, started)
+        self._save_now(name, async_save.materialize(parts), need_bytes, started)
 
     def _write_now(self, tmp: Path, parts: dict) -> None:
         """This rank's files of ``parts`` (a part that is None is not written), on the calling thread."""
@@ -150,7 +151,7 @@ class Checkpointer:
             torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
         if ranks.main:
             if parts["weights"] is not None:
-                _hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
+                hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
             if parts["recipe_state"] is not None:
                 torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, parts["recipe_state"])
@@ -190,7 +191,7 @@ class Checkpointer:
             self._told = True
         return None, ()
 
-    def _start(self, name: str, parts: dict, layout: "_async_save.Layout", need_bytes: Callable[[], int],
+    def _start(self, name: str, parts: dict, layout: "async_save.Layout", need_bytes: Callable[[], int],
                started: float, now: tuple = ()) -> bool:
         """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
         the save is then synchronous, and later ones keep their snapshots in host memory). ``now``: the parts left
@@ -206,7 +207,7 @@ class Checkpointer:
         tmp = self.folder.begin(name)
         if now:
             try:
-                self._write_now(tmp, _async_save.materialize(written_now))
+                self._write_now(tmp, async_save.materialize(written_now))
             except Exception as e:  # one line, the previous checkpoint kept: as a synchronous save's failure
                 self.folder.commit(name, tmp, e, need_bytes)
             except BaseException:
@@ -214,7 +215,7 @@ class Checkpointer:
                 raise
         blocked = time.perf_counter() - started
         self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
-        self._job = _async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
+        self._job = async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
         self._writes = self._writes[-3:] + [self._job]  # (ranks that never log keep only the last few)
         self._note(checkpoint_blocked_s=blocked, checkpoint_staged_gpu_gib=layout.gpu_bytes / 2**30,
                    checkpoint_staged_host_gib=layout.host_bytes / 2**30,
@@ -225,7 +226,7 @@ class Checkpointer:
                 (layout.host_bytes, f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for "
                                     "the run")) if b]
             if now:
-                files = {"weights": _hf_format.WEIGHTS_FILE, "recipe_state": RECIPE_STATE_FILE}
+                files = {"weights": hf_format.WEIGHTS_FILE, "recipe_state": RECIPE_STATE_FILE}
                 self._log.warning(
                     f"async_checkpoint=True: this host has the memory to copy only part of the checkpoint, so each "
                     f"save writes {files[now[0]]} before training goes on and the rest ({' and '.join(where)}) in "
@@ -244,20 +245,20 @@ class Checkpointer:
         own = RANK_STATE_FILE.format(rank=ranks.rank)
         with self._writer_stream(ready):
             if snap["rank_state"] is not None:
-                _async_save.pinned_torch_save(snap["rank_state"], tmp / own)
+                async_save.pinned_torch_save(snap["rank_state"], tmp / own)
             weights = snap["weights"] if ranks.main else None
             if weights is not None:  # (None: written before training went on, ``_start``'s ``now``)
                 if any(t.is_cuda for t in weights.values()):  # held on the GPU: streamed through a pinned buffer
                     if self._bounce is None:
-                        self._bounce = torch.empty(_async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
-                    convert = functools.partial(_hf_format.to_hf, hf=self.hf, family=self.family)
-                    _async_save.write_safetensors(tmp / _hf_format.WEIGHTS_FILE, weights, convert,
-                                                  _hf_format.WEIGHTS_METADATA, self._bounce)
-                    _hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
+                        self._bounce = torch.empty(async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
+                    convert = functools.partial(hf_format.to_hf, hf=self.hf, family=self.family)
+                    async_save.write_safetensors(tmp / hf_format.WEIGHTS_FILE, weights, convert,
+                                                  hf_format.WEIGHTS_METADATA, self._bounce)
+                    hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
                 else:  # in host memory: the very writer of a synchronous save
-                    _hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
+                    hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
             if ranks.main and snap["recipe_state"] is not None:
-                _async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
+                async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, snap["recipe_state"])
         for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
             if f.name == own or (ranks.main and not f.name.startswith("recipe_state_rank")):
@@ -291,7 +292,7 @@ class Checkpointer:
             return
         layout, _ = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
         if layout is not None:
-            self._job = _async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
+            self._job = async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
 
     @property
     def pending(self) -> bool:

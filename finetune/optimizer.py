@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, utils
 from torchtune.config._utils import _get_component_from_path
 
-from finetune_base import BadInput, first_line
+from finetune.base import BadInput, first_line
 
 log = utils.get_logger("INFO")
 

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from finetune_base import BadInput
+from finetune.base import BadInput
 
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 30.0  # the live run touches its lock this often

@@ -1,7 +1,7 @@
 """A model's own tokenizer, read from its Hugging Face folder: ``tokenizer.json`` and ``tokenizer_config.json``.
 
     tokenizer:
-      _component_: recipes._tokenizer.HFTokenizer
+      _component_: finetune.data.HFTokenizer
       path: ${checkpoint_dir}/tokenizer.json   # tokenizer_config.json is read from beside it
       max_seq_len: 512
       chat_template: False                     # True: format conversations with the model's chat template
@@ -38,7 +38,7 @@ from torchtune.data._utils import truncate
 from torchtune.modules.transforms import Transform
 from torchtune.modules.transforms.tokenizers import ModelTokenizer
 
-from finetune_base import BadInput
+from finetune.base import BadInput
 
 TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 CONFIG_FILE = "tokenizer_config.json"

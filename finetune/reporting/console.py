@@ -1,6 +1,6 @@
 """What a run tells its user on the terminal (log level, banner, ``--help``, known third-party noise, a bad-input
 error under torchrun) and the figures its metrics records hold (step timing, memory, optimizer state). The records,
-the summary and the metric logger are ``_metrics.py`` and ``_wandb.py``; the profiler ``_profiling.py``.
+the summary and the metric logger are ``finetune/reporting/metrics.py`` and ``finetune/reporting/wandb_run.py``; the profiler ``_profiling.py``.
 
 Nothing here changes training; both fine-tune recipes and the eval import it.
 """
@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def quiet_known_noise() -> None:
 def set_log_level(log, cfg: DictConfig, show: bool = True) -> None:
     """``log_level``; at DEBUG the config is printed (torchtune's recipes print it always, 56 lines before any
     ``error:``). ``show=False`` (the distributed recipe's ranks other than 0): warnings only."""
-    from finetune_base import BadInput
+    from finetune.base import BadInput
 
     level = str(cfg.get("log_level", "INFO")).upper()
     if level not in ("DEBUG", "INFO", "WARNING"):
@@ -98,7 +98,7 @@ def report_bad_input(e: BaseException, rank: int = 0) -> None:
 
     Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) every rank writes the line into its error file, in the format
     torch.distributed.elastic reads: torchrun's failure report then names it, and ``tune run`` prints it alone, last,
-    with exit status 2, instead of that 30-line report (the launcher hook in hatch_build.py). Every rank writes, so
+    with exit status 2, instead of that 30-line report (the launcher hook in finetune/tune_run.py). Every rank writes, so
     the line is there whichever rank the launcher sees fail first. Without torchrun, rank 0 prints it.
     """
     line = f"error: {e}"

@@ -1,6 +1,6 @@
 """Checkpoints written in the background: the snapshot a step takes, where it lives, and the thread that writes it.
 
-Part of the checkpoint component; ``_checkpoint.Checkpointer`` drives it (``async_checkpoint=True``, the default).
+Part of the checkpoint component; ``checkpointer.Checkpointer`` drives it (``async_checkpoint=True``, the default).
 A save has two halves:
 
 1. At the step boundary, on the training thread, ``Staging.snapshot`` copies every tensor the checkpoint holds (the

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torchtune import training, utils
 
-from recipes._settings import FP8_RECIPES, Settings  # noqa: F401  (FP8_RECIPES: the values of fp8)
+from finetune.settings import FP8_RECIPES, Settings  # noqa: F401  (FP8_RECIPES: the values of fp8)
 
 log = utils.get_logger("INFO")
 
@@ -52,7 +52,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, every_n: int = 1) -> 
 def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, settings: Settings, verbose: bool = True) -> None:
     """Compile the loss with the model (``compile``) and split the output projection into the chunks torchtune's
     chunked cross-entropy takes (it then never holds the fp32 logits of a whole batch). A loss that applies the
-    output layer itself (``recipes._loss.LinearCrossEntropyLoss``) takes the model instead: it then returns its
+    output layer itself (``finetune.model.LinearCrossEntropyLoss``) takes the model instead: it then returns its
     last hidden state, and the loss compiles what it runs."""
     if hasattr(loss_fn, "set_model_output"):
         impl = loss_fn.set_model_output(model, compile=settings.compile)

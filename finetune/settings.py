@@ -22,12 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 
-from finetune_base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
-from recipes import _attention, _packing
-from recipes._checkpoint import RECIPE_STATE_FILE
-from recipes._hf_format import WEIGHTS_FILE
-from recipes._optimizer import OptimizerSpec, resolve_optimizer
-from recipes._run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
+from finetune.base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
+from finetune.model import attention as _attention
+from finetune.data import packing
+from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
+from finetune.checkpoint.hf_format import WEIGHTS_FILE
+from finetune.optimizer import OptimizerSpec, resolve_optimizer
+from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 
 log = utils.get_logger("INFO")
 
@@ -195,8 +196,8 @@ class Settings:
     tokenizer_cfg: Optional[dict] = None
     dataset_cfg: Optional[dict] = None
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
-    async_checkpoint: bool = True  # write checkpoints in the background (_async_save.py)
-    packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (_attention.py)
+    async_checkpoint: bool = True  # write checkpoints in the background (finetune/checkpoint/async_save.py)
+    packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -292,7 +293,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                        f"and needs a GPU (device={device_name}); set enable_activation_offloading=False")
     cache = cfg.get("pack_cache_dir", "default")
     pack_cache_dir = None if cache in (None, False, "off") else (
-        _packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
+        packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
     memory_limit = positive("device_memory_limit_gib", allow_none=True, integer=False)
     if memory_limit is not None:
         if device.type != "cuda":
@@ -361,7 +362,7 @@ def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
 
 def read_packed_attention(cfg: DictConfig, device: torch.device) -> str:
     """``packed_attention``: ``flex`` (torchtune's BlockMask, the default) or ``varlen`` (FlashAttention's
-    variable-length kernel, recipes/_attention.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
+    variable-length kernel, finetune/model/attention.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
     with a torch that has ``torch.nn.attention.varlen``."""
     value = cfg.get("packed_attention", "flex")
     if value not in _attention.PACKED_ATTENTION:

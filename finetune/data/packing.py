@@ -329,7 +329,7 @@ def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, c
     the data files, the tokenizer file and section); ``cache_dir=None`` caches nothing. A cache file that fails any
     check is rebuilt (``_cache_problem``); one that cannot be written costs the next run time, nothing else.
     """
-    from finetune_base import BadInput
+    from finetune.base import BadInput
 
     if max_seq_len is None:
         raise BadInput("dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "

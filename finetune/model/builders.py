@@ -1,7 +1,7 @@
 """Model builders torchtune 0.6.1 lacks, made of its own modules: Qwen3, and Mistral 7B v0.3.
 
-Name one in a config as ``model._component_: recipes._models.qwen3_8b`` (or ``recipes._models.qwen3`` with explicit
-sizes, as the tests do). The checkpoint component knows their Hugging Face format (``_hf_format.FAMILIES``).
+Name one in a config as ``model._component_: finetune.model.builders.qwen3_8b`` (or ``finetune.model.builders.qwen3`` with explicit
+sizes, as the tests do). The checkpoint component knows their Hugging Face format (``hf_format.FAMILIES``).
 
 Qwen3 is Qwen2's decoder (SwiGLU MLP, RMSNorm, rotate-half RoPE with base 1e6) with three changes: no biases on the
 q/k/v projections; an RMSNorm over each head's query and key (``q_norm``, ``k_norm``: one scale vector of

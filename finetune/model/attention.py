@@ -60,7 +60,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask,
     the projections' [b, s, heads, head_dim]), ``mask`` is ``collate_varlen``'s ``{"cu_seqlens": ...}``; returns
     [b, heads, s, head_dim] as a transposed view, which the layer transposes back for free."""
     if not isinstance(mask, dict) or "cu_seqlens" not in mask:
-        raise ValueError(f"packed_attention=varlen needs the batch's mask from recipes._attention.collate_varlen (a "
+        raise ValueError(f"packed_attention=varlen needs the batch's mask from finetune.model.attention.collate_varlen (a "
                          f"dict with cu_seqlens), got {type(mask).__name__}: set packed_attention=flex, or use a "
                          "packed dataset (dataset.packed=True)")
     if dropout_p:
@@ -83,7 +83,7 @@ def use_varlen_attention(model: nn.Module) -> int:
 
 
 def collate_varlen(batch: List[Dict[str, torch.Tensor]]) -> Dict[str, object]:
-    """Collate packed rows (``_packing.PackedSFTDataset`` items) for ``varlen_attention``: tokens, labels and
+    """Collate packed rows (``packing.PackedSFTDataset`` items) for ``varlen_attention``: tokens, labels and
     input_pos stacked as torchtune's ``padded_collate_packed`` does, and ``mask={"cu_seqlens": int32}``: where each
     segment of each row starts in the batch's tokens laid end to end, then their total (a row's segments, the padding
     included, fill it exactly)."""

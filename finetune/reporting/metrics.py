@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from tqdm import tqdm
 
-from finetune_base.run_files import SUMMARY_FILE, update_summary
-from recipes._run_folder import METRICS_FILE, tag
+from finetune.run_files import SUMMARY_FILE, update_summary
+from finetune.checkpoint.run_folder import METRICS_FILE, tag
 
 # The first steps of each process compile, autotune and warm the allocator: the summary's medians skip them, as
 # bench/compare.py does (--skip-steps 2).
@@ -293,7 +293,7 @@ class RunSummary:
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     """The most recently published checkpoint folder of ``output_dir`` (step_* / epoch_* holding a recipe_state.pt;
     a folder appears only complete), or None."""
-    from recipes._run_folder import CHECKPOINT_PREFIXES
+    from finetune.checkpoint.run_folder import CHECKPOINT_PREFIXES
 
     output_dir = Path(output_dir)
     found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES)

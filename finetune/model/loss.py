@@ -1,7 +1,7 @@
 """The output layer and its cross-entropy in one step, so the logits of a whole batch never exist (``loss=``).
 
     loss:
-      _component_: recipes._loss.LinearCrossEntropyLoss
+      _component_: finetune.model.LinearCrossEntropyLoss
       impl: auto          # cce, liger, torch; auto = cce, else liger, on a GPU; torch on the CPU
       num_chunks: 8       # the torch path's chunks
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from finetune_base import BadInput
+from finetune.base import BadInput
 
 IMPLS = ("auto", "cce", "liger", "torch")
 INSTALL = {"cce": "pip install cut-cross-entropy", "liger": "pip install liger-kernel"}

@@ -1,5 +1,5 @@
 """Resume: reading a checkpoint back and checking it against the run that continues from it. Part of the checkpoint
-component (``_checkpoint.py`` writes what this reads).
+component (``finetune/checkpoint/checkpointer.py`` writes what this reads).
 
 ``run_settings`` is what a checkpoint records of its run (in recipe_state.pt's "config"); ``read_resume`` compares a
 resuming run's settings with it, row by row of RESUME_TABLE: each setting must match, may change with a warning, or
@@ -11,9 +11,9 @@ from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
 
-from finetune_base import BadInput, load_state_file
-from recipes._checkpoint import RANK_STATE_FILE, RECIPE_STATE_FILE
-from recipes._packing import file_digest
+from finetune.base import BadInput, load_state_file
+from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
+from finetune.data.packing import file_digest
 
 # The resume table. A checkpoint records the run's settings (``run_settings``, in recipe_state.pt's "config"); a
 # resume compares them with its own, all in ``read_resume``. Each row: the recorded name, the rule, the config keys
@@ -89,7 +89,7 @@ def run_settings(s, *, packed: bool, world_size: Optional[int] = None) -> Dict[s
 
 
 def read_state_file(path: Path, mmap: bool = False) -> dict:
-    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune_base)."""
+    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune.base)."""
     fix = (f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
            f"with checkpoint_dir={path.parent} and no resume_from_checkpoint")
     state = load_state_file(path, mmap=mmap, fix=fix)

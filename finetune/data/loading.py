@@ -1,5 +1,5 @@
 """The training data: the dataset built from its config section, its records checked before training, packed when
-asked (``_packing.py``), and the seeded sampler and loader the training loop iterates.
+asked (``finetune/data/packing.py``), and the seeded sampler and loader the training loop iterates.
 
 Three kinds of dataset, each torchtune's builder reading local JSON, JSONL or Parquet (``dataset.source: json`` or
 ``parquet``, ``dataset.data_files``) or a hub name:
@@ -23,9 +23,10 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
-from finetune_base import BadInput
-from recipes import _attention, _packing
-from recipes._settings import Settings, first_line
+from finetune.base import BadInput
+from finetune.model import attention
+from finetune.data import packing as _packing
+from finetune.settings import Settings, first_line
 
 ALPACA_TEXT_FIELDS = ("instruction", "input", "output")
 ALPACA_REQUIRED = ("instruction", "output")
@@ -57,7 +58,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
         raise BadInput(f"dataset.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
                        f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
                        "or sharegpt (from, value)")
-    # The samples are built unpacked and packed here (recipes/_packing.py: best-fit rows, a token cache).
+    # The samples are built unpacked and packed here (finetune/data/packing.py: best-fit rows, a token cache).
     cfg_samples = OmegaConf.merge(cfg_dataset, {"packed": False})
     try:
         ds = config.instantiate(cfg_samples, tokenizer)
@@ -191,7 +192,7 @@ def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, 
         batch_size=settings.batch_size,
         sampler=sampler,
         # (packed rows: torchtune's block mask, or the sample boundaries FlashAttention's varlen kernel takes)
-        collate_fn=(_attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
+        collate_fn=(attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
         if packed else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,

@@ -1,8 +1,8 @@
 """The run folder (``output_dir``): one live run per folder, no silent reuse, and checkpoints that appear only whole.
 
-Part of the checkpoint component (``_checkpoint.py`` writes through ``RunFolder.publish``). The protocol:
+Part of the checkpoint component (``finetune/checkpoint/checkpointer.py`` writes through ``RunFolder.publish``). The protocol:
 
-- ``claim``: create the folder, check it is writable, take ``.lock`` (``_lock.py``: one live run per folder across
+- ``claim``: create the folder, check it is writable, take ``.lock`` (``finetune/checkpoint/lock.py``: one live run per folder across
   containers and hosts), and repair what a killed run left: a checkpoint that exists only under ``.old-*`` is
   restored, dead runs' ``.tmp-*`` folders are deleted (only names this module makes: ``.tmp-step_N-PID-HEX``).
 - ``refuse_reuse``: a run refuses a folder that holds another run's results (``metrics.jsonl``, ``step_*`` /
@@ -29,9 +29,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
 
-from finetune_base import BadInput
-from finetune_base.run_files import METRICS_FILE
-from recipes._lock import LOCK_FILE, OutputDirLock, pid_alive  # noqa: F401 (LOCK_FILE: part of this interface)
+from finetune.base import BadInput
+from finetune.run_files import METRICS_FILE
+from finetune.checkpoint.lock import LOCK_FILE, OutputDirLock, pid_alive  # noqa: F401 (LOCK_FILE: part of this interface)
 
 CHECKPOINT_PREFIXES = ("step_", "epoch_")
 
@@ -357,7 +357,7 @@ class RunFolder:
             raise
         return self.commit(name, tmp, error, need_bytes)
 
-    # publish in two halves, for a checkpoint written in the background (``_checkpoint.Checkpointer``): ``begin`` at
+    # publish in two halves, for a checkpoint written in the background (``checkpointer.Checkpointer``): ``begin`` at
     # the save, the ranks' writes on their writer threads, ``commit`` at a later step boundary. Both halves run
     # collectives, so every rank calls them from its main thread, at the same point of training.
 

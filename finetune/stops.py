@@ -11,8 +11,8 @@ from typing import Any, Dict, Optional
 
 from tqdm import tqdm
 
-from finetune_base import BadInput
-from recipes._checkpoint import NonFiniteStop
+from finetune.base import BadInput
+from finetune.checkpoint.checkpointer import NonFiniteStop
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
