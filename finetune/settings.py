@@ -10,7 +10,6 @@ component that builds it.
 
 import difflib
 import inspect
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,10 +22,10 @@ from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
-from finetune.model import attention as _attention
+from finetune.model import attention
 from finetune.data import packing
 from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
-from finetune.checkpoint.hf_format import WEIGHTS_FILE
+from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
 from finetune.optimizer import OptimizerSpec, resolve_optimizer
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 
@@ -197,6 +196,8 @@ class Settings:
     dataset_cfg: Optional[dict] = None
     reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
     async_checkpoint: bool = True  # write checkpoints in the background (finetune/checkpoint/async_save.py)
+    packed: bool = False  # dataset.packed: samples packed into rows of tokenizer.max_seq_len
+    source_config: Optional[dict] = None  # checkpoint_dir's config.json, read once
     packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
 
 
@@ -275,10 +276,10 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         raise BadInput(
             f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={clip}): the global norm is only known "
             "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False")
+    optimizer = resolve_optimizer(cfg.optimizer)
     # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
     # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
-    if str(OmegaConf.select(cfg, "optimizer._component_") or "").endswith("CPUOffloadOptimizer") and (
-            accum > 1 or clip is not None or optimizer_in_bwd):
+    if optimizer.cpu_offload and (accum > 1 or clip is not None or optimizer_in_bwd):
         raise BadInput(
             f"optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward, so it cannot "
             f"accumulate (gradient_accumulation_steps={accum}), clip (clip_grad_norm={clip}) or run in backward "
@@ -304,8 +305,11 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             raise BadInput(f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
                            "smaller value or null")
 
+    packed = OmegaConf.select(cfg, "dataset.packed", default=False)
+    if packed not in (True, False):
+        raise BadInput(f"dataset.packed={packed!r} must be True or False")
     fp8 = read_fp8(cfg, device, compile_=bool(cfg.get("compile", False)))
-    packed_attention = read_packed_attention(cfg, device)
+    packed_attention = read_packed_attention(cfg, device, packed=packed)
 
     if distributed:
         if optimizer_in_bwd:
@@ -314,12 +318,11 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         if offload_activations:
             raise BadInput("enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
                            "gradients and states instead: set enable_activation_offloading=False")
-        if str(OmegaConf.select(cfg, "optimizer._component_") or "").endswith("CPUOffloadOptimizer"):
+        if optimizer.cpu_offload:
             raise BadInput("optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
                            "the optimizer state across GPUs instead: use the single-device recipe or another optimizer")
 
     paths = _check_paths(cfg)
-    optimizer = resolve_optimizer(cfg.optimizer)
     if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
         raise BadInput(f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
                        f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
@@ -348,7 +351,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
         dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
-        async_checkpoint=async_checkpoint, packed_attention=packed_attention)
+        async_checkpoint=async_checkpoint, packed=packed, packed_attention=packed_attention)
 
 
 def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
@@ -360,18 +363,18 @@ def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
     return section
 
 
-def read_packed_attention(cfg: DictConfig, device: torch.device) -> str:
+def read_packed_attention(cfg: DictConfig, device: torch.device, *, packed: bool) -> str:
     """``packed_attention``: ``flex`` (torchtune's BlockMask, the default) or ``varlen`` (FlashAttention's
     variable-length kernel, finetune/model/attention.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
     with a torch that has ``torch.nn.attention.varlen``."""
     value = cfg.get("packed_attention", "flex")
-    if value not in _attention.PACKED_ATTENTION:
+    if value not in attention.PACKED_ATTENTION:
         raise BadInput(f"packed_attention={value!r} is not an attention of packed rows; use packed_attention=flex "
                        "(torchtune's flex-attention block mask) or packed_attention=varlen (FlashAttention's "
                        "variable-length kernel, CUDA)")
     if value == "flex":
         return value
-    if not OmegaConf.select(cfg, "dataset.packed"):
+    if not packed:
         raise BadInput("packed_attention=varlen computes the attention of packed rows and needs dataset.packed=True; "
                        "set dataset.packed=True, or packed_attention=flex")
     if device.type != "cuda":
@@ -382,7 +385,7 @@ def read_packed_attention(cfg: DictConfig, device: torch.device) -> str:
         raise BadInput(f"packed_attention=varlen needs FlashAttention-2's GPUs (compute capability 8.0 or later: "
                        f"Ampere, Hopper); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
                        "set packed_attention=flex")
-    if not _attention.varlen_available():
+    if not attention.varlen_available():  # (a module attribute: tests stand in for the kernel)
         raise BadInput(f"packed_attention=varlen needs torch.nn.attention.varlen (torch 2.9 or later; this is torch "
                        f"{torch.__version__}); set packed_attention=flex")
     return value
@@ -450,16 +453,7 @@ def _check_paths(cfg: DictConfig) -> dict:
         raise BadInput(f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
                        "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
                        "init")
-    hf_json = None if checkpoint_dir is None else checkpoint_dir / "config.json"
-    if hf_json is not None and hf_json.is_file():
-        try:
-            fields = json.loads(hf_json.read_text())
-        except (OSError, ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
-            fields = f"{type(e).__name__}: {str(e)[:120]}"
-        if not isinstance(fields, dict):
-            what = fields if isinstance(fields, str) else f"a {type(fields).__name__}"
-            raise BadInput(f"{hf_json} is not a JSON object ({what});"
-                           " re-copy the checkpoint folder (its config.json describes the model)")
+    source_config = read_source_config(checkpoint_dir)
 
     resume = cfg.get("resume_from_checkpoint")
     resume_dir = Path(resume) if resume else None
@@ -469,4 +463,5 @@ def _check_paths(cfg: DictConfig) -> dict:
             raise BadInput(f"resume_from_checkpoint={resume} lacks {', '.join(missing)}; point it at a step_N or "
                            "epoch_E folder this recipe wrote (or use checkpoint_dir=... to start a new run from its "
                            "weights)")
-    return dict(tokenizer_path=tok, data_files=data_files, checkpoint_dir=checkpoint_dir, resume_dir=resume_dir)
+    return dict(tokenizer_path=tok, data_files=data_files, checkpoint_dir=checkpoint_dir, resume_dir=resume_dir,
+                source_config=source_config)

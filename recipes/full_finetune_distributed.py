@@ -47,25 +47,21 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune.base import BadInput  # noqa: E402
-from finetune.checkpoint import checkpointer  # noqa: E402
-from finetune.data import loading  # noqa: E402
-from finetune.checkpoint import hf_format  # noqa: E402
-from finetune.reporting import metrics as _metrics  # noqa: E402
-from finetune.checkpoint import resume as _resume  # noqa: E402
-from finetune.data import tokenizer  # noqa: E402
-from finetune.reporting import wandb_run as _wandb_run  # noqa: E402
+from finetune.checkpoint import hf_format, resume  # noqa: E402
 from finetune.checkpoint.async_save import Gather, Owned  # noqa: E402
-from finetune.checkpoint.checkpointer import Checkpointer, NonFiniteStop  # noqa: E402
+from finetune.checkpoint.checkpointer import NonFiniteStop, rng_state, set_rng_state  # noqa: E402
+from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
+from finetune.data.loading import skip_to  # noqa: E402
+from finetune.data.tokenizer import check_fits_model  # noqa: E402
+from finetune.launch import follow_launcher  # noqa: E402
 from finetune.model.attention import use_varlen_attention  # noqa: E402
 from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
-from finetune.data.packing import PackedSFTDataset  # noqa: E402
-from finetune.reporting.metrics import MetricsLog, RunSummary  # noqa: E402
-from finetune.reporting.profiler import Profiler  # noqa: E402
-from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
+from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
+from finetune.reporting.wandb_run import push_summary  # noqa: E402
+from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
-from finetune.launch import follow_launcher  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -138,13 +134,9 @@ class FullFinetuneRecipeDistributed:
         self._stop.install()
         follow_launcher()  # a launcher that dies outright sends this rank SIGTERM: no rank trains on alone
         self._folder.claim(log)
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        dataset = loading.build_dataset(cfg.dataset, self._tokenizer, s, log)
-        self._packed = isinstance(dataset, PackedSFTDataset)
-        self._dataloader, self._sampler, self._steps_per_epoch = loading.build_dataloader(
-            dataset, s, pad_id=self._tokenizer.pad_id, ignore_index=self._loss_fn.ignore_index,
-            num_replicas=self._world, rank=self._rank)
+        data = build_data(cfg, s, log, ranks=self._ranks)
+        self._tokenizer, self._loss_fn = data.tokenizer, data.loss_fn
+        self._dataloader, self._sampler, self._steps_per_epoch = data.dataloader, data.sampler, data.steps_per_epoch
 
         self._model = self._setup_model(cfg)
         self._optimizer = s.optimizer.build(self._model.parameters())
@@ -157,30 +149,19 @@ class FullFinetuneRecipeDistributed:
             self._lr_scheduler = config.instantiate(s.lr_scheduler, self._optimizer,
                                                     num_training_steps=s.epochs * self._steps_per_epoch)
 
-        tokenizer.check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
+        check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(
-            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
-            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log if self._rank0 else None,
-            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
-
-        self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device,
-                                  rank=self._rank)
-        self._identity = _wandb_run.run_identity(cfg, s, packed=self._packed, world=self._world)
-        self._logger, wandb_dir = _wandb_run.metric_logger(cfg, log, self._identity) if self._rank0 else (None, None)
-        wandb_run = _wandb_run.wandb_run_info(self._logger)
-        if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
-            self._checkpointer.run_info = {**_wandb_run.run_file(self._identity), "wandb": wandb_run}
-        self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
-        if self._rank0:
-            self._metrics.start(resume_step=None if s.resume_dir is None else self.global_step)
-        self._summary = RunSummary(self._metrics.path, wandb_dir,
-                                   wandb_run and f"{self._identity['name']}, id {wandb_run['id']}")
-        self._summary.nothing_left = self._nothing_left
+        # The checkpointer (every rank writes its part), profiler, and on rank 0 the metric logger (wandb),
+        # metrics.jsonl and the summary the run ends with.
+        report = build_reporting(cfg, s, self._folder, self._family, self._hf_config, log=log,
+                                 resume_step=None if s.resume_dir is None else self.global_step,
+                                 nothing_left=self._nothing_left, ranks=self._ranks)
+        self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
+        self._logger, self._metrics, self._summary = report.logger, report.metrics, report.summary
         dist.barrier()
         if resume_rng is not None:
-            checkpointer.set_rng_state(resume_rng)
+            set_rng_state(resume_rng)
             if resume_rng.get("cuda") is not None and self._device.type == "cuda":
                 torch.cuda.set_rng_state(resume_rng["cuda"], self._device)
 
@@ -190,8 +171,7 @@ class FullFinetuneRecipeDistributed:
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         self._family = hf_format.family_of(s.model_component)
-        source = hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
+        self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
         meta_sd = model.state_dict()
 
         if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
@@ -279,17 +259,17 @@ class FullFinetuneRecipeDistributed:
         """The settings recipe_state.pt keeps (``resume.RESUME_TABLE``), with the rank count: a resume compares
         the samples per step (batch_size x gradient_accumulation_steps x ranks), so another rank count with the same
         global batch resumes exactly."""
-        return _resume.run_settings(self.settings, packed=self._packed, world_size=self._world)
+        return resume.run_settings(self.settings, world_size=self._world)
 
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = _resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
+        state = resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
                                         log=log if self._rank0 else None)
         saved_world = state["config"].get("world_size", 1)
         layout = state.get("optimizer_layout", "full")  # (per_rank: read_resume refused another rank count)
         # Every rank reads its own file and loads its own shard; any rank's failure stops all of them together.
-        rank_state = _resume.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
+        rank_state = resume.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
         error = None
         try:
             if layout == "per_rank":
@@ -307,9 +287,9 @@ class FullFinetuneRecipeDistributed:
         utils.log_rank_zero(log, f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
                                  f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
                                  f"in epoch_{state['epoch']}")
-        self.epoch, self.steps_in_epoch, self.global_step = _resume.progress_after(state, self._steps_per_epoch)
+        self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs and self._rank0:
-            self._nothing_left = _resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
+            self._nothing_left = resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
                                                           s.max_steps_per_epoch, log)
         return rank_state.get("rng") if saved_world == self._world else None
 
@@ -338,29 +318,8 @@ class FullFinetuneRecipeDistributed:
         """One metrics record with every rank's numbers (called on all ranks: it gathers)."""
         mine = {"elapsed": elapsed, "opt_ms": opt_ms, "state_bytes": console.optimizer_state_bytes(self._optimizers),
                 **console.memory_metrics(self._device)}
-        every = self._ranks.gather(mine)
-        wall = max(r["elapsed"] for r in every)
-        record: Dict[str, Any] = {
-            "step": step,
-            "epoch": epoch,
-            "loss": loss,
-            "lr": lr,
-            "tokens": int(num_tokens),
-            "tokens_per_second": num_tokens / wall,
-            "tokens_per_second_per_gpu": num_tokens / wall / self._world,
-            "step_time_s": wall,
-        }
-        for key in mine:
-            if key.startswith("peak_"):
-                record[key] = max(r[key] for r in every)
-                record[key + "_per_rank"] = [r[key] for r in every]
-        record["optimizer_step_ms"] = None if opt_ms is None else max(r["opt_ms"] for r in every)
-        record["optimizer_state_bytes"] = sum(r["state_bytes"] for r in every)
-        record["optimizer_state_bytes_per_rank"] = [r["state_bytes"] for r in every]
-        record["grad_norm"] = grad_norm
-        record["skipped_steps"] = self._skips.skipped
-        record["world_size"] = self._world
-        return record
+        return step_record(step=step, epoch=epoch, loss=loss, lr=lr, tokens=num_tokens, ranks=self._ranks.gather(mine),
+                           grad_norm=grad_norm, skipped=self._skips.skipped, world=self._world)
 
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
@@ -383,7 +342,7 @@ class FullFinetuneRecipeDistributed:
         params = [p for p in self._model.parameters() if p.requires_grad]
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            loading.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
+            skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
             step_in_epoch = start
             pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=console.epoch_label(epoch, s.epochs),
                         dynamic_ncols=True, disable=not self._rank0)
@@ -534,11 +493,11 @@ class FullFinetuneRecipeDistributed:
                 "optimizer_layout": layout,
                 "optimizer": Owned(full_optimizer),
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
-                "rng": checkpointer.rng_state(self._device),
+                "rng": rng_state(self._device),
                 "config": self._run_settings(),
             }
         rank_state = {"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
-                      "rng": checkpointer.rng_state(self._device)}
+                      "rng": rng_state(self._device)}
         weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
         return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 
@@ -552,7 +511,7 @@ class FullFinetuneRecipeDistributed:
 
     def cleanup(self) -> None:
         if self._rank0:
-            self._summary.finish(self._identity, push=lambda values: _wandb_run.push_summary(self._logger, values))
+            self._summary.finish(self._identity, push=lambda values: push_summary(self._logger, values))
         self._metrics.close()
         dist.destroy_process_group()
 
@@ -587,7 +546,7 @@ def recipe_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.
         if rank == 0:
-            tqdm.write("\n" + _metrics.interrupted(getattr(recipe, "_summary", None),
+            tqdm.write("\n" + interrupted(getattr(recipe, "_summary", None),
                                                       recipe.settings.output_dir if recipe is not None else None))
         sys.exit(130)
     finally:

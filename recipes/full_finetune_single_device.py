@@ -59,22 +59,20 @@ from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from finetune.base import BadInput  # noqa: E402
-from finetune.checkpoint import checkpointer as _checkpointer  # noqa: E402
-from finetune.data import loading  # noqa: E402
-from finetune.checkpoint import hf_format  # noqa: E402
-from finetune.reporting import metrics as _metrics  # noqa: E402
-from finetune.checkpoint import resume as _resume  # noqa: E402
-from finetune.data import tokenizer as _tokenizer  # noqa: E402
-from finetune.reporting import wandb_run as _wandb_run  # noqa: E402
-from finetune.checkpoint.checkpointer import Checkpointer, NonFiniteStop, check_finite_weights  # noqa: E402
+from finetune.checkpoint import hf_format, resume  # noqa: E402
+from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE, NonFiniteStop, check_finite_weights  # noqa: E402
+from finetune.checkpoint.checkpointer import rng_state, set_rng_state  # noqa: E402
+from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
+from finetune.data.loading import skip_to  # noqa: E402
+from finetune.data.packing import count_trained_tokens  # noqa: E402
+from finetune.data.tokenizer import check_fits_model  # noqa: E402
 from finetune.model.attention import use_varlen_attention  # noqa: E402
 from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
-from finetune.data.packing import PackedSFTDataset, count_trained_tokens  # noqa: E402
-from finetune.reporting.metrics import MetricsLog, RunSummary  # noqa: E402
-from finetune.reporting.profiler import Profiler  # noqa: E402
-from finetune.reporting.console import StepTimer  # noqa: E402
-from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
+from finetune.reporting.console import StepTimer  # noqa: E402
+from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
+from finetune.reporting.wandb_run import push_summary  # noqa: E402
+from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
 
@@ -107,39 +105,26 @@ class FullFinetuneRecipeSingleDevice:
     def setup(self, cfg: DictConfig) -> None:
         s = self.settings
         self._folder.claim(log)
-        self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._loss_fn = config.instantiate(cfg.loss)
-        dataset = loading.build_dataset(cfg.dataset, self._tokenizer, s, log)
-        self._packed = isinstance(dataset, PackedSFTDataset)
-        self._dataloader, self._sampler, self._steps_per_epoch = loading.build_dataloader(
-            dataset, s, pad_id=self._tokenizer.pad_id, ignore_index=self._loss_fn.ignore_index)
+        data = build_data(cfg, s, log)
+        self._tokenizer, self._loss_fn = data.tokenizer, data.loss_fn
+        self._dataloader, self._sampler, self._steps_per_epoch = data.dataloader, data.sampler, data.steps_per_epoch
 
         self._model = self._setup_model(cfg)
         self._setup_optimizer()
         self._lr_scheduler = self._setup_lr_scheduler(cfg)
-        _tokenizer.check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
+        check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
         resume_state = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
-        self._checkpointer = Checkpointer(
-            self._folder, self._family, self._hf_config, s.tokenizer_path, background=s.async_checkpoint,
-            device=self._device, memory_limit_gib=s.memory_limit_gib, log=log,
-            on_saved=lambda folder: self._summary.saved_checkpoint(folder))
-
-        self._profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=self._device)
-        self._identity = _wandb_run.run_identity(cfg, s, packed=self._packed)
-        self._logger, wandb_dir = _wandb_run.metric_logger(cfg, log, self._identity)
-        wandb_run = _wandb_run.wandb_run_info(self._logger)
-        if wandb_run is not None:  # each checkpoint names its wandb run (run.json), for the eval
-            self._checkpointer.run_info = {**_wandb_run.run_file(self._identity), "wandb": wandb_run}
-        self._metrics = MetricsLog(s.output_dir, self._logger, log, console_every=s.log_every)
-        self._metrics.start(resume_step=None if resume_state is None else self.global_step)
-        self._summary = RunSummary(self._metrics.path, wandb_dir,
-                                   wandb_run and f"{self._identity['name']}, id {wandb_run['id']}")
-        self._summary.nothing_left = self._nothing_left
+        # The checkpointer, profiler, metric logger (wandb), metrics.jsonl and the summary the run ends with.
+        report = build_reporting(cfg, s, self._folder, self._family, self._hf_config, log=log,
+                                 resume_step=None if resume_state is None else self.global_step,
+                                 nothing_left=self._nothing_left)
+        self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
+        self._logger, self._metrics, self._summary = report.logger, report.metrics, report.summary
         if resume_state is not None:
             # RNG last, so nothing in setup shifts it after the restore.
             rng = resume_state["rng"]
-            _checkpointer.set_rng_state(rng)
+            set_rng_state(rng)
             if rng.get("cuda") is not None and self._device.type == "cuda":
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
@@ -149,8 +134,7 @@ class FullFinetuneRecipeSingleDevice:
             model = config.instantiate(cfg.model)
         # The HF config is read off the model before AC and compile wrap its layers.
         self._family = hf_format.family_of(s.model_component)
-        source = hf_format.read_source_config(s.checkpoint_dir)
-        self._hf_config = hf_format.hf_config(model, self._dtype, source, self._family, self._tokenizer)
+        self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
         weights = s.resume_dir or s.checkpoint_dir
         if weights is not None:
             hf_format.load_weights(model, weights, self._hf_config, self._family)
@@ -209,24 +193,24 @@ class FullFinetuneRecipeSingleDevice:
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps, for a resume to compare (``resume.RESUME_TABLE``)."""
-        return _resume.run_settings(self.settings, packed=self._packed)
+        return resume.run_settings(self.settings)
 
     def _load_resume_state(self) -> dict:
         s = self.settings
-        state = _resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
+        state = resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
         try:
             (self._optim_wrapper if s.optimizer_in_bwd else self._optimizer).load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise BadInput(f"the optimizer state in {s.resume_dir / _checkpointer.RECIPE_STATE_FILE} does not fit this "
+            raise BadInput(f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "
                            f"model and optimizer ({first_line(e)}); resume with the config that wrote it") from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._skips.restore(state)
         log.info(f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
                  f"of {self._steps_per_epoch} in epoch_{state['epoch']}")
-        self.epoch, self.steps_in_epoch, self.global_step = _resume.progress_after(state, self._steps_per_epoch)
+        self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs:
-            self._nothing_left = _resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
+            self._nothing_left = resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
                                                           s.max_steps_per_epoch, log)
         return state
 
@@ -270,7 +254,7 @@ class FullFinetuneRecipeSingleDevice:
         timer = StepTimer(self._device)
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            loading.skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
+            skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
             step_in_epoch = start
             pbar = tqdm(total=self._steps_per_epoch, initial=start, dynamic_ncols=True,
                         desc=console.epoch_label(epoch, s.epochs))
@@ -335,20 +319,11 @@ class FullFinetuneRecipeSingleDevice:
                 # log_every_n_steps (MetricsLog), the bar the loss and tokens/s.
                 opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
                 elapsed = time.perf_counter() - t0
-                record = {
-                    "step": self.global_step,
-                    "epoch": epoch,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "tokens": int(num_tokens),
-                    "tokens_per_second": float(num_tokens) / elapsed,
-                    "step_time_s": elapsed,
-                    **console.memory_metrics(self._device),
-                    "optimizer_step_ms": opt_ms,
-                    "optimizer_state_bytes": console.optimizer_state_bytes(self._optimizers),
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "skipped_steps": self._skips.skipped,
-                }
+                mine = {"elapsed": elapsed, "opt_ms": opt_ms, **console.memory_metrics(self._device),
+                        "state_bytes": console.optimizer_state_bytes(self._optimizers)}
+                record = step_record(step=self.global_step, epoch=epoch, loss=loss_value, lr=lr, tokens=num_tokens,
+                                     ranks=[mine], grad_norm=None if grad_norm is None else float(grad_norm),
+                                     skipped=self._skips.skipped)
                 nonfinite = console.nonfinite_elements(self._optimizers)
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
@@ -410,7 +385,7 @@ class FullFinetuneRecipeSingleDevice:
             # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
             "lr_scheduler": None if self._lr_scheduler is None else {
                 k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)},
-            "rng": _checkpointer.rng_state(self._device, all_cuda=True),
+            "rng": rng_state(self._device, all_cuda=True),
             "config": self._run_settings(),
         }
         return {"weights": self._model.state_dict(), "recipe_state": recipe_state}
@@ -424,7 +399,7 @@ class FullFinetuneRecipeSingleDevice:
         return "\n".join(p for p in (self._profiler.text(), self._summary.text()) if p)
 
     def cleanup(self) -> None:
-        self._summary.finish(self._identity, push=lambda values: _wandb_run.push_summary(self._logger, values))
+        self._summary.finish(self._identity, push=lambda values: push_summary(self._logger, values))
         self._metrics.close()
 
     def release(self) -> None:
@@ -459,7 +434,7 @@ def recipe_main(cfg: DictConfig) -> None:
                 checkpointer.settle()
             except KeyboardInterrupt:
                 pass
-        tqdm.write("\n" + _metrics.interrupted(getattr(recipe, "_summary", None),
+        tqdm.write("\n" + interrupted(getattr(recipe, "_summary", None),
                                                   recipe.settings.output_dir if recipe is not None else None))
         sys.exit(130)
     finally:

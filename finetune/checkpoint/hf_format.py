@@ -182,16 +182,19 @@ def check_source_family(base: dict, family: Family) -> None:
 
 
 def read_source_config(folder: Optional[Path]) -> Optional[dict]:
-    """A checkpoint folder's config.json, if it has one; unreadable JSON is a BadInput."""
+    """A checkpoint folder's config.json, if it has one, read once (settings keeps it: ``Settings.source_config``);
+    unreadable JSON, or JSON that is not an object, is a BadInput."""
     if folder is None or not (Path(folder) / "config.json").is_file():
         return None
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path} is not valid JSON ({e}; a partial copy?): re-copy the checkpoint folder") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
+        config = f"{type(e).__name__}: {str(e)[:120]}"
     if not isinstance(config, dict):
-        raise BadInput(f"{path} is not a JSON object: re-copy the checkpoint folder")
+        what = config if isinstance(config, str) else f"a {type(config).__name__}"
+        raise BadInput(f"{path} is not a JSON object ({what}); re-copy the checkpoint folder (its config.json "
+                       "describes the model)")
     return config
 
 

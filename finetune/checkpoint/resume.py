@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from finetune.base import BadInput, load_state_file
 from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
 from finetune.data.packing import file_digest
+from finetune.optimizer import TORCH_BACKEND_FLAGS
 
 # The resume table. A checkpoint records the run's settings (``run_settings``, in recipe_state.pt's "config"); a
 # resume compares them with its own, all in ``read_resume``. Each row: the recorded name, the rule, the config keys
@@ -62,11 +63,9 @@ RESUME_TABLE = (
 )
 RESUME_RULES = {name: (rule, why) for name, rule, _, why in RESUME_TABLE}
 CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
-# torch.optim's keyword arguments that select an implementation, not the math (not compared on resume)
-BACKEND_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def run_settings(s, *, packed: bool, world_size: Optional[int] = None) -> Dict[str, Any]:
+def run_settings(s, *, world_size: Optional[int] = None) -> Dict[str, Any]:
     """What a checkpoint records of the run (``s``: ``_settings.Settings``) for ``read_resume``: the MUST and WARN
     rows of RESUME_TABLE, in plain types (paths replaced by their files' digests, so a moved file is the same)."""
     dataset = {k: v for k, v in (s.dataset_cfg or {}).items() if k not in ("data_files", "packed")}
@@ -75,10 +74,11 @@ def run_settings(s, *, packed: bool, world_size: Optional[int] = None) -> Dict[s
     kwargs = OmegaConf.to_container(s.optimizer.kwargs, resolve=True)
     settings = {
         "batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed, "shuffle": s.shuffle,
-        "packed": packed, "dataset": dataset, "data": [file_digest(Path(f)) for f in s.data_files],
+        "packed": s.packed, "dataset": dataset, "data": [file_digest(Path(f)) for f in s.data_files],
         "tokenizer": tokenizer, "dtype": s.dtype_name, "optimizer": s.optimizer.path,
         "optimizer_in_bwd": s.optimizer_in_bwd, "lr": s.optimizer.lr,
-        "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in BACKEND_FLAGS},
+        # (torch's backend flags choose the implementation, not the math: a resume may change them)
+        "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in TORCH_BACKEND_FLAGS},
         "lr_scheduler": None if s.lr_scheduler is None else OmegaConf.to_container(s.lr_scheduler, resolve=True),
         "epochs": s.epochs, "max_steps_per_epoch": s.max_steps_per_epoch, "clip_grad_norm": s.clip,
         "fp8": s.fp8,

@@ -25,7 +25,7 @@ from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from finetune.base import BadInput
 from finetune.model import attention
-from finetune.data import packing as _packing
+from finetune.data.packing import pack_dataset
 from finetune.settings import Settings, first_line
 
 ALPACA_TEXT_FIELDS = ("instruction", "input", "output")
@@ -51,9 +51,6 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     where = cfg_dataset.get("data_files") or cfg_dataset.get("source")
     component = str(cfg_dataset.get("_component_", ""))
     kind = next((k for k, name in KINDS.items() if name in component), None)
-    packed = cfg_dataset.get("packed", False)
-    if packed not in (True, False):
-        raise BadInput(f"dataset.packed={packed!r} must be True or False")
     if kind == "chat" and cfg_dataset.get("conversation_style") not in CHAT_STYLES:
         raise BadInput(f"dataset.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
                        f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
@@ -78,7 +75,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     elif kind == "chat":
         check_chat_records(ds, cfg_dataset.get("conversation_column"), cfg_dataset.get("conversation_style"),
                            bool(cfg_dataset.get("train_on_input", False)), where)
-    if not packed:
+    if not settings.packed:
         return ds
     dataset_cfg = OmegaConf.to_container(cfg_dataset, resolve=True)
     fingerprint = getattr(tokenizer, "fingerprint", None)
@@ -86,7 +83,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
         dataset_cfg = {**dataset_cfg, "tokenizer": fingerprint}
     cache_parts = dict(dataset_cfg=dataset_cfg, data_files=settings.data_files,
                        tokenizer_path=str(settings.tokenizer_path), tokenizer_cfg=settings.tokenizer_cfg)
-    return _packing.pack_dataset(ds, max_seq_len=tokenizer.max_seq_len, padding_idx=tokenizer.pad_id,
+    return pack_dataset(ds, max_seq_len=tokenizer.max_seq_len, padding_idx=tokenizer.pad_id,
                                  vocab_size=getattr(tokenizer, "vocab_size", None),
                                  cache_dir=settings.pack_cache_dir, cache_parts=cache_parts, log=log)
 
@@ -184,7 +181,6 @@ def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, 
                      rank: int = 0) -> Tuple[DataLoader, StatefulDistributedSampler, int]:
     """The loader (rank r of N reads samples r, r+N, ... of one seeded permutation), its sampler, and the optimizer
     steps per epoch (``max_steps_per_epoch`` applied). Too little data for one step is a BadInput."""
-    packed = isinstance(ds, _packing.PackedSFTDataset)
     sampler = StatefulDistributedSampler(ds, num_replicas=num_replicas, rank=rank, shuffle=settings.shuffle,
                                          seed=settings.seed)
     loader = DataLoader(
@@ -193,7 +189,7 @@ def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, 
         sampler=sampler,
         # (packed rows: torchtune's block mask, or the sample boundaries FlashAttention's varlen kernel takes)
         collate_fn=(attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
-        if packed else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
+        if settings.packed else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,
         # Its own generator, so iterating the data does not consume the global RNG.

@@ -40,6 +40,37 @@ def strict_json(record: Dict[str, Any]) -> str:
     return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
 
 
+def step_record(*, step: int, epoch: int, loss: float, lr: float, tokens: int, ranks: List[Dict[str, Any]],
+                grad_norm: Optional[float], skipped: int, world: Optional[int] = None) -> Dict[str, Any]:
+    """A step's metrics record, in the one shape both recipes write.
+
+    ``ranks``: each rank's own figures, ``{"elapsed": s, "opt_ms": ms or None, "state_bytes": n, **memory_metrics}``
+    (one entry on one device). The step takes as long as its slowest rank; peak memory is the largest rank's and the
+    optimizer state the sum. With ``world`` (the distributed recipe) the record also keeps each rank's figures
+    (``..._per_rank``), tokens/s per GPU and the world size.
+    """
+    wall = max(r["elapsed"] for r in ranks)
+    record: Dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "tokens": int(tokens),
+                              "tokens_per_second": float(tokens) / wall}
+    if world is not None:
+        record["tokens_per_second_per_gpu"] = float(tokens) / wall / world
+    record["step_time_s"] = wall
+    for key in ranks[0]:
+        if key.startswith("peak_"):
+            record[key] = max(r[key] for r in ranks)
+            if world is not None:
+                record[key + "_per_rank"] = [r[key] for r in ranks]
+    record["optimizer_step_ms"] = None if ranks[0]["opt_ms"] is None else max(r["opt_ms"] for r in ranks)
+    record["optimizer_state_bytes"] = sum(r["state_bytes"] for r in ranks)
+    if world is not None:
+        record["optimizer_state_bytes_per_rank"] = [r["state_bytes"] for r in ranks]
+    record["grad_norm"] = grad_norm
+    record["skipped_steps"] = skipped
+    if world is not None:
+        record["world_size"] = world
+    return record
+
+
 def read_records(path: Path) -> List[Dict[str, Any]]:
     """The records of a ``metrics.jsonl`` ([] if it is missing); a line that does not parse is skipped."""
     path = Path(path)

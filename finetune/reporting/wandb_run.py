@@ -52,13 +52,13 @@ def memory_class(settings, config: str) -> str:
     return settings.device.type
 
 
-def run_identity(cfg: DictConfig, settings, *, packed: bool, world: int = 1) -> Dict[str, Any]:
+def run_identity(cfg: DictConfig, settings, *, world: int = 1) -> Dict[str, Any]:
     """The run's ``name``, ``group``, ``tags`` (defaults or ``metric_logger.*``), ``config``, ``optimizer`` and
     ``variant``."""
     config = config_name()
     variant = variant_label(settings.optimizer.path)
     tags = [memory_class(settings, config), variant]
-    tags += [t for t, on in (("packed", packed), ("compiled", settings.compile),
+    tags += [t for t, on in (("packed", settings.packed), ("compiled", settings.compile),
                              ("in-backward", settings.optimizer_in_bwd)) if on]
     if world > 1:
         tags.append(f"{world}-ranks")

@@ -1,0 +1,78 @@
+"""The services both fine-tune recipes wire the same way around their training story.
+
+``build_data``: the tokenizer, the loss, the dataset (every record checked, packed when asked) and its seeded loader.
+``build_reporting``: the checkpointer, the profiler, the run's identity and metric logger (wandb), the metrics log and
+the summary the run ends with. Each recipe keeps its own model, optimizer and loop; where the two differ (one
+device, or N ranks of which rank 0 reports) ``ranks`` says so.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+from torchtune import config
+
+from finetune.checkpoint.checkpointer import Checkpointer
+from finetune.checkpoint.run_folder import DistributedRanks, RunFolder
+from finetune.data import loading
+from finetune.reporting.metrics import MetricsLog, RunSummary
+from finetune.reporting.profiler import Profiler
+from finetune.reporting.wandb_run import metric_logger, run_file, run_identity, wandb_run_info
+from finetune.settings import Settings
+
+
+@dataclass
+class Data:
+    tokenizer: Any
+    loss_fn: Any
+    dataloader: DataLoader
+    sampler: Any  # StatefulDistributedSampler: its epoch and position are what a resume restores
+    steps_per_epoch: int
+
+
+def build_data(cfg: DictConfig, s: Settings, log, ranks: Optional[DistributedRanks] = None) -> Data:
+    """The tokenizer and loss the config names, the dataset and the loader (rank r of N reads its share)."""
+    tokenizer = config.instantiate(cfg.tokenizer)
+    loss_fn = config.instantiate(cfg.loss)
+    dataset = loading.build_dataset(cfg.dataset, tokenizer, s, log)
+    share = {} if ranks is None else {"num_replicas": ranks.world, "rank": ranks.rank}
+    dataloader, sampler, steps_per_epoch = loading.build_dataloader(
+        dataset, s, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share)
+    return Data(tokenizer, loss_fn, dataloader, sampler, steps_per_epoch)
+
+
+@dataclass
+class Reporting:
+    checkpointer: Checkpointer
+    profiler: Profiler
+    identity: dict  # the run's name, group and tags (wandb's, and run.json's)
+    logger: Any  # the metric logger; None on ranks other than 0
+    metrics: MetricsLog
+    summary: RunSummary
+
+
+def build_reporting(cfg: DictConfig, s: Settings, folder: RunFolder, family, hf_config: dict, *, log,
+                    resume_step: Optional[int], nothing_left: Optional[str],
+                    ranks: Optional[DistributedRanks] = None) -> Reporting:
+    """What saves and reports the run. Rank 0 (or the one device) talks to the terminal and wandb and writes the
+    metrics; every rank writes its part of a checkpoint. ``resume_step``: the step a resumed run continues after."""
+    main = ranks is None or ranks.main
+    summary: Optional[RunSummary] = None  # (made last; the checkpointer reports each save to it)
+    checkpointer = Checkpointer(
+        folder, family, hf_config, s.tokenizer_path, background=s.async_checkpoint, device=s.device,
+        memory_limit_gib=s.memory_limit_gib, log=log if main else None,
+        on_saved=lambda saved: summary.saved_checkpoint(saved))
+    profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=s.device,
+                        **({} if ranks is None else {"rank": ranks.rank}))
+    identity = run_identity(cfg, s, **({} if ranks is None else {"world": ranks.world}))
+    logger, wandb_dir = metric_logger(cfg, log, identity) if main else (None, None)
+    wandb_run = wandb_run_info(logger)
+    if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
+        checkpointer.run_info = {**run_file(identity), "wandb": wandb_run}
+    metrics = MetricsLog(s.output_dir, logger, log, console_every=s.log_every)
+    if main:
+        metrics.start(resume_step=resume_step)
+    summary = RunSummary(metrics.path, wandb_dir, wandb_run and f"{identity['name']}, id {wandb_run['id']}")
+    summary.nothing_left = nothing_left
+    return Reporting(checkpointer, profiler, identity, logger, metrics, summary)
