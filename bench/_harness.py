@@ -49,7 +49,7 @@ SCRATCH = REPO_ROOT / "outputs" / "bench"
 DATA_DIR = "../shared/data"
 # The code a result depends on. bench/results/ is excluded: it is what the benchmarks write, and a --merge into a
 # committed file would otherwise make the next run of the same matrix refuse to start.
-CODE_PATHS = ["recipes", "optimizers", "eval", "configs", "bench", ":(exclude)bench/results"]
+CODE_PATHS = ["finetune", "recipes", "optimizers", "eval", "configs", "bench", ":(exclude)bench/results"]
 PACKAGES = ["torch", "triton", "torchtune", "torchao", "bitsandbytes", "transformers", "lm_eval"]
 # In-process benchmarks import optimizers/ and recipes/ from this checkout, the code that `code` names, whatever
 # else is installed (and ahead of torchtune's own `recipes` package).
@@ -70,8 +70,8 @@ def scratch(name: str) -> str:
 def add_arguments(parser) -> None:
     """The flag every benchmark that records a result takes."""
     parser.add_argument("--allow-dirty", action="store_true",
-                        help="run although recipes/, optimizers/, eval/, configs/ or bench/ have uncommitted changes "
-                             "(the result's code is then recorded as <commit>+dirty)")
+                        help="run although finetune/, recipes/, optimizers/, eval/, configs/ or bench/ have uncommitted "
+                             "changes (the result's code is then recorded as <commit>+dirty)")
 
 
 def pick(parser, value: Optional[str], known, what: str, default: Sequence[str] = ()) -> List[str]:
@@ -288,11 +288,42 @@ def run(cmd: List[str], log, *, timeout: Optional[float] = None, until: Optional
 
 
 def read_metrics(output_dir) -> List[dict]:
-    """The recipe's ``metrics.jsonl``, one dict per logged step ([] before the first)."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Our recipes' ``metrics.jsonl`` in a run folder, one dict per logged step ([] before the first), read by the
+    library's reader (finetune/reporting/metrics.py; imported here, not at the top: it imports torch)."""
+    from finetune.reporting.metrics import read_records
+    from finetune.run_files import METRICS_FILE
+
+    return read_records(Path(output_dir) / METRICS_FILE)
+
+
+NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def read_stock_log(output_dir) -> List[dict]:
+    """The steps torchtune's stock recipe logged with its DiskLogger (``{output_dir}/logs/*.txt``), in our records'
+    keys: step, loss, tokens_per_second (per GPU), peak_memory_alloc_gib and peak_memory_reserved_gib (None where it
+    did not log them, as GPU memory on the CPU)."""
+    logs = Path(output_dir) / "logs"
+    records = []
+    for log in sorted(logs.glob("*.txt")) if logs.is_dir() else []:
+        for line in log.read_text().splitlines():
+            m = re.match(r"Step (\d+) \| (.*)", line)
+            if not m:
+                continue
+            # key:value pairs; a tensor's value reads "tensor(1.5, device='cuda:0')"
+            fields = {k: float(NUMBER.search(v).group(0)) for k, v in
+                      re.findall(r"(\w+):(\S+(?:, device='[^']*'\))?)", m.group(2)) if NUMBER.search(v)}
+            records.append({"step": int(m.group(1)), "loss": fields["loss"],
+                            "tokens_per_second": fields["tokens_per_second_per_gpu"],
+                            "peak_memory_alloc_gib": fields.get("peak_memory_alloc"),
+                            "peak_memory_reserved_gib": fields.get("peak_memory_reserved")})
+    return records
+
+
+def peak(records: List[dict], key: str) -> Optional[float]:
+    """The largest ``key`` over the records, to 0.01 (None where none logged it)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return round(max(values), 2) if values else None
 
 
 # -- the rows of every table -------------------------------------------------------------------------------------

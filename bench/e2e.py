@@ -114,25 +114,9 @@ def command(name: str, args, out: Path) -> List[str]:
         f"pack_cache_dir={args.pack_cache_dir}", "log_every_n_steps=1", *common, *overrides)
 
 
-def _number(text: str) -> float:
-    return float(re.search(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text).group(0))
-
-
 def read_records(kind: str, out: Path) -> List[dict]:
-    if kind == "ours":
-        return harness.read_metrics(out)
-    records = []
-    for log in sorted((out / "logs").glob("*.txt")) if (out / "logs").exists() else []:
-        for line in log.read_text().splitlines():
-            m = re.match(r"Step (\d+) \| (.*)", line)
-            if not m:
-                continue
-            fields = dict(re.findall(r"(\w+):(\S+(?:, device='[^']*'\))?)", m.group(2)))
-            records.append({"step": int(m.group(1)), "loss": _number(fields["loss"]),
-                            "tokens_per_second": _number(fields["tokens_per_second_per_gpu"]),
-                            "peak_memory_alloc_gib": _number(fields.get("peak_memory_alloc", "nan")),
-                            "peak_memory_reserved_gib": _number(fields.get("peak_memory_reserved", "nan"))})
-    return records
+    """The steps a row logged: ours from metrics.jsonl, the stock recipe's from its DiskLogger file."""
+    return harness.read_metrics(out) if kind == "ours" else harness.read_stock_log(out)
 
 
 def run_row(name: str, args, runs: Path) -> dict:
@@ -165,8 +149,8 @@ def run_row(name: str, args, runs: Path) -> dict:
         variant=_optimizer_of(kind, config, overrides),
         tok_s=round(tok_s, 1),
         tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
-        peak_gib=round(max(r.get("peak_memory_alloc_gib", float("nan")) for r in records), 2),
-        peak_reserved_gib=round(max(r.get("peak_memory_reserved_gib", float("nan")) for r in records), 2),
+        peak_gib=harness.peak(records, "peak_memory_alloc_gib"),
+        peak_reserved_gib=harness.peak(records, "peak_memory_reserved_gib"),
         mfu=round(6 * N_PARAMS * tok_s / PEAK_FLOPS, 3),
         losses=[round(r["loss"], 5) for r in records],
         tokens_per_step=statistics.median(r["tokens"] for r in records) if "tokens" in records[0] else None,

@@ -16,7 +16,7 @@ fused AdamW, bf16 states), ours (every key of optimizers.VARIANTS), `bnb8` and `
 8-bit). Extras for each of ours, asked for by key: `{key}_fp32w` (fp32 weights: what a gap owes to bf16 weights
 rather than to the state format), `{key}_sr` / `{key}_rtn` / `{key}_comp` (the bf16 weight write rounded
 stochastically, our default, / to nearest / compensated). On the CPU our optimizers run their plain-PyTorch path,
-which the Triton kernel matches in tests/test_optimizers.py.
+which the Triton kernel matches in tests/optimizers/test_optimizers.py.
 
 Per row: `final_train_loss` (mean loss of the last --last-k steps), `heldout_loss`, and `gap_vs_ref` (fraction:
 (heldout - heldout_ref) / heldout_ref); also every step's loss for the plot. The JSON (--out, default
@@ -248,8 +248,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    f"train_on_input=True, max_seq_len {overrides_value(base, 'tokenizer.max_seq_len')}, "
                    "token-weighted mean CE in fp32",
         "note": "Our optimizers take their plain-PyTorch path on a CPU (backend='auto' on CPU tensors), which "
-                "the Triton kernel matches in tests/test_optimizers.py. Reference: fp32 weights and fp32 AdamW "
-                "states; every other variant trains bf16 weights, gradients and activations (dtype=bf16).",
+                "the Triton kernel matches in tests/optimizers/test_optimizers.py. Reference: fp32 weights and fp32 "
+                "AdamW states; every other variant trains bf16 weights, gradients and activations (dtype=bf16).",
         "records": records,
     })
     report.plot(records, Path(args.plot), plot_title(args.steps))

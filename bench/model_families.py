@@ -29,8 +29,8 @@ stock / loss), ``variant`` (the AdamW and the loss), ``tok_s`` (median trained t
 ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``, ``mfu`` (6 x parameters x tok_s / 989 TFLOP/s),
 ``vs_stock`` (over the family's stock row of the same invocation), ``first_step_s``, ``losses``, ``command``.
 
-``--toy`` is the same pipeline on the CPU with 2-layer width-64 models and 3 steps (tests/test_families.py runs it):
-a check of the machinery, not a measurement.
+``--toy`` is the same pipeline on the CPU with 2-layer width-64 models and 3 steps (tests/bench/test_model_families.py
+runs it): a check of the machinery, not a measurement.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -54,7 +53,6 @@ import _harness as harness
 
 REPO_ROOT = harness.REPO_ROOT
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
-NUMBER = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 ALPACA = Path("alpaca") / "alpaca_data.json"  # inside --data-dir
 LLAMA2_TOKENIZER = Path("llama2_tokenizer") / "tokenizer.model"
 
@@ -160,7 +158,7 @@ SPECS: Dict[str, Spec] = {s.key: s for s in [
              "model.max_seq_len=32768", "model.rope_base=1000000"])),
 ]}
 
-# The toy models (tests, --toy): 2 layers of width 64, 4 heads of 16 in 2 key/value groups, a 1,024-token BPE.
+# The toy models (--toy): 2 layers of width 64, 4 heads of 16 in 2 key/value groups, a 1,024-token BPE.
 TOY_SCALE = 0.1  # their random values: +-0.1 (the real sizes: +-0.02), so that a toy's attention is not uniform
 TOY_BPE_SIZE = 1008  # the toy BPE's tokens; with a family's special tokens (at most 10) within the 1,024
 TOY_SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -405,28 +403,9 @@ def variant(row: Row, cmd: List[str]) -> str:
 
 
 def read_records(kind: str, out: Path) -> List[dict]:
-    """The steps a row logged: ours from metrics.jsonl, the stock recipe's from its DiskLogger file (as bench/e2e.py
-    reads them; a figure it did not log, such as GPU memory on the CPU, is None)."""
-    if kind != "stock":
-        return [{**r, "peak_memory_alloc_gib": r.get("peak_memory_alloc_gib"),
-                 "peak_memory_reserved_gib": r.get("peak_memory_reserved_gib")} for r in harness.read_metrics(out)]
-    records = []
-    for log in sorted((out / "logs").glob("*.txt")) if (out / "logs").exists() else []:
-        for line in log.read_text().splitlines():
-            m = re.match(r"Step (\d+) \| (.*)", line)
-            if m:
-                fields = {k: float(re.search(NUMBER, v).group(0)) for k, v in
-                          re.findall(r"(\w+):(\S+(?:, device='[^']*'\))?)", m.group(2)) if re.search(NUMBER, v)}
-                records.append({"step": int(m.group(1)), "loss": fields["loss"],
-                                "tokens_per_second": fields["tokens_per_second_per_gpu"],
-                                "peak_memory_alloc_gib": fields.get("peak_memory_alloc"),
-                                "peak_memory_reserved_gib": fields.get("peak_memory_reserved")})
-    return records
-
-
-def _peak(records: List[dict], key: str) -> Optional[float]:
-    values = [r[key] for r in records if r.get(key) is not None]
-    return round(max(values), 2) if values else None
+    """The steps a row logged: ours from metrics.jsonl, the stock recipe's from its DiskLogger file (a figure it did
+    not log, such as GPU memory on the CPU, is None)."""
+    return harness.read_stock_log(out) if kind == "stock" else harness.read_metrics(out)
 
 
 def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
@@ -453,7 +432,8 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
     tok_s = statistics.median(r["tokens_per_second"] for r in records[args.skip_steps:])
     record.update(
         variant=variant(row, cmd), tok_s=round(tok_s, 1),
-        peak_gib=_peak(records, "peak_memory_alloc_gib"), peak_reserved_gib=_peak(records, "peak_memory_reserved_gib"),
+        peak_gib=harness.peak(records, "peak_memory_alloc_gib"),
+        peak_reserved_gib=harness.peak(records, "peak_memory_reserved_gib"),
         mfu=round(6 * n_params(spec) * tok_s / PEAK_FLOPS, 3),
         first_step_s=round(records[0]["first_step_s"], 1) if "first_step_s" in records[0] else None,
         losses=[round(r["loss"], 5) for r in records])

@@ -1,6 +1,7 @@
-"""Shared test helpers: run the real recipe in a subprocess and read back what it logged.
+"""Shared test helpers: run the real recipe (in a subprocess, under torchrun, or in this process) and read back
+what it logged; the test-only optimizer variant. Toy model folders and other builders are in support.py.
 
-Use from any test module:
+Use from any test module (in any folder under tests/):
 
     from conftest import FAST, run_recipe
 
@@ -12,6 +13,7 @@ Use from any test module:
 or take the ``recipe_runner`` fixture, which fills in a fresh output_dir.
 """
 
+import importlib.util
 import json
 import os
 import signal
@@ -33,12 +35,19 @@ _SET_TRITON_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not
 if _SET_TRITON_INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import optimizers  # noqa: E402  (after TRITON_INTERPRET: it imports Triton)
+from finetune.reporting.metrics import read_records  # noqa: E402
+from finetune.run_files import METRICS_FILE  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The data folder beside the checkout (alpaca/, llama2_tokenizer/, truthfulqa/); TEST_DATA_DIR points elsewhere (a GPU
 # machine that holds the data under another path).
 DATA_DIR = Path(os.environ.get("TEST_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
 RECIPE = "recipes/full_finetune_single_device.py"
+DISTRIBUTED_RECIPE = "recipes/full_finetune_distributed.py"
 TINY_CONFIG = "configs/tiny.yaml"
+EVAL_CONFIG = REPO_ROOT / "configs" / "eval" / "truthfulqa_mc2.yaml"
+LLAMA2_TOKENIZER = DATA_DIR / "llama2_tokenizer" / "tokenizer.model"
 TUNE = str(Path(sys.executable).with_name("tune"))
 
 
@@ -61,6 +70,11 @@ FAST = [
     "optimizer.lr=1e-2",
     "lr_scheduler.num_warmup_steps=0",
 ]
+
+# FAST's losses with torch.optim.AdamW (6 steps, lr 1e-2, clip 1.0, fp32), recorded from a trusted run on the 2-core
+# CPU machine (torch 2.13.0+cpu, OMP_NUM_THREADS=2): the reference the recipe tests and the loss tests compare with.
+TORCH_ADAMW_LOSSES = [10.581151008605957, 9.888405799865723, 9.055519104003906, 8.488167762756348,
+                      8.539437294006348, 7.893115043640137]
 
 
 @dataclass
@@ -115,10 +129,8 @@ def python_ctrl_c():
 
 
 def read_metrics(output_dir: Path) -> List[Dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's ``metrics.jsonl``, read by the library's one reader ([] before the first step)."""
+    return read_records(Path(output_dir) / METRICS_FILE)
 
 
 def pinned_inductor_cache(isa: str, unpinned: Optional[str] = None) -> str:
@@ -181,6 +193,45 @@ def run_recipe(output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fas
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
 
+def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
+    """recipe_main in this process, as `tune run` would call it (FAST tiny, no metric logger, no pack cache)."""
+    from recipes.full_finetune_single_device import recipe_main
+
+    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
+            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(REPO_ROOT)
+    capsys.readouterr()
+    code = 0
+    try:
+        recipe_main()
+    except SystemExit as e:
+        code = e.code or 0
+    captured = capsys.readouterr()
+    return RecipeRun(code, captured.out, captured.err, Path(output_dir), read_metrics(output_dir))
+
+
+def run_distributed(output_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 300,
+                    env: Optional[Dict[str, str]] = None) -> RecipeRun:
+    """``tune run --nproc_per_node N recipes/full_finetune_distributed.py`` on FAST tiny; nproc=0: no torchrun."""
+    launch = ["--nproc_per_node", str(nproc), "--standalone"] if nproc else []
+    args = [TUNE, "run", *launch, DISTRIBUTED_RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}",
+            f"output_dir={output_dir}", *FAST, "metric_logger=null", *overrides]
+    # One thread per rank: 2 ranks on 2 cores.
+    proc = subprocess.run(args, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1", **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+    return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
+
+
+def eval_recipe_module():
+    """recipes/evaluate.py, loaded by its file path: the name `recipes` may resolve to torchtune's own package when
+    this repo isn't installed."""
+    spec = importlib.util.spec_from_file_location("evaluate_recipe", REPO_ROOT / "recipes" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def kill_once_saved(output_dir: Path, checkpoint: str, *overrides: str) -> None:
     """Run the recipe and SIGKILL it as soon as ``{output_dir}/{checkpoint}`` exists (a crash right after a save)."""
     proc = subprocess.Popen(recipe_command(output_dir, *overrides), cwd=REPO_ROOT, env=recipe_env(),
@@ -229,6 +280,28 @@ def wandb_history(run_dir: Path) -> List[Dict]:
         if record.WhichOneof("record_type") == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
     return rows
+
+
+# A variant that exists only for the tests: 8-bit AdamW under another name, registered from outside optimizers/ as a
+# user's would be (``throwaway`` fixture); its component path is importable wherever tests/ is on sys.path (spawned
+# ranks included).
+THROWAWAY_KEY = "throwaway"
+THROWAWAY_COMPONENT = "conftest.ThrowawayAdamW"
+
+
+class ThrowawayAdamW(optimizers.AdamW8bit):
+    """8-bit AdamW under another name."""
+
+
+@pytest.fixture
+def throwaway():
+    """ThrowawayAdamW registered in optimizers.VARIANTS for the test (removed after)."""
+    v = optimizers.register(optimizers.Variant(THROWAWAY_KEY, THROWAWAY_COMPONENT, ThrowawayAdamW, 2.03125, "as ours8",
+                                               tol_contract=0.05))
+    try:
+        yield v
+    finally:
+        del optimizers.VARIANTS[THROWAWAY_KEY]
 
 
 @pytest.fixture

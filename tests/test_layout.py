@@ -1,7 +1,8 @@
 """The shape of the code, checked: the arrows between packages point one way, the two fine-tune recipes are
 siblings (neither imports the other), recipes/ holds entry points only, no module grows into the
-one-class-does-everything recipe again, configs name public paths, and every test reaches the CLI the same way.
-Static reads of the source: no imports, milliseconds."""
+one-class-does-everything recipe again, configs name public paths; and the tests: their folders mirror the source
+tree, no test module imports another (shared code is in conftest.py and support.py), only tests/bench/ reaches into
+bench/, and every test reaches the CLI the same way. Static reads of the source: no imports, milliseconds."""
 
 import ast
 import re
@@ -13,6 +14,12 @@ from conftest import REPO_ROOT
 
 RECIPES = REPO_ROOT / "recipes"
 LIBRARY = REPO_ROOT / "finetune"
+TESTS = REPO_ROOT / "tests"
+BENCH = REPO_ROOT / "bench"
+# What every test module may import from tests/: the fixtures and the builders. The test modules sit in folders that
+# mirror the source tree, beside these and this file at the root.
+SHARED_TEST_MODULES = {"conftest", "support"}
+TEST_ROOT_FILES = {"conftest.py", "support.py", "test_layout.py"}
 RECIPE_FILES = {"full_finetune_single_device.py": 600, "full_finetune_distributed.py": 600}
 ENTRY_POINTS = {"__init__.py", "evaluate.py", "launch.py", *RECIPE_FILES}
 MODULE_LIMIT = 500  # lines, any module of the library
@@ -21,14 +28,14 @@ DOCSTRING_INDEX_LIMIT = 45  # the recipe docstring is an index of keys; the manu
 # what eval/ shares; settings reads every concern's keys; the concerns sit between.
 LAYERS = [
     {"finetune.base", "finetune.run_files", "finetune.tune_run"},
-    {"finetune.checkpoint.lock", "finetune.model.builders", "finetune.model.loss", "finetune.model.attention",
+    {"finetune.checkpoint.lock", "finetune.model.builders", "finetune.model.from_hf_config", "finetune.model.loss", "finetune.model.attention",
      "finetune.data.tokenizer", "finetune.data.packing", "finetune.reporting.wandb_run", "finetune.reporting.console",
      "finetune.reporting.profiler", "finetune.optimizer", "finetune.checkpoint.async_save", "finetune.launch"},
     {"finetune.checkpoint.run_folder", "finetune.checkpoint.hf_format"},
     {"finetune.reporting.metrics", "finetune.checkpoint.checkpointer"},
     {"finetune.checkpoint.resume", "finetune.stops"},
     {"finetune.settings"},
-    {"finetune.model.prepare", "finetune.data.loading"},
+    {"finetune.model.prepare", "finetune.data.loading", "finetune.services"},
 ]
 
 
@@ -121,3 +128,46 @@ def test_tests_reach_the_cli_through_conftest():
     for path in (REPO_ROOT / "tests").rglob("*.py"):
         # (a list that starts with "tune" and is not compared with ``==``: a command about to run)
         assert not re.search(r"""(?<!== )\[\s*["']tune["']\s*,""", path.read_text()), f"{path.name} calls a bare tune"
+
+
+def all_test_modules():
+    return sorted(p for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_tests_mirror_the_source_tree():
+    """tests/<path>/ for a source folder <path>/; test modules' names unique (pytest imports them by basename: no
+    __init__.py packages under tests/)."""
+    assert {p.name for p in TESTS.glob("*.py")} == TEST_ROOT_FILES
+    assert not list(TESTS.rglob("__init__.py"))
+    for folder in (p for p in TESTS.rglob("*") if p.is_dir() and "__pycache__" not in p.parts):
+        if any(folder.glob("*.py")):
+            assert (REPO_ROOT / folder.relative_to(TESTS)).is_dir(), f"{folder.relative_to(REPO_ROOT)} mirrors nothing"
+    names = [p.name for p in all_test_modules() if p.parent != TESTS]
+    assert all(n.startswith("test_") for n in names), "under tests/ a module is a test module or conftest/support"
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+@pytest.mark.parametrize("path", all_test_modules(), ids=lambda p: str(p.relative_to(TESTS)))
+def test_no_test_module_imports_another(path):
+    """What tests share is in conftest.py (fixtures, recipe runners) or support.py (builders); a test module is only
+    collected, never imported by another."""
+    tests = {p.stem for p in all_test_modules()} - SHARED_TEST_MODULES
+    imported = {name.split(".")[0] for name in imported_modules(path)}
+    assert not imported & tests, f"{path.name} imports {sorted(imported & tests)}"
+    assert not re.search(r"""(__import__|import_module)\(\s*f?["']test_""", path.read_text()), path.name
+
+
+@pytest.mark.parametrize("path", all_test_modules(), ids=lambda p: str(p.relative_to(TESTS)))
+def test_only_the_bench_tests_reach_into_bench(path):
+    """bench/ is not a fixture factory: outside tests/bench/, no test puts bench/ on sys.path or imports a bench
+    script (one may run a bench script as a user does, ``python bench/<script>.py``)."""
+    if path.is_relative_to(TESTS / "bench"):
+        return
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                ast.unparse(node.func.value) == "sys.path":
+            assert "bench" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
+    imported = {name.split(".")[0] for name in imported_modules(path)}
+    assert not imported & scripts, f"{path.name} imports bench/'s {sorted(imported & scripts)}"

@@ -1,5 +1,6 @@
 """bench/_harness.py and the benchmarks that had no test: provenance, the dirty-tree refusal, where results go by
-default, the subprocess runner, and CPU smoke runs of bench/pipeline.py and bench/loss_parity_width2048.py."""
+default, the subprocess runner, and CPU smoke runs of bench/pipeline.py, bench/checkpoint_save.py and
+bench/loss_parity_width2048.py."""
 
 import argparse
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, FAST, REPO_ROOT, recipe_env
+from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, ThrowawayAdamW, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness  # noqa: E402
@@ -170,9 +171,19 @@ def test_make_optimizer_reads_names_and_the_registry():
     assert [v.key for v in harness.ours()] == list(optimizers.VARIANTS)
 
 
-def test_pipeline_smoke(tmp_path):
+def test_optimizer_step_picks_up_a_registered_variant(throwaway):
+    """bench/optimizer_step.py times every registered variant by default and makes one by key."""
+    import optimizer_step
+
+    assert THROWAWAY_COMPONENT in optimizer_step.default_variants()
+    assert isinstance(optimizer_step.make_variant(THROWAWAY_KEY, [torch.nn.Parameter(torch.zeros(8))]), ThrowawayAdamW)
+
+
+@pytest.fixture(scope="module")
+def pipeline_result(tmp_path_factory):
     """bench/pipeline.py on the tiny config without its two eval stages (with them it takes about a minute of CPU,
-    lm-eval's start-up mostly): train with a step and an epoch checkpoint, then resume and reproduce the losses."""
+    lm-eval's start-up mostly): train with a step and an epoch checkpoint, then resume. Its JSON."""
+    tmp_path = tmp_path_factory.mktemp("pipeline")
     out = tmp_path / "pipeline.json"
     overrides = [o for o in FAST if not o.startswith("max_steps_per_epoch=")]
     proc = subprocess.run(
@@ -181,7 +192,12 @@ def test_pipeline_smoke(tmp_path):
          "--out", str(out), "--allow-dirty", *overrides],
         cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_pipeline_smoke(pipeline_result):
+    """The fine-tune's losses reproduced by the resume from its step checkpoint, and the provenance."""
+    result = pipeline_result
     assert result["ok"] and result["loss_max_abs_diff"] == 0.0
     assert list(result["stages"]) == ["train", "resume"]
     train = result["stages"]["train"]
@@ -192,6 +208,38 @@ def test_pipeline_smoke(tmp_path):
     assert result["stages"]["resume"]["command"].startswith("python recipes/full_finetune_single_device.py")
     for key in ("command", "hardware", "versions", "date", "code"):
         assert key in result
+
+
+def test_the_recipes_saved_lines_give_size_and_time(pipeline_result):
+    """Each checkpoint the recipe saves is announced with its size and write time, in the form bench/pipeline.py
+    reads (its SAVED pattern): the sizes are the folders' on disk."""
+    train = pipeline_result["stages"]["train"]
+    for save in train["saves"]:
+        assert save["gb"] is not None and save["save_s"] is not None and save["save_s"] >= 0, save["line"]
+        on_disk = train["checkpoints"][Path(save["path"]).name]["bytes"]
+        assert save["gb"] == pytest.approx(on_disk / 1e9, abs=0.006), save["line"]
+
+
+def test_checkpoint_bench_toy_rows(tmp_path):
+    """bench/checkpoint_save.py on the tiny config: a synchronous row saving once, an asynchronous row saving twice,
+    each stopped once its saves are measured; the per-save figures come from the recipe's lines and records."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/checkpoint_save.py", "--toy", "--data-dir", str(DATA_DIR), "--runs-dir",
+         str(tmp_path / "runs"), "--pack-cache-dir", "off", "--out", str(out), "--allow-dirty"],
+        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {"command", "hardware", "versions", "date", "code"} <= set(doc)
+    sync, background = doc["rows"]
+    assert not sync.get("error") and not background.get("error"), (sync.get("error"), background.get("error"))
+    assert [s["name"] for s in sync["saves"]] == ["step_2"] and not sync["async_checkpoint"]
+    assert sync["saves"][0]["blocked_s"] == sync["saves"][0]["write_s"] == sync["saves"][0]["total_s"]
+    assert [s["name"] for s in background["saves"]] == ["step_3", "step_6"] and background["async_checkpoint"]
+    assert all(s["blocked_s"] <= s["total_s"] for s in background["saves"])
+    assert background["staged_host_gib"] > 0 and background["peak_host_rss_gib"] > 0
+    assert len(background["writing_per_step"]) == len(background["tok_s_per_step"]) >= 7
+    assert not list((tmp_path / "runs").glob("*/step_*"))  # a row's checkpoints go with it
 
 
 def test_loss_parity_width2048_smoke(tmp_path):

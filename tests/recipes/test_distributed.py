@@ -38,14 +38,14 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, Optional
 
 import pytest
 import torch
 
-from conftest import DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, TUNE, RecipeRun, read_metrics, recipe_env, run_recipe
+from conftest import DISTRIBUTED_RECIPE as RECIPE
+from conftest import (DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_env,
+                      run_distributed, run_recipe)
 
-RECIPE = "recipes/full_finetune_distributed.py"
 RTOL_EXACT = 1e-4
 RTOL_QUANT = 1e-3
 RTOL_FP8 = 3e-3
@@ -69,18 +69,6 @@ RTOL = {"torch.optim.AdamW": RTOL_EXACT, "optimizers.AdamW": RTOL_EXACT, "optimi
 METRIC_KEYS = {"step", "epoch", "loss", "lr", "tokens_per_second", "tokens_per_second_per_gpu", "peak_rss_gib",
                "peak_rss_gib_per_rank", "optimizer_step_ms", "optimizer_state_bytes",
                "optimizer_state_bytes_per_rank", "grad_norm", "world_size"}
-
-
-def run_distributed(output_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 300,
-                    env: Optional[Dict[str, str]] = None) -> RecipeRun:
-    """``tune run --nproc_per_node N recipes/full_finetune_distributed.py`` on FAST tiny; nproc=0: no torchrun."""
-    launch = ["--nproc_per_node", str(nproc), "--standalone"] if nproc else []
-    args = [TUNE, "run", *launch, RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}",
-            f"output_dir={output_dir}", *FAST, "metric_logger=null", *overrides]
-    # One thread per rank: 2 ranks on 2 cores.
-    proc = subprocess.run(args, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1", **(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
-    return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
 
 @pytest.fixture(scope="module")

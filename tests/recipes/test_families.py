@@ -1,9 +1,9 @@
 """Every model family on the fine-tune recipe, each on a toy model of its architecture.
 
-The toys are bench/model_families.py's: each family's real config.json with 2 layers of width 64 (4 query heads in
-2 key/value groups; Qwen3 with head_dim 32, not 64 / 4), the family's RoPE, tying and biases, random values, and a
-1,024-token byte-level BPE trained here on Alpaca, written as the family's tokenizer.json and tokenizer_config.json
-(special tokens, chat template). Per family:
+The toys are tests/support.py's, saved by transformers as a user saves a model: each family's real config.json with
+2 layers of width 64 (4 query heads in 2 key/value groups; Qwen3 with head_dim 32, not 64 / 4), the family's RoPE,
+tying and biases, random values, and a 1,024-token byte-level BPE trained here on Alpaca, saved as the family's
+tokenizer.json and tokenizer_config.json (special tokens, chat template). Per family:
 
 - the HF round trip in both directions: transformers' checkpoint into our torchtune model, and our written folder
   into transformers, with the same logits (fp32: 1e-5; bf16: bf16's resolution), config.json naming the right
@@ -12,7 +12,7 @@ The toys are bench/model_families.py's: each family's real config.json with 2 la
   its resume from step_3 continuing with the same losses;
 - the saved checkpoint evaluated by recipes/evaluate.py with the score lm-eval's own `hf` path gives on that folder.
 
-The ten fine-tunes run in one subprocess (tests/_recipe_batch.py), started with conftest's pinned environment (the
+The ten fine-tunes run in one subprocess (``python tests/support.py``, its run_batch), started with conftest's pinned environment (the
 recorded losses need it), so torch and torchtune are imported once, not ten times. Everything else runs in this
 process. About 45 s on 2 cores.
 """
@@ -27,17 +27,14 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG, read_metrics, recipe_env
+import support
+from conftest import DATA_DIR, EVAL_CONFIG, REPO_ROOT, TINY_CONFIG, eval_recipe_module, read_metrics, recipe_env
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-import model_families as mf  # noqa: E402
-
-from finetune.checkpoint import hf_format  # noqa: E402
+from finetune.checkpoint import hf_format
 
 RTOL = 1e-4
 FINETUNED = ["llama3_1_8b", "llama3_2_3b", "qwen2_5_7b", "qwen3_8b", "mistral_7b"]
 ROUND_TRIP = FINETUNED + ["qwen2_5_3b"]  # Qwen 2.5's small sizes tie their embeddings
-EVAL_CONFIG = REPO_ROOT / "configs" / "eval" / "truthfulqa_mc2.yaml"
 
 # Recorded from the runs below (6 steps of 2 packed rows of 256 tokens, torch AdamW at lr 1e-2 with clipping, fp32)
 # with conftest's pinned environment on one thread: (losses, trained tokens per step).
@@ -68,22 +65,21 @@ def build_model(spec, hf, dtype=torch.float32):
     """Our torchtune model for config.json ``hf``, built as the recipe builds it (the spec's sizes builder)."""
     from torchtune import config, training
 
-    cfg = OmegaConf.from_dotlist(mf.model_overrides(spec, hf))
+    cfg = OmegaConf.from_dotlist(support.model_overrides(spec, hf))
     with training.set_default_dtype(dtype):
         return config.instantiate(cfg.model)
 
 
 @pytest.fixture(scope="module")
 def bpe():
-    return mf.train_bpe(mf.alpaca_texts(DATA_DIR, 2000), mf.TOY_BPE_SIZE)
+    return support.train_bpe(support.alpaca_texts(DATA_DIR, 2000), support.TOY_BPE_SIZE)
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, bpe):
     """Each family's toy HF checkpoint, made by transformers: {key: (folder, config.json)}."""
     root = tmp_path_factory.mktemp("sources")
-    return {key: (root / key, mf.make_checkpoint(root / key, mf.SPECS[key], mf.toy_hf(mf.SPECS[key]), bpe,
-                                                 scale=mf.TOY_SCALE)) for key in ROUND_TRIP}
+    return {key: (root / key, support.make_checkpoint(root / key, support.TOYS[key], bpe)) for key in ROUND_TRIP}
 
 
 def chat_file(path: Path, n: int = 48) -> Path:
@@ -99,7 +95,7 @@ def chat_file(path: Path, n: int = 48) -> Path:
 
 
 def finetune_args(key, source, hf, data, out, cache, *extra):
-    spec = mf.SPECS[key]
+    spec = support.TOYS[key]
     return ["--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", f"checkpoint_dir={source}",
             "metric_logger=null", "batch_size=2", "max_steps_per_epoch=6", "optimizer.lr=1e-2",
             "lr_scheduler.num_warmup_steps=0", "save_every_n_steps=3", f"pack_cache_dir={cache}",
@@ -107,7 +103,7 @@ def finetune_args(key, source, hf, data, out, cache, *extra):
             "~tokenizer.prompt_template", "tokenizer.max_seq_len=256", "tokenizer.chat_template=True",
             "dataset._component_=torchtune.datasets.chat_dataset", f"dataset.data_files={data}",
             "dataset.conversation_column=messages", "dataset.conversation_style=openai", "dataset.train_on_input=False",
-            "dataset.packed=True", *mf.model_overrides(spec, hf), *extra]
+            "dataset.packed=True", *support.model_overrides(spec, hf), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +121,7 @@ def runs(tmp_path_factory, sources):
     spec_file.write_text(json.dumps(batch))
     # One thread: at these sizes a second one costs more in handing work over than it computes (and the recorded
     # losses are of one thread's summation order).
-    proc = subprocess.run([sys.executable, "tests/_recipe_batch.py", str(spec_file)], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, support.__file__, str(spec_file)], cwd=REPO_ROOT,
                           env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), \
         (proc.stdout + proc.stderr)[-4000:]
@@ -137,8 +133,8 @@ def runs(tmp_path_factory, sources):
 
 @pytest.mark.parametrize("key", ROUND_TRIP)
 def test_hf_round_trip(key, sources, tmp_path):
-    spec, (source, hf) = mf.SPECS[key], sources[key]
-    family = hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
+    spec, (source, hf) = support.TOYS[key], sources[key]
+    family = hf_format.family_of(support.model_overrides(spec, hf)[0].split("=", 1)[1])
     assert family.name == spec.family and family.model_type == hf["model_type"]
     tokens = torch.randint(0, hf["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
 
@@ -160,7 +156,7 @@ def test_hf_round_trip(key, sources, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [family.architecture] and config["torch_dtype"] == "bfloat16"
     assert config["tie_word_embeddings"] == hf["tie_word_embeddings"]
-    toy = mf.toy_hf(spec)  # the config the source checkpoint was made from
+    toy = spec.hf  # the config the source checkpoint was made from
     assert config["rope_scaling"] == toy.get("rope_scaling") and config["rope_theta"] == toy["rope_theta"]
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
@@ -178,8 +174,8 @@ def test_a_checkpoint_of_another_family_or_tying_is_refused(sources):
     """Building Llama 3.1 for a Qwen checkpoint, or an untied model for a tied one, is one BadInput naming a fix."""
     from finetune.base import BadInput
 
-    llama = mf.SPECS["llama3_1_8b"]
-    model = build_model(llama, mf.toy_hf(llama))
+    llama = support.TOYS["llama3_1_8b"]
+    model = build_model(llama, llama.hf)
     with pytest.raises(BadInput, match=r"model_type='qwen2'.*torchtune\.models\.qwen2_5\.qwen2_5_7b_base"):
         hf_format.hf_config(model, torch.float32, sources["qwen2_5_7b"][1], hf_format.FAMILIES["llama3"])
     with pytest.raises(BadInput, match="tie_word_embeddings=True"):
@@ -209,13 +205,13 @@ def test_packed_chat_finetune_losses_and_exact_resume(key, runs):
 @pytest.mark.parametrize("key", FINETUNED)
 def test_saved_checkpoint_is_the_model_in_transformers(key, runs, sources):
     """The recipe's epoch_0: transformers loads it as the family's class, with our model's logits."""
-    spec, (_, hf), out = mf.SPECS[key], sources[key], runs[key][2]
+    spec, (_, hf), out = support.TOYS[key], sources[key], runs[key][2]
     ckpt = out / "epoch_0"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "recipe_state.pt"} <= {
         p.name for p in ckpt.iterdir()}
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model_type"] == hf["model_type"] and config["eos_token_id"] == hf["eos_token_id"]
-    family = hf_format.family_of(mf.model_overrides(spec, hf)[0].split("=", 1)[1])
+    family = hf_format.family_of(support.model_overrides(spec, hf)[0].split("=", 1)[1])
     ours = build_model(spec, hf)
     hf_format.load_weights(ours, ckpt, config, family)
     assert not torch.equal(ours.tok_embeddings.weight, build_model(spec, hf).tok_embeddings.weight)
@@ -228,12 +224,11 @@ def test_saved_checkpoint_is_the_model_in_transformers(key, runs, sources):
 @pytest.mark.parametrize("key", FINETUNED)
 def test_eval_of_the_saved_checkpoint_equals_lm_eval_hf(key, runs, tmp_path):
     from eval.parity import run_lm_eval_hf
-    from test_eval import _recipe_module
 
     ckpt = runs[key][2] / "epoch_0"
     cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
                                                         "device": "cpu", "limit": 2, "output_dir": str(tmp_path)})
-    assert _recipe_module().recipe_main.__wrapped__(cfg) == 0
+    assert eval_recipe_module().recipe_main.__wrapped__(cfg) == 0
     (results_file,) = tmp_path.glob("results_*.json")
     ours = json.loads(results_file.read_text())["results"]["truthfulqa_mc2"]["acc,none"]
     ref, _ = run_lm_eval_hf(ckpt, DATA_DIR, limit=2, batch_size=8, add_bos=False)

@@ -4,8 +4,8 @@ finetune/data/tokenizer.py reads a model folder's tokenizer.json and tokenizer_c
 text (BOS, prompt, response, EOS), conversations through the family's chat template with only the assistant's text
 and its end-of-turn token trained. finetune/data/loading.py builds torchtune's instruct_dataset and chat_dataset from local
 JSON, JSONL or Parquet, checks every record first (one BadInput naming the record), and packs them like Alpaca. The
-tokenizers are bench/model_families.py's stand-ins (a BPE trained here on Alpaca, each family's special tokens and
-chat template).
+tokenizers are tests/support.py's stand-ins, saved by transformers (a BPE trained here on Alpaca, each family's
+special tokens and chat template).
 """
 
 import json
@@ -16,15 +16,13 @@ import pytest
 from omegaconf import OmegaConf
 from torchtune.data import Message
 
+import support
 from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-import model_families as mf  # noqa: E402
-
-from finetune.base import BadInput  # noqa: E402
-from finetune.data import loading  # noqa: E402
-from finetune.data.packing import PackedSFTDataset  # noqa: E402
-from finetune.data.tokenizer import HFTokenizer  # noqa: E402
+from finetune.base import BadInput
+from finetune.data import loading
+from finetune.data.packing import PackedSFTDataset
+from finetune.data.tokenizer import HFTokenizer
 
 FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
 CONVERSATION = [Message("user", "Name a colour.", masked=True), Message("assistant", "Blue."),
@@ -37,10 +35,10 @@ TRAINED = {"llama3": "Blue.<|eot_id|>Green, then red.<|eot_id|>", "qwen2": "Blue
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each family's stand-in tokenizer folder: {family: folder}."""
-    bpe = mf.train_bpe(mf.alpaca_texts(DATA_DIR, 2000), mf.TOY_BPE_SIZE)
+    bpe = support.train_bpe(support.alpaca_texts(DATA_DIR, 2000), support.TOY_BPE_SIZE)
     root = tmp_path_factory.mktemp("tokenizers")
     for family, key in FAMILIES.items():
-        mf.write_tokenizer(root / family, mf.SPECS[key], bpe)
+        support.write_tokenizer(root / family, support.TOYS[key], bpe)
     return {family: root / family for family in FAMILIES}
 
 
@@ -97,7 +95,8 @@ SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="t
 
 
 def build(cfg: dict, tok, packed=False):
-    return loading.build_dataset(OmegaConf.create({**cfg, "packed": packed}), tok, SETTINGS, log=SimpleNamespace(
+    settings = SimpleNamespace(**vars(SETTINGS), packed=packed)  # (the settings read dataset.packed)
+    return loading.build_dataset(OmegaConf.create({**cfg, "packed": packed}), tok, settings, log=SimpleNamespace(
         info=lambda *_: None, warning=lambda *_: None))
 
 

@@ -24,26 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (DATA_DIR, FAST, LOCK_HOLDER, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics,
-                      recipe_command, recipe_env, run_recipe)
-
-
-def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
-    """recipe_main in this process, as `tune run` would call it."""
-    from recipes.full_finetune_single_device import recipe_main
-
-    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
-            "metric_logger=null", "pack_cache_dir=off", *overrides]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.chdir(REPO_ROOT)
-    capsys.readouterr()
-    code = 0
-    try:
-        recipe_main()
-    except SystemExit as e:
-        code = e.code or 0
-    captured = capsys.readouterr()
-    return RecipeRun(code, captured.out, captured.err, Path(output_dir), read_metrics(output_dir))
+from conftest import (DATA_DIR, LOCK_HOLDER, REPO_ROOT, RecipeRun, read_metrics, recipe_command, recipe_env,
+                      run_in_process, run_recipe)
 
 
 @pytest.fixture

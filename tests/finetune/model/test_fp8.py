@@ -9,8 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import run_recipe
-from test_reliability import run_in_process
+from conftest import run_in_process, run_recipe
 
 
 def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):

@@ -14,7 +14,6 @@ import os
 import pickle
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import optimizers  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT  # noqa: E402
 
 
 def variants() -> list:

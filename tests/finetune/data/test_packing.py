@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DATA_DIR, REPO_ROOT, kill_once_saved, pinned_inductor_cache, recipe_env, run_recipe
+from conftest import (DATA_DIR, REPO_ROOT, kill_once_saved, pinned_inductor_cache, recipe_env, run_distributed,
+                      run_recipe)
 
 from finetune.data import packing as _packing
 
@@ -178,8 +179,6 @@ def test_bad_ac_mode_is_a_one_line_error_with_exit_2(recipe_runner):
 
 def test_two_ranks_pack_and_match_one_device(tmp_path):
     """The FSDP2 recipe packs the same rows on every rank: 2 ranks x 1 row give one device's 2-row losses."""
-    from test_distributed import run_distributed
-
     run = run_distributed(tmp_path / "out", *PACKED, f"pack_cache_dir={tmp_path / 'c'}", "batch_size=1")
     assert run.ok, run.stderr[-3000:]
     assert [m["tokens"] for m in run.metrics] == PACKED_TOKENS

@@ -1,7 +1,7 @@
 """bench/compare.py on the tiny config: the outputs have their structure and their numbers come from the runs.
 
 bench/_harness.py (provenance, the dirty-tree refusal, default output folders) and the other benchmarks' smoke runs
-are tested in tests/test_bench_harness.py."""
+are tested in test_harness.py beside this file."""
 
 import dataclasses
 import json
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DATA_DIR, FAST, REPO_ROOT, read_metrics, recipe_env
+from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, read_metrics, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness  # noqa: E402
@@ -135,6 +135,14 @@ def test_our_rows_come_from_the_registry_at_call_time(monkeypatch):
     assert compare.resolve_variants("all") == list(harness.ANCHORS.values())
     with pytest.raises(SystemExit, match="unknown variant 'ours8'"):
         compare.resolve_variants("ours8")
+
+
+def test_compare_resolves_registered_variants(throwaway):
+    """bench/compare.py --variants reads optimizers.VARIANTS at call time: by short key and by config path."""
+    for name in (THROWAWAY_KEY, THROWAWAY_COMPONENT):
+        ((variant, overrides),) = compare.resolve_variants(name)
+        assert variant == THROWAWAY_COMPONENT and f"optimizer={THROWAWAY_COMPONENT}" in overrides
+    assert [v[0] for v in compare.resolve_variants("ours8,ours4")] == ["optimizers.AdamW8bit", "optimizers.AdamW4bit"]
 
 
 def test_busy_machine_is_recorded_and_warned(bench_run):

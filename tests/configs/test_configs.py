@@ -1,7 +1,6 @@
 """Every YAML in configs/ loads, resolves and names importable components; the fine-tune
 configs also instantiate their parts (the 7B model on the meta device, no weights needed)."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,8 @@ from omegaconf import OmegaConf
 from torchtune import config, training
 from torchtune.config._utils import _get_component_from_path
 
-from conftest import DATA_DIR, REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "bench"))
+import support
+from conftest import DATA_DIR, LLAMA2_TOKENIZER, REPO_ROOT
 
 ALL_CONFIGS = sorted(p.relative_to(REPO_ROOT) for p in (REPO_ROOT / "configs").rglob("*.yaml"))
 FINETUNE_CONFIGS = [p for p in ALL_CONFIGS if "full_finetune_single_device" in (REPO_ROOT / p).read_text()]
@@ -34,15 +32,13 @@ def load(path: Path, tmp_path: Path):
     overrides = {"data_dir": str(DATA_DIR), "output_dir": str(tmp_path / "out")}
     if cfg.get("checkpoint_dir") is not None and "tokenizer" in cfg:
         # The 7B config reads the tokenizer from the (absent) checkpoint folder: stand one in (Llama 2's
-        # tokenizer.model; for the other families, bench/model_families.py's stand-in tokenizer.json).
+        # tokenizer.model; for the other families, support.py's stand-in tokenizer of the family).
         fake = tmp_path / "ckpt"
         fake.mkdir()
-        (fake / "tokenizer.model").symlink_to(DATA_DIR / "llama2_tokenizer" / "tokenizer.model")
+        (fake / "tokenizer.model").symlink_to(LLAMA2_TOKENIZER)
         if str(cfg.tokenizer.get("path", "")).endswith("tokenizer.json"):
-            import model_families as mf
-
-            spec = next(s for s in mf.SPECS.values() if s.key.split("_")[0] in str(path))
-            mf.write_tokenizer(fake, spec, mf.train_bpe(mf.alpaca_texts(DATA_DIR, 200), 512))
+            toy = next(t for t in support.TOYS.values() if t.key.split("_")[0] in str(path))
+            support.write_tokenizer(fake, toy, support.train_bpe(support.alpaca_texts(DATA_DIR, 200), 512))
         overrides["checkpoint_dir"] = str(fake)
     return OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if k in cfg})
 

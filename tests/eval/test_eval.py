@@ -5,7 +5,6 @@ CPU only, about a minute and a half on 2 cores. The model is a random-init 2-lay
 32000-token vocabulary, so the tokenizer, the prompt lengths and lm-eval's code paths are the real ones.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,29 +19,19 @@ import transformers
 from lm_eval.tasks import TaskManager
 from omegaconf import OmegaConf
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from conftest import LLAMA2_TOKENIZER as TOKENIZER
+from conftest import DATA_DIR, EVAL_CONFIG, REPO_ROOT, TUNE, eval_recipe_module  # (TUNE: the `tune` beside this Python)
+
 sys.path.insert(0, str(REPO_ROOT))  # `eval` from this checkout, installed or not
 
+import support  # noqa: E402
 from eval.checkpoint import load_tokenizer  # noqa: E402
 from eval.harness import HFLM  # noqa: E402  (lm-eval's class; the import says what to install if it fails)
 from eval.parity import reference_task_config, run_lm_eval_hf  # noqa: E402
 from eval.truthfulqa import TASK_NAME, local_task_config  # noqa: E402
 
-from conftest import TUNE  # noqa: E402  (the `tune` beside this Python: no activated venv needed)
-
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 MC_TASK = DATA_DIR / "truthfulqa" / "mc_task.json"
-TOKENIZER = DATA_DIR / "llama2_tokenizer" / "tokenizer.model"
-EVAL_CONFIG = REPO_ROOT / "configs" / "eval" / "truthfulqa_mc2.yaml"
 LIMIT = 8  # questions in the parity test (~60 loglikelihood requests)
-
-
-def _recipe_module():
-    # By file path: the name `recipes` may resolve to torchtune's own package when this repo isn't installed.
-    spec = importlib.util.spec_from_file_location("evaluate_recipe", REPO_ROOT / "recipes" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tune_env() -> dict:
@@ -54,15 +43,7 @@ def _tune_env() -> dict:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """An HF-format Llama folder as CONVENTIONS.md describes: config.json, model.safetensors, tokenizer.model."""
-    path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    shutil.copy(TOKENIZER, path / "tokenizer.model")
-    return path
+    return support.make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), TOKENIZER)
 
 
 def _task(spec):
@@ -167,7 +148,7 @@ def test_wandb_logging(tmp_path, tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     overrides = {"checkpoint_dir": str(tiny_checkpoint), "data_dir": str(DATA_DIR), "device": "cpu", "limit": 2,
                  "output_dir": str(tmp_path / "out"), "wandb_project": "eval-test"}  # fmt: skip
-    assert _recipe_module().recipe_main.__wrapped__(OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), overrides)) == 0
+    assert eval_recipe_module().recipe_main.__wrapped__(OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), overrides)) == 0
     (results_file,) = (tmp_path / "out").glob("results_*.json")
     score = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
@@ -179,7 +160,6 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
     """Eval and the fine-tune recipes read "an HF checkpoint folder" through one function, so they accept the same
     folders: an old-style pytorch_model.bin (plain tensors, read with weights_only=True) scores exactly as the
     safetensors folder it came from; an index naming a missing shard is refused by both, naming the shard."""
-    import torch
     from safetensors.torch import load_file
 
     import eval.checkpoint as ec
@@ -196,7 +176,7 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
                                                                     else ["model.safetensors"])
         cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
                                                             "device": "cpu", "limit": 2, "output_dir": str(ckpt / "e")})
-        assert _recipe_module().recipe_main.__wrapped__(cfg) == 0
+        assert eval_recipe_module().recipe_main.__wrapped__(cfg) == 0
         (results_file,) = (ckpt / "e").glob("results_*.json")
         score[kind] = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]
     assert score["bin"] == score["safetensors"]
@@ -216,7 +196,7 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
 
 def _run_recipe(capsys, **overrides) -> str:
     cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"data_dir": str(DATA_DIR), "device": "cpu", "limit": 1}, overrides)
-    status = _recipe_module().recipe_main.__wrapped__(cfg)  # past @config.parse, which reads sys.argv
+    status = eval_recipe_module().recipe_main.__wrapped__(cfg)  # past @config.parse, which reads sys.argv
     err = capsys.readouterr().err.strip()
     assert status == 2
     errors = [line for line in err.splitlines() if line.startswith("error: ")]

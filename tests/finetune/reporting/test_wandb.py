@@ -2,8 +2,8 @@
 
 Two FAST fine-tunes (torch's AdamW and optimizers.AdamW8bit, 4 steps, wandb offline as without an API key) and
 one eval of each run's last checkpoint run once in this process (module fixture, about 40 s on 2 cores). The
-offline runs are read with wandb's own reader (``wandb leet inspect --json``, through bench/table.py), never by
-the code that wrote them.
+offline runs are read with wandb's own reader (``wandb leet inspect --json``, through support.wandb_runs), never by
+the code that wrote them; bench/table.py makes its table from them as a user runs it.
 """
 
 import contextlib
@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -20,12 +21,8 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics
-
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-import table  # noqa: E402  (bench/table.py)
-
-EVAL_CONFIG = REPO_ROOT / "configs" / "eval" / "truthfulqa_mc2.yaml"
+import support
+from conftest import DATA_DIR, EVAL_CONFIG, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics
 VARIANTS = {"torch.optim.AdamW": "torch.AdamW", "optimizers.AdamW8bit": "AdamW8bit"}
 STEPS = 4
 # The numbers every run's summary holds, in summary.json and in its wandb run alike (finetune/reporting/metrics.py).
@@ -80,7 +77,7 @@ def runs(tmp_path_factory):
         assert run.ok, run.stdout[-3000:]
         with user_env():
             eval_out = evaluate(folder / "epoch_0")
-        out[optimizer] = {"run": run, "eval": eval_out, "wandb": table.wandb_runs(folder)}
+        out[optimizer] = {"run": run, "eval": eval_out, "wandb": support.wandb_runs(folder)}
     return out
 
 
@@ -137,10 +134,18 @@ def test_eval_score_lands_in_the_training_run(runs):
             runs[optimizer]["eval"]
 
 
+def table(folders, source: str, out_dir: Path) -> dict:
+    """``python bench/table.py --from SOURCE FOLDERS --out-dir OUT_DIR``, as a user runs it: its table.json."""
+    proc = subprocess.run([sys.executable, "bench/table.py", "--from", source, *map(str, folders), "--out-dir",
+                           str(out_dir)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads((out_dir / "table.json").read_text())
+
+
 def test_table_from_run_folders_equals_the_table_from_wandb(runs, tmp_path):
     folders = [runs[o]["run"].output_dir for o in VARIANTS]
-    from_folders = table.build(folders, "folders", tmp_path / "folders", [])
-    from_wandb = table.build(folders, "wandb", tmp_path / "wandb", [])
+    from_folders = table(folders, "folders", tmp_path / "folders")
+    from_wandb = table(folders, "wandb", tmp_path / "wandb")
     names = [f"tiny-{v}" for v in VARIANTS.values()]
     assert [r["name"] for r in from_folders["rows"]] == [r["name"] for r in from_wandb["rows"]] == names
     text = (tmp_path / "folders" / "table.md").read_text()
@@ -161,7 +166,7 @@ def test_a_checkpoint_without_a_run_id_still_evaluates(runs, tmp_path):
         evaluate(checkpoint, output_dir=str(tmp_path / "out"), wandb_project="evals")
     (results_file,) = (tmp_path / "out").glob("results_*.json")
     score = json.loads(results_file.read_text())["results"]["truthfulqa_mc2"]["acc,none"]
-    (own,) = table.wandb_runs(tmp_path).values()
+    (own,) = support.wandb_runs(tmp_path).values()
     assert own["name"] == "eval-ckpt" and len(own["files"]) == 1
     assert own["summary"]["eval/truthfulqa_mc2"] == score
     assert [row["truthfulqa_mc2/acc"] for row in own["history"] if "truthfulqa_mc2/acc" in row] == [score]
@@ -173,13 +178,14 @@ def test_metric_logger_name_group_tags_override_the_defaults():
     from finetune.reporting.wandb_run import run_identity, variant_label
 
     cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), OmegaConf.from_dotlist(
-        [f"data_dir={DATA_DIR}", "metric_logger.name=mine", "metric_logger.tags=[a,b]", "compile=True"]))
+        [f"data_dir={DATA_DIR}", "metric_logger.name=mine", "metric_logger.tags=[a,b]", "compile=True",
+         "dataset.packed=True"]))
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, read_settings(cfg), packed=True)
+        identity = run_identity(cfg, read_settings(cfg))
     assert (identity["name"], identity["group"], identity["tags"]) == ("mine", "7B_full_24gb", ["a", "b"])
     cfg.metric_logger.pop("tags")
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, read_settings(cfg), packed=True)
+        identity = run_identity(cfg, read_settings(cfg))
     assert identity["tags"] == ["24gb", "torch.AdamW", "packed", "compiled"]
     assert [variant_label(p) for p in ("optimizers.AdamW4bit", "torchao.optim.AdamW8bit",
                                        "bitsandbytes.optim.PagedAdamW8bit", "my.pkg.MyAdamW")] == [

@@ -11,8 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import run_recipe
-from test_reliability import run_in_process
+from conftest import run_in_process, run_recipe
 
 
 def tiny_model(num_kv_heads=4):
@@ -99,9 +98,10 @@ def test_packed_attention_checks(settings, words):
     from finetune.base import BadInput
     from finetune.settings import read_packed_attention
 
+    packed = settings.get("dataset", {}).get("packed", False)  # (read by the settings, then passed on)
     with pytest.raises(BadInput, match=words):
-        read_packed_attention(OmegaConf.create(settings), torch.device("cpu"))
-    assert read_packed_attention(OmegaConf.create({}), torch.device("cpu")) == "flex"
+        read_packed_attention(OmegaConf.create(settings), torch.device("cpu"), packed=packed)
+    assert read_packed_attention(OmegaConf.create({}), torch.device("cpu"), packed=False) == "flex"
 
 
 @pytest.mark.parametrize("capability, available, words", [
@@ -120,10 +120,10 @@ def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
     monkeypatch.setattr(_attention, "varlen_available", lambda: available)
     cfg = OmegaConf.create({"packed_attention": "varlen", "dataset": {"packed": True}})
     if words is None:
-        assert read_packed_attention(cfg, torch.device("cuda")) == "varlen"
+        assert read_packed_attention(cfg, torch.device("cuda"), packed=True) == "varlen"
     else:
         with pytest.raises(BadInput, match=words):
-            read_packed_attention(cfg, torch.device("cuda"))
+            read_packed_attention(cfg, torch.device("cuda"), packed=True)
 
 
 def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA_DIR
-from test_eval import EVAL_CONFIG, TOKENIZER, _recipe_module
+import support
+from conftest import DATA_DIR, EVAL_CONFIG, LLAMA2_TOKENIZER, eval_recipe_module
 
 from eval.checkpoint import check_checkpoint
 from eval.errors import EvalInputError
@@ -29,13 +28,7 @@ from eval.errors import EvalInputError
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    shutil.copy(TOKENIZER, path / "tokenizer.model")
-    return path
+    return support.make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), LLAMA2_TOKENIZER)
 
 
 def copy(checkpoint: Path, dest: Path) -> Path:
@@ -46,7 +39,7 @@ def evaluate(capsys, ckpt: Path) -> str:
     """The eval recipe in this process, as `tune run` calls it; returns its one error line (asserting exit 2)."""
     cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
                                                         "device": "cpu", "limit": 1, "output_dir": str(ckpt / "e")})
-    status = _recipe_module().recipe_main.__wrapped__(cfg)
+    status = eval_recipe_module().recipe_main.__wrapped__(cfg)
     err = capsys.readouterr().err.strip()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert status == 2 and len(errors) == 1 and err.endswith(errors[0]), err[-2000:]
