@@ -25,6 +25,7 @@ from finetune.base import BadInput, first_line, hf_weight_files  # noqa: F401  (
 from finetune.model import attention
 from finetune.data import packing
 from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
+from finetune.checkpoint import hf_format
 from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
 from finetune.optimizer import OptimizerSpec, resolve_optimizer
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
@@ -159,7 +160,8 @@ def flag(cfg: DictConfig, key: str, default: bool = False) -> bool:
 @dataclass
 class Settings:
     """Every scalar and path a fine-tune recipe reads, checked. Components (model, tokenizer, dataset, loss,
-    lr_scheduler, metric_logger) stay config sections, built with ``config.instantiate``."""
+    lr_scheduler, metric_logger) stay config sections, built with ``config.instantiate``; the model's is ``model``:
+    the config's, or with checkpoint_dir the folder's model read from its config.json (``resolve_model``)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -199,6 +201,9 @@ class Settings:
     packed: bool = False  # dataset.packed: samples packed into rows of tokenizer.max_seq_len
     source_config: Optional[dict] = None  # checkpoint_dir's config.json, read once
     packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
+    model: Any = None  # the model section the recipes instantiate (resolve_model)
+    family: str = hf_format.DEFAULT_FAMILY  # its hf_format.FAMILIES key
+    model_note: Optional[str] = None  # the line the recipes log when the model is the folder's
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -339,6 +344,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                            f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
                            f"{key} there, or set output_dir to a new folder (e.g. output_dir="
                            f"{fresh_dir_name(output_dir)}) and keep overwrite=False")
+    model, family, model_note = resolve_model(cfg, paths["checkpoint_dir"], paths["source_config"])
     return Settings(
         device=device, dtype=training.get_dtype(dtype_name, device=device), batch_size=batch_size, epochs=epochs,
         max_steps_per_epoch=max_steps, accum=accum, log_every=log_every, save_every=save_every, clip=clip,
@@ -351,7 +357,30 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
         dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
-        async_checkpoint=async_checkpoint, packed=packed, packed_attention=packed_attention)
+        async_checkpoint=async_checkpoint, packed=packed, packed_attention=packed_attention, model=model,
+        family=family, model_note=model_note)
+
+
+def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optional[dict]):
+    """(the model section to instantiate, its family, the line to log). With checkpoint_dir's config.json, the
+    folder's model: every architecture field of config.json is what the model is built with, or one BadInput
+    naming it (hf_format.resolve_model); ``model._component_`` is optional there, and checked against the folder's
+    family when given. Without one, the config's model section, as written."""
+    section = cfg.get("model")
+    given = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_dict(section) else {}
+    if source is None:
+        if not given.get("_component_"):
+            raise BadInput("model._component_ is not set; name a model builder (e.g. "
+                           "model._component_=torchtune.models.llama2.llama2_7b), or set checkpoint_dir=DIR (a Hugging "
+                           "Face model folder: its config.json describes the model)")
+        return section, hf_format.family_of(given["_component_"]).name, None
+    family, built = hf_format.resolve_model(source, given)
+    note = (f"Model: {family.name} built from {checkpoint_dir / 'config.json'}: {built['num_layers']} layers of "
+            f"width {built['embed_dim']}, {built['num_heads']} heads ({built['num_kv_heads']} key/value) of "
+            f"{built['head_dim']}, vocabulary {built['vocab_size']}, RoPE base {built['rope_base']:g}"
+            f"{' (Llama 3.1 scaling)' if built.get('rope_scaling') else ''}, norm eps {built['norm_eps']:g}"
+            f"{', tied embeddings' if built['tie_word_embeddings'] else ''}")
+    return OmegaConf.create(built), family.name, note
 
 
 def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:

@@ -169,8 +169,10 @@ class FullFinetuneRecipeDistributed:
         # Build on the meta device (no memory), shard, then fill the shards from rank 0's full weights.
         s = self.settings
         with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg.model)
-        self._family = hf_format.family_of(s.model_component)
+            model = config.instantiate(s.model)
+        if s.model_note:
+            utils.log_rank_zero(log, s.model_note)
+        self._family = hf_format.FAMILIES[s.family]
         self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
         meta_sd = model.state_dict()
 
@@ -219,7 +221,7 @@ class FullFinetuneRecipeDistributed:
         error, sd = None, {}
         if weights is None:
             with training.set_default_dtype(self._dtype), self._device:
-                full = config.instantiate(cfg.model)
+                full = config.instantiate(s.model)
             sd = {k: v.detach() for k, v in full.state_dict().items()}
             del full
         else:

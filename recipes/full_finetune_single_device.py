@@ -131,9 +131,11 @@ class FullFinetuneRecipeSingleDevice:
     def _setup_model(self, cfg: DictConfig) -> modules.TransformerDecoder:
         s = self.settings
         with training.set_default_dtype(self._dtype), self._device:
-            model = config.instantiate(cfg.model)
+            model = config.instantiate(s.model)
+        if s.model_note:
+            log.info(s.model_note)
         # The HF config is read off the model before AC and compile wrap its layers.
-        self._family = hf_format.family_of(s.model_component)
+        self._family = hf_format.FAMILIES[s.family]
         self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
         weights = s.resume_dir or s.checkpoint_dir
         if weights is not None:

@@ -7,10 +7,13 @@ and Mistral builders permute the query and key projections for their RoPE; torch
 directions.
 
 A model family is one ``Family`` row in ``FAMILIES``: its ``model_type`` and architecture class, the torchtune
-builders that make it, the config.json fields it always writes, and its converters. Everything else in config.json
-is read off the built model (sizes, tied embeddings, RoPE base and Llama 3 scaling), so one row serves every size
-of a family. The recipes never branch on a family; they call ``family_of``, ``hf_config``, ``read_weights`` /
-``to_tune`` and ``write_folder``. docs/models.md says how to add a family.
+builders that make it, the config.json fields it always writes, its converters, and the function that reads a
+config.json of the family into the model's keywords (finetune/model/from_hf_config.py), so one row serves every
+size of a family. With checkpoint_dir, ``resolve_model`` picks the family from config.json and builds the folder's
+model; config.json is written back as the source's, with only the run's dtype changed. Without one, config.json is
+read off the built model (sizes, tied embeddings, RoPE base and Llama 3 scaling). The recipes never branch on a
+family; they call ``resolve_model`` (through settings), ``hf_config``, ``read_weights`` / ``to_tune`` and
+``write_folder``. docs/models.md says how to add a family.
 """
 
 import json
@@ -26,13 +29,16 @@ from torchtune.models.convert_weights import get_mapped_key
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 
 from finetune.base import BadInput, hf_weight_files, load_state_file
+from finetune.model import from_hf_config
 
 WEIGHTS_FILE = "model.safetensors"
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 WEIGHTS_METADATA = {"format": "pt"}  # model.safetensors' header metadata, as transformers writes it
 # Files of the tokenizer that a checkpoint folder carries when they sit beside ``tokenizer.path`` (the first two are
-# what transformers' AutoTokenizer reads; tokenizer.model is SentencePiece, Llama 2's and Mistral's).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# what transformers' AutoTokenizer reads; chat_template.jinja is where transformers 5 keeps the chat template, which
+# the fine-tuned model needs as much as the source did; tokenizer.model is SentencePiece, Llama 2's and Mistral's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model")
 
 
 def _rename(mapping: Dict[str, Optional[str]]) -> Callable:
@@ -64,6 +70,8 @@ class Family:
     fixed: Dict[str, Any] = field(default_factory=dict)  # config.json fields this family always writes
     hf_to_tune: Callable = convert_weights.hf_to_tune  # (state, num_heads, num_kv_heads, dim, head_dim) -> state
     tune_to_hf: Callable = convert_weights.tune_to_hf
+    # transformers' config of the family -> from_hf_config.decoder's keywords; a BadInput for what it cannot honour
+    from_config: Callable = from_hf_config.llama
 
 
 # torchtune's builders have no sliding-window attention: the families that can have one say so in config.json.
@@ -85,18 +93,19 @@ FAMILIES: Dict[str, Family] = {
         name="qwen2", builders=("torchtune.models.qwen2.", "torchtune.models.qwen2_5."), model_type="qwen2",
         architecture="Qwen2ForCausalLM", example_builder="torchtune.models.qwen2_5.qwen2_5_7b_base",
         fixed={"hidden_act": "silu", "use_sliding_window": False}, hf_to_tune=_rename(_QWEN2_FROM_HF),
-        tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF))),
+        tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF)), from_config=from_hf_config.qwen2),
     # Qwen3 (our builder, finetune/model/builders.py): no biases, RMSNorm per head on q and k before RoPE.
     "qwen3": Family(
         name="qwen3", builders=("finetune.model.qwen3", "finetune.model.builders.qwen3"), model_type="qwen3", architecture="Qwen3ForCausalLM",
         example_builder="finetune.model.qwen3_8b",
         fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
-        hf_to_tune=_rename(_QWEN3_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF))),
+        hf_to_tune=_rename(_QWEN3_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF)),
+        from_config=from_hf_config.qwen3),
     "mistral": Family(
         name="mistral", builders=("torchtune.models.mistral.", "finetune.model.mistral", "finetune.model.builders.mistral"),
         model_type="mistral",
         architecture="MistralForCausalLM", example_builder="finetune.model.mistral_7b_v0_3",
-        fixed={"hidden_act": "silu", "sliding_window": None}),
+        fixed={"hidden_act": "silu", "sliding_window": None}, from_config=from_hf_config.mistral),
 }
 DEFAULT_FAMILY = "llama2"
 
@@ -110,6 +119,50 @@ def family_of(model_component: Optional[str]) -> Family:
     return FAMILIES[DEFAULT_FAMILY]
 
 
+def _is_family_builder(model_component: Optional[str]) -> bool:
+    return any(str(model_component or "").startswith(f.builders) for f in FAMILIES.values())
+
+
+def source_family(source: dict) -> Family:
+    """The family of a checkpoint's config.json: its model_type; for ``llama``, Llama 3.x when the RoPE is Llama
+    3.1's or the vocabulary is Llama 3's (128,256), else Llama 2 (the two differ only in those, both read here)."""
+    found = source.get("model_type")
+    matches = [f for f in FAMILIES.values() if f.model_type == found]
+    if not matches:
+        raise BadInput(f"checkpoint_dir's config.json has model_type={found!r}; the families this recipe reads are: "
+                       f"{', '.join(sorted({f.model_type for f in FAMILIES.values()}))} (docs/models.md)")
+    if found == "llama":
+        rope = source.get("rope_parameters") or source.get("rope_scaling") or {}
+        llama3 = (rope.get("rope_type") or rope.get("type")) == "llama3" or source.get("vocab_size", 0) >= 128_000
+        return FAMILIES["llama3" if llama3 else "llama2"]
+    return matches[0]
+
+
+def resolve_model(source: dict, model_section: Optional[dict]) -> Tuple[Family, dict]:
+    """The family and the model section (``_component_`` and keywords, for ``config.instantiate``) of the model
+    checkpoint_dir's config.json ``source`` describes, checked before anything is built.
+
+    ``model_section`` (the config's ``model``, resolved) may name a builder: it must be of the folder's family
+    (Llama 2 and 3.x builders both take a ``llama`` folder), and its keywords must say what config.json says. Every
+    architecture field is then what the model is built with, or a BadInput naming the field (the family's
+    ``from_config``)."""
+    section = dict(model_section or {})
+    component = section.get("_component_")
+    family = source_family(source)
+    if component:
+        if not _is_family_builder(component):
+            raise BadInput(f"model._component_={component} is not a builder of a family this recipe reads, and with "
+                           f"checkpoint_dir the model is built from its config.json ({family.name}); remove "
+                           f"model._component_ (~model._component_), or name a builder of that family (e.g. "
+                           f"{family.example_builder})")
+        named = family_of(component)
+        check_source_family(source, named)
+        family = named  # (a llama folder: the family the config names, Llama 2 or 3.x)
+    kwargs = family.from_config(from_hf_config.read_config(source))
+    from_hf_config.check_model_keys(section, kwargs)
+    return family, {"_component_": from_hf_config.COMPONENT, **kwargs}
+
+
 def rope_scaling(rope: torch.nn.Module) -> Optional[dict]:
     """config.json's ``rope_scaling`` for torchtune's RoPE module: Llama 3.1's scaled RoPE, or None (plain RoPE)."""
     if not hasattr(rope, "scale_factor"):
@@ -121,11 +174,14 @@ def rope_scaling(rope: torch.nn.Module) -> Optional[dict]:
 
 def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], family: Family,
               tokenizer=None) -> dict:
-    """config.json for ``family``'s transformers class, read off the built model.
+    """config.json for ``family``'s transformers class: ``base`` (the source checkpoint's config.json) with the
+    run's dtype, or without one, read off the built model.
 
-    ``base`` (the source checkpoint's config.json, if any) is kept for keys we do not derive, such as bos/eos ids;
-    without it they come from ``tokenizer``. A source checkpoint of another family, or one whose embedding tying
-    differs from the model's, is a BadInput. Call it before activation checkpointing or compile wrap the layers.
+    Every field of ``base`` is kept as the source wrote it (the model was built from it: ``resolve_model``), so
+    transformers reads the written folder as it read the source; the fields read off the model must agree with it
+    (a source checkpoint of another family, or whose sizes, tying, RoPE or norm differ from the model's, is a
+    BadInput naming the field). Without ``base``, bos/eos ids come from ``tokenizer``. Call it before activation
+    checkpointing or compile wrap the layers.
     """
     layer = model.layers[0]
     attn = layer.attn
@@ -139,7 +195,7 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
                 f"size (e.g. {family.example_builder}), or set model.tie_word_embeddings where the builder takes it")
     rope = attn.pos_embeddings
     scaling = rope_scaling(rope)
-    hf = dict(base or {})
+    hf = {}
     hf.update(
         architectures=[family.architecture],
         model_type=family.model_type,
@@ -161,11 +217,45 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
         **family.fixed,
         torch_dtype=DTYPE_NAMES[dtype],
     )
+    if base is not None:
+        check_model_fits_source(hf, base, family)
+        # The source's own fields win: its spelling of RoPE (rope_parameters or rope_theta/rope_scaling), head_dim
+        # left to transformers' default, fields we do not read; only the dtype is the run's.
+        hf = {**{k: v for k, v in hf.items() if k not in ROPE_KEYS and k not in ("head_dim", "torch_dtype")}, **base}
+        hf["dtype" if "dtype" in base else "torch_dtype"] = DTYPE_NAMES[dtype]  # (transformers 5's name, or 4's)
     if base is None or "bos_token_id" not in base:
         hf["bos_token_id"] = getattr(tokenizer, "bos_id", None) if tokenizer is not None else 1
     if base is None or "eos_token_id" not in base:
         hf["eos_token_id"] = getattr(tokenizer, "eos_id", None) if tokenizer is not None else 2
     return hf
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def check_model_fits_source(derived: dict, base: dict, family: Family) -> None:
+    """The model's own config.json fields (``derived``, read off it) against the source's as transformers reads
+    them: a field that differs is a BadInput naming it, both values and the fix."""
+    source = from_hf_config.read_config({"model_type": family.model_type, **base})
+    rope = from_hf_config.rope_of(source)
+    scaling = {k: rope[k] for k in from_hf_config.LLAMA3_SCALING_KEYS if k in rope} or None
+    expected = {"vocab_size": source.vocab_size, "hidden_size": source.hidden_size,
+                "intermediate_size": source.intermediate_size, "num_hidden_layers": source.num_hidden_layers,
+                "num_attention_heads": source.num_attention_heads,
+                "num_key_value_heads": getattr(source, "num_key_value_heads", None) or source.num_attention_heads,
+                "head_dim": getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads,
+                "max_position_embeddings": source.max_position_embeddings, "rms_norm_eps": source.rms_norm_eps,
+                "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+    for key, want in expected.items():
+        have = derived[key]
+        if key == "rope_scaling":
+            have = {k: have[k] for k in from_hf_config.LLAMA3_SCALING_KEYS} if have else None
+            want = {k: float(v) for k, v in want.items()} if want else None
+            have = {k: float(v) for k, v in have.items()} if have else None
+        if have != want and not (isinstance(want, (int, float)) and float(have) == float(want)):
+            raise BadInput(f"the checkpoint's config.json has {key}={want!r} but model._component_ builds a model "
+                           f"with {key}={have!r}; set checkpoint_dir and leave the model's sizes to its config.json "
+                           f"(or use the builder of that model size, e.g. {family.example_builder})")
 
 
 def check_source_family(base: dict, family: Family) -> None:
@@ -223,8 +313,7 @@ def to_tune(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[st
     if hf.get("tie_word_embeddings"):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     try:
-        return family.hf_to_tune(state, num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                                 dim=hf["hidden_size"], head_dim=hf["head_dim"])
+        return family.hf_to_tune(state, **_shapes(hf))
     except KeyError:
         raise
     except Exception as e:  # torchtune's key mapping raises a bare Exception for a tensor it has no name for
@@ -233,8 +322,15 @@ def to_tune(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[st
 
 def to_hf(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[str, torch.Tensor]:
     """torchtune's names and layout to HF's (q/k permuted back), for the shapes in ``hf``; on the tensors' device."""
-    return family.tune_to_hf(state, num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                             dim=hf["hidden_size"], head_dim=hf["head_dim"])
+    return family.tune_to_hf(state, **_shapes(hf))
+
+
+def _shapes(hf: dict) -> dict:
+    """The converters' shapes from config.json, with transformers' defaults for the fields a source may leave out
+    (Qwen2's config.json has no head_dim)."""
+    heads = hf["num_attention_heads"]
+    return dict(num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, dim=hf["hidden_size"],
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)
 
 
 def misfit_error(folder: Path, detail: str, family: Optional[Family] = None) -> BadInput:

@@ -1,14 +1,17 @@
-"""A model's own tokenizer, read from its Hugging Face folder: ``tokenizer.json`` and ``tokenizer_config.json``.
+"""A model's own tokenizer, read from its Hugging Face folder: ``tokenizer.json``, ``tokenizer_config.json`` and
+``chat_template.jinja``.
 
     tokenizer:
       _component_: finetune.data.HFTokenizer
-      path: ${checkpoint_dir}/tokenizer.json   # tokenizer_config.json is read from beside it
+      path: ${checkpoint_dir}/tokenizer.json   # the other files are read from beside it
       max_seq_len: 512
       chat_template: False                     # True: format conversations with the model's chat template
 
 Every family but Llama 2 (whose SentencePiece ``tokenizer.model`` torchtune's ``llama2_tokenizer`` reads) ships these
-two files: the vocabulary, merges and special tokens in tokenizer.json (the ``tokenizers`` library reads it, as
-transformers does), and in tokenizer_config.json which tokens are BOS, EOS and padding, and the chat template.
+files: the vocabulary, merges and special tokens in tokenizer.json (the ``tokenizers`` library reads it, as
+transformers does), and in tokenizer_config.json which tokens are BOS, EOS and padding. The chat template is
+``chat_template.jinja`` (where transformers 5 saves it) or else tokenizer_config.json's ``chat_template``; when a
+folder has both, the file wins, as in transformers.
 
 Two formats for a sample's messages:
 
@@ -16,12 +19,12 @@ Two formats for a sample's messages:
   message's text, then EOS after each assistant turn. With torchtune's ``alpaca_dataset`` the Alpaca prompt is the
   template, exactly as for Llama 2.
 - ``chat_template: True`` (instruct models, chat data): the conversation rendered by the model's own Jinja template
-  (tokenizer_config.json's ``chat_template``: ChatML for Qwen, header tokens for Llama 3, ``[INST]`` for Mistral),
-  then tokenized in one piece. The loss sees the text of the messages that are trained (the assistant's, or all
-  with ``train_on_input``) and the end-of-turn token the template closes each with (``<|im_end|>``, ``<|eot_id|>``,
-  ``</s>``), so the model learns to stop; the template's scaffolding (role headers, a default system prompt) is
-  masked. Templates that print the date (Llama 3.x) get a fixed one (26 Jul 2024), so a sample tokenizes the same
-  on every day and a resumed run sees the same tokens.
+  (ChatML for Qwen, header tokens for Llama 3, ``[INST]`` for Mistral), then tokenized in one piece. The loss sees
+  the tokens of the messages that are trained (the assistant's, or all with ``train_on_input``) and the end-of-turn
+  token the template closes each with (``<|im_end|>``, ``<|eot_id|>``, ``</s>``), so the model learns to stop; the
+  template's scaffolding (role headers, a default system prompt, Qwen3's empty think block) is masked. Templates
+  that print the date (Llama 3.x) get a fixed one (26 Jul 2024), so a sample tokenizes the same on every day and a
+  resumed run sees the same tokens.
 """
 
 import datetime
@@ -42,11 +45,28 @@ from finetune.base import BadInput
 
 TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves a folder's chat template here, not in CONFIG_FILE
 
 
 def _token_text(value: Any) -> Optional[str]:
     """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _common_suffix(a: List[int], b: List[int], limit: int) -> int:
+    n = 0
+    while n < limit and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
 
 
 class HFTokenizer(ModelTokenizer, Transform):
@@ -79,17 +99,15 @@ class HFTokenizer(ModelTokenizer, Transform):
         self.pad_id = self.eos_id if pad is None else pad  # (padding is never trained: its labels are ignored)
         self.stop_tokens = [self.eos_id]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The tokens that can end a turn: the special ones (<|im_end|>, <|eot_id|>, </s>, [/INST]) and EOS.
+        self._turn_ends = {*self.special_tokens.values(), self.eos_id}
 
         self.chat_template = None
+        self._template_source: Optional[str] = None
         if chat_template not in (True, False):
             raise BadInput(f"tokenizer.chat_template={chat_template!r} must be True or False")
         if chat_template:
-            source = self.config.get("chat_template")
-            if isinstance(source, list):  # several named templates: the default one
-                source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-            if not isinstance(source, str):
-                raise BadInput(f"tokenizer.chat_template=True but {config_file} has no chat_template (a base "
-                               "model's folder?); set tokenizer.chat_template=False to format samples as plain text")
+            source, where = self._read_template(config_file)
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals.update(raise_exception=self._template_error,
@@ -97,7 +115,29 @@ class HFTokenizer(ModelTokenizer, Transform):
             try:
                 self.chat_template = env.from_string(source)
             except TemplateError as e:
-                raise BadInput(f"the chat_template in {config_file} does not parse ({e})") from None
+                raise BadInput(f"the chat template in {where} does not parse ({e})") from None
+            self._template_source = source
+            self._template_vars = {k: _token_text(v) for k, v in self.config.items()
+                                   if k.endswith("_token") and _token_text(v)}
+
+    def _read_template(self, config_file: Path) -> Tuple[str, Path]:
+        """The chat template's source and its file: chat_template.jinja beside tokenizer.json, else
+        tokenizer_config.json's ``chat_template`` (its default one, where it names several)."""
+        template_file = self.path.with_name(TEMPLATE_FILE)
+        if template_file.is_file():
+            try:
+                return template_file.read_text(encoding="utf-8"), template_file
+            except UnicodeDecodeError as e:
+                raise BadInput(f"{template_file} is not UTF-8 text ({e}); re-copy it from the model folder") from None
+        source = self.config.get("chat_template")
+        if isinstance(source, list):  # several named templates: the default one
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if not isinstance(source, str):
+            raise BadInput(f"tokenizer.chat_template=True but {self.path.parent} has no chat_template (no "
+                           f"{TEMPLATE_FILE}, none in {CONFIG_FILE}: a base model's folder?); copy the instruct "
+                           "model's chat_template.jinja beside tokenizer.json, or set tokenizer.chat_template=False to "
+                           "format samples as plain text")
+        return source, config_file
 
     def _id_of(self, key: str) -> Optional[int]:
         text = _token_text(self.config.get(key))
@@ -109,8 +149,11 @@ class HFTokenizer(ModelTokenizer, Transform):
 
     @property
     def fingerprint(self) -> Dict[str, Any]:
-        """What tokenized samples depend on besides tokenizer.json (the pack cache's key folds it in)."""
-        return {"config": hashlib.sha256(self._config_bytes).hexdigest(), "chat_template": bool(self.chat_template),
+        """What tokenized samples depend on besides tokenizer.json (the pack cache's key folds it in): the config,
+        and with a chat template its source and how messages are masked in it."""
+        template = False if self._template_source is None else hashlib.sha256(
+            f"masked by token boundaries\n{self._template_source}".encode()).hexdigest()
+        return {"config": hashlib.sha256(self._config_bytes).hexdigest(), "chat_template": template,
                 "template_date": TEMPLATE_DATE.date().isoformat()}
 
     # -- encoding ---------------------------------------------------------------------------------------------
@@ -153,40 +196,60 @@ class HFTokenizer(ModelTokenizer, Transform):
         return tokens, mask
 
     def _templated(self, messages: List[Message]) -> Tuple[List[int], List[bool]]:
+        """The whole conversation rendered and tokenized, masked but for each trained message's tokens.
+
+        A message's tokens are found by comparing token sequences, never by searching the rendered text (a reply
+        such as ``a`` or ``assistant`` also occurs in the template's headers). The first i+1 messages rendered twice,
+        as they are and with message i's text emptied, give two token sequences that differ exactly in that text:
+        their common start is what comes before it (earlier turns, the role header, a default system prompt, Qwen3's
+        empty think block), their common end what the template closes the turn with. Trained: the text's tokens (a
+        token that holds template text too, such as Mistral's space before a reply's first word, counts as the
+        text's), and of the closing ones those up to the last special token (``<|im_end|>``, not the newline after
+        it).
+
+        The first i+1 messages must render as the start of the whole conversation (the template is prefix-stable),
+        except that a reply may lose the scaffolding before its text once later turns follow (Qwen3 drops the think
+        block of past replies): its tokens must then directly follow its generation prompt (the first i messages
+        rendered with ``add_generation_prompt=True``). Otherwise the conversation is refused, rather than some other
+        tokens trained."""
         chat = [{"role": "tool" if m.role == "ipython" else m.role, "content": m.text_content} for m in messages]
-        specials = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v)}
+        tokens = self._render(chat)
+        mask = [True] * len(tokens)
+        for i, message in enumerate(messages):
+            if not message.masked:
+                start, trained = self._find_message(chat, i, tokens)
+                mask[start:start + len(trained)] = [False] * len(trained)
+        return tokens, mask
+
+    def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
         try:
-            text = self.chat_template.render(messages=chat, add_generation_prompt=False, **specials)
+            text = self.chat_template.render(messages=chat, add_generation_prompt=generation_prompt,
+                                             **self._template_vars)
         except TemplateError as e:
             raise BadInput(f"the chat template of {self.path.parent} refused a conversation ({e}); roles "
                            f"{[m['role'] for m in chat]}") from None
-        # Where each message's text sits in the rendered conversation, in order.
-        spans, cursor = [], 0
-        for m, c in zip(messages, chat):
-            content = c["content"]
-            at = text.find(content, cursor)
-            if at < 0 and content.strip():  # (templates may strip a message's surrounding whitespace)
-                content = content.strip()
-                at = text.find(content, cursor)
-            if at < 0:
-                raise BadInput(f"the chat template of {self.path.parent} changes the text of a {m.role} message "
-                               "(not found verbatim in the rendered conversation); use tokenizer.chat_template=False")
-            spans.append((at, at + len(content), m.masked))
-            cursor = at + len(content)
-        encoding = self._tok.encode(text, add_special_tokens=False)
-        special_ids = set(self.special_tokens.values())
-        mask, span, closing = [], 0, False
-        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
-            while span < len(spans) and start >= spans[span][1]:
-                closing = not spans[span][2]  # just after a trained message's text
-                span += 1
-            # A token that overlaps a message's text is that message's (" The" with the template's space before it)
-            if span < len(spans) and end > spans[span][0]:
-                mask.append(spans[span][2])
-            else:  # scaffolding; trained only if it is the special token right after a trained message
-                mask.append(not (closing and token_id in special_ids))
-            closing = False
-        return list(encoding.ids), mask
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _find_message(self, chat: List[Dict[str, str]], i: int, tokens: List[int]) -> Tuple[int, List[int]]:
+        """Where message ``i``'s trained tokens start in ``tokens`` (the whole conversation's), and what they are."""
+        upto = self._render(chat[:i + 1])
+        blank = self._render(chat[:i] + [{**chat[i], "content": ""}])
+        start = _common_prefix(upto, blank)
+        after = _common_suffix(upto, blank, min(len(upto), len(blank)) - start)
+        closing = upto[len(upto) - after:]
+        ends = [k for k, t in enumerate(closing) if t in self._turn_ends]
+        trained = upto[start:len(upto) - after] + (closing[:ends[-1] + 1] if ends else [])
+        if tokens[:start + len(trained)] == upto[:start + len(trained)]:
+            return start, trained
+        if chat[i]["role"] == "assistant" and i:  # a past reply without the scaffolding before its text (Qwen3)
+            prompt = self._render(chat[:i], generation_prompt=True)
+            if tokens[:len(prompt)] == prompt and tokens[len(prompt):len(prompt) + len(trained)] == trained:
+                return len(prompt), trained
+        raise BadInput(
+            f"the chat template of {self.path.parent} renders message {i} ({chat[i]['role']}) otherwise once later "
+            f"messages follow, so its tokens in the conversation are unknown (rendering the first {i + 1} messages "
+            "must begin the rendering of all of them); put a template that renders every turn the same way in "
+            f"{TEMPLATE_FILE} beside tokenizer.json, or end each conversation at its last trained message")
 
     def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
         messages = sample.pop("messages")
