@@ -69,9 +69,12 @@ def scratch(name: str) -> str:
 
 def add_arguments(parser) -> None:
     """The flag every benchmark that records a result takes."""
-    parser.add_argument("--allow-dirty", action="store_true",
-                        help="run although finetune/, recipes/, optimizers/, eval/, configs/ or bench/ have uncommitted "
-                             "changes (the result's code is then recorded as <commit>+dirty)")
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run although finetune/, recipes/, optimizers/, eval/, configs/ or bench/ have uncommitted "
+        "changes (the result's code is then recorded as <commit>+dirty)",
+    )
 
 
 def pick(parser, value: Optional[str], known, what: str, default: Sequence[str] = ()) -> List[str]:
@@ -92,6 +95,7 @@ def refuse(message: str) -> None:
 
 # -- provenance --------------------------------------------------------------------------------------------------
 
+
 class DirtyTree(Exception):
     """Tracked code has uncommitted changes: a result would not say which code made it."""
 
@@ -103,8 +107,7 @@ def code_version(root: Path = REPO_ROOT, allow_dirty: bool = False) -> tuple:
         return None, "not a git checkout (no .git): record the commit this tree was copied from"
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60,
-                              check=True).stdout
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60, check=True).stdout
 
     try:
         head = git("rev-parse", "HEAD").strip()
@@ -116,8 +119,10 @@ def code_version(root: Path = REPO_ROOT, allow_dirty: bool = False) -> tuple:
         return head, None
     if not allow_dirty:
         files = [line[3:] for line in changed.splitlines()]
-        raise DirtyTree(f"uncommitted changes in {', '.join(files[:5])}{' ...' if len(files) > 5 else ''}: commit "
-                        "them so the result names the code it ran, or pass --allow-dirty")
+        raise DirtyTree(
+            f"uncommitted changes in {', '.join(files[:5])}{' ...' if len(files) > 5 else ''}: commit "
+            "them so the result names the code it ran, or pass --allow-dirty"
+        )
     return head + "+dirty", None
 
 
@@ -126,8 +131,17 @@ def hardware() -> str:
     context in this (parent) process, which then holds GPU memory for the whole benchmark."""
     cores = f"{os.cpu_count()} CPU cores"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         if out:
             name, mib = [s.strip() for s in out[0].split(",")]
             return f"{len(out)}x {name} ({float(mib) / 1024:.0f} GiB), {cores}"
@@ -140,8 +154,11 @@ def hardware() -> str:
         return f"{torch.cuda.device_count()}x {p.name} ({p.total_memory / 2**30:.0f} GiB), {cores}"
     model = platform.processor() or platform.machine()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     return f"CPU only: {model}, {cores}"
@@ -169,8 +186,13 @@ def provenance(script: str, argv: List[str], allow_dirty: bool) -> dict:
     except DirtyTree as e:
         refuse(str(e))
     rel = Path(script).resolve().relative_to(REPO_ROOT)
-    record = {"command": shlex.join(["python", str(rel), *argv]), "hardware": hardware(), "versions": versions(),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "code": code}
+    record = {
+        "command": shlex.join(["python", str(rel), *argv]),
+        "hardware": hardware(),
+        "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code,
+    }
     if note:
         record["code_note"] = note
     return record
@@ -197,6 +219,7 @@ def commands(old: dict, command: str) -> List[str]:
 
 
 # -- running a recipe ----------------------------------------------------------------------------------------------
+
 
 def recipe_command(recipe, *args: str, nproc: int = 0) -> List[str]:
     """The command that runs a recipe: ours by name (``full_finetune_single_device`` -> ``python -m
@@ -238,9 +261,16 @@ class Run:
         return (lines[-1] if lines else f"exit status {self.returncode}: " + (self.tail[-1] if self.tail else ""))[:500]
 
 
-def run(cmd: List[str], log, *, timeout: Optional[float] = None, until: Optional[Callable[[], bool]] = None,
-        on_line: Optional[Callable[[str, float], None]] = None, env: Optional[Dict[str, str]] = None,
-        poll_s: float = 0.25) -> Run:
+def run(
+    cmd: List[str],
+    log,
+    *,
+    timeout: Optional[float] = None,
+    until: Optional[Callable[[], bool]] = None,
+    on_line: Optional[Callable[[str, float], None]] = None,
+    env: Optional[Dict[str, str]] = None,
+    poll_s: float = 0.25,
+) -> Run:
     """Run cmd from the repository root, its output (stdout and stderr) into the file ``log``.
 
     on_line(line, seconds since start) sees every line as it comes. until() is polled: once true, the run's work is
@@ -254,8 +284,17 @@ def run(cmd: List[str], log, *, timeout: Optional[float] = None, until: Optional
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **(env or {})}
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
+        )
 
         def read() -> None:  # text mode splits tqdm's \r updates into lines too
             for line in proc.stdout:
@@ -311,12 +350,20 @@ def read_stock_log(output_dir) -> List[dict]:
             if not m:
                 continue
             # key:value pairs; a tensor's value reads "tensor(1.5, device='cuda:0')"
-            fields = {k: float(NUMBER.search(v).group(0)) for k, v in
-                      re.findall(r"(\w+):(\S+(?:, device='[^']*'\))?)", m.group(2)) if NUMBER.search(v)}
-            records.append({"step": int(m.group(1)), "loss": fields["loss"],
-                            "tokens_per_second": fields["tokens_per_second_per_gpu"],
-                            "peak_memory_alloc_gib": fields.get("peak_memory_alloc"),
-                            "peak_memory_reserved_gib": fields.get("peak_memory_reserved")})
+            fields = {
+                k: float(NUMBER.search(v).group(0))
+                for k, v in re.findall(r"(\w+):(\S+(?:, device='[^']*'\))?)", m.group(2))
+                if NUMBER.search(v)
+            }
+            records.append(
+                {
+                    "step": int(m.group(1)),
+                    "loss": fields["loss"],
+                    "tokens_per_second": fields["tokens_per_second_per_gpu"],
+                    "peak_memory_alloc_gib": fields.get("peak_memory_alloc"),
+                    "peak_memory_reserved_gib": fields.get("peak_memory_reserved"),
+                }
+            )
     return records
 
 
@@ -333,8 +380,10 @@ def peak(records: List[dict], key: str) -> Optional[float]:
 # when a table is made, so a newly registered variant is in every table without an edit to bench/.
 ANCHORS: Dict[str, tuple] = {
     "fused": ("torch.optim.AdamW(fused=True)", ["optimizer=torch.optim.AdamW", "optimizer.fused=True"]),
-    "foreach": ("torch.optim.AdamW(foreach=True)",
-                ["optimizer=torch.optim.AdamW", "optimizer.fused=False", "optimizer.foreach=True"]),
+    "foreach": (
+        "torch.optim.AdamW(foreach=True)",
+        ["optimizer=torch.optim.AdamW", "optimizer.fused=False", "optimizer.foreach=True"],
+    ),
     "bnb8": ("bitsandbytes.optim.AdamW8bit", ["optimizer=bitsandbytes.optim.AdamW8bit"]),
     "ao8": ("torchao.optim.AdamW8bit", ["optimizer=torchao.optim.AdamW8bit"]),
     "ao4": ("torchao.optim.AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"]),
@@ -365,6 +414,7 @@ def make_optimizer(name: str, params, **defaults):
 
 
 # -- reporting ---------------------------------------------------------------------------------------------------
+
 
 def table(headers: List[str], rows: List[List[str]]) -> str:
     """A Markdown table."""

@@ -21,7 +21,7 @@ def table(headers: List[str], records: List[dict], cells: Callable[[dict], List[
 
 def moving_average(values: List[float], window: int) -> List[float]:
     """Trailing mean over up to `window` steps (the per-step loss of a small batch is noisy)."""
-    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
 
 
 def plot(records: List[dict], path: Path, title: str, window: int = 1) -> None:
@@ -44,11 +44,19 @@ def plot(records: List[dict], path: Path, title: str, window: int = 1) -> None:
     else:
         ax.legend(fontsize=8)
     ok = [r for r in records if r.get("gap_vs_ref") is not None][::-1]
-    ax2.barh([r["label"] for r in ok], [100 * r["gap_vs_ref"] for r in ok],
-             color=["black" if r["reference"] else "tab:blue" for r in ok])
+    ax2.barh(
+        [r["label"] for r in ok],
+        [100 * r["gap_vs_ref"] for r in ok],
+        color=["black" if r["reference"] else "tab:blue" for r in ok],
+    )
     for i, r in enumerate(ok):
-        ax2.annotate(f"{100 * r['gap_vs_ref']:+.1f} %", (max(100 * r["gap_vs_ref"], 0), i), fontsize=7,
-                     xytext=(3, -3), textcoords="offset points")
+        ax2.annotate(
+            f"{100 * r['gap_vs_ref']:+.1f} %",
+            (max(100 * r["gap_vs_ref"], 0), i),
+            fontsize=7,
+            xytext=(3, -3),
+            textcoords="offset points",
+        )
     for x in (-1, 1):
         ax2.axvline(x, color="red", linestyle=":", linewidth=1)
     ax2.set_xlabel("held-out loss gap vs fp32 reference, % (red: +-1 %)")

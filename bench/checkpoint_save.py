@@ -50,14 +50,24 @@ ROWS: Dict[str, tuple] = {
     "24gb_async": ("configs/llama2/7B_full_24gb.yaml", ["async_checkpoint=True"], 24),
 }
 # --toy: the tests' tiny model (tests/conftest.py's FAST) on the CPU.
-TOY = ["model.num_layers=1", "model.embed_dim=64", "model.num_heads=2", "model.num_kv_heads=2",
-       "tokenizer.max_seq_len=64", "batch_size=2", "optimizer.lr=1e-2", "lr_scheduler.num_warmup_steps=0"]
+TOY = [
+    "model.num_layers=1",
+    "model.embed_dim=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "tokenizer.max_seq_len=64",
+    "batch_size=2",
+    "optimizer.lr=1e-2",
+    "lr_scheduler.num_warmup_steps=0",
+]
 TOY_ROWS: Dict[str, tuple] = {
     "tiny_sync": ("configs/tiny.yaml", TOY + ["async_checkpoint=False"], None),
     "tiny_async": ("configs/tiny.yaml", TOY + ["async_checkpoint=True"], None),
 }
-SAVED = re.compile(r"Saved checkpoint (\S+) \(([\d.]+) GB in ([\d.]+) s\)"
-                   r"(?:; written in the background \(([\d.]+) s\), training blocked ([\d.]+) s)?")
+SAVED = re.compile(
+    r"Saved checkpoint (\S+) \(([\d.]+) GB in ([\d.]+) s\)"
+    r"(?:; written in the background \(([\d.]+) s\), training blocked ([\d.]+) s)?"
+)
 
 
 def is_async(overrides: List[str]) -> bool:
@@ -77,9 +87,19 @@ def command(name: str, args, out: Path) -> List[str]:
     every, _, steps = plan(args, overrides)
     extra = [] if args.toy else [f"checkpoint_dir={args.checkpoint_dir}", f"device_memory_limit_gib={cap}"]
     return harness.recipe_command(
-        RECIPE, "--config", config, f"output_dir={out}", f"data_dir={args.data_dir}", "metric_logger=null",
-        f"pack_cache_dir={args.pack_cache_dir}", "log_every_n_steps=1", f"save_every_n_steps={every}",
-        f"max_steps_per_epoch={steps + 50}", *extra, *overrides)  # (+50: stopped before the epoch checkpoint)
+        RECIPE,
+        "--config",
+        config,
+        f"output_dir={out}",
+        f"data_dir={args.data_dir}",
+        "metric_logger=null",
+        f"pack_cache_dir={args.pack_cache_dir}",
+        "log_every_n_steps=1",
+        f"save_every_n_steps={every}",
+        f"max_steps_per_epoch={steps + 50}",
+        *extra,
+        *overrides,
+    )  # (+50: stopped before the epoch checkpoint)
 
 
 def median(values: List[float]) -> Optional[float]:
@@ -99,9 +119,16 @@ def run_row(name: str, args, runs: Path) -> dict:
         if not m:
             return
         background = m.group(4) is not None
-        saves.append({"name": Path(m.group(1)).name, "gb": float(m.group(2)), "total_s": float(m.group(3)),
-                      "write_s": float(m.group(4)) if background else float(m.group(3)),
-                      "blocked_s": float(m.group(5)) if background else float(m.group(3)), "at_s": round(t, 1)})
+        saves.append(
+            {
+                "name": Path(m.group(1)).name,
+                "gb": float(m.group(2)),
+                "total_s": float(m.group(3)),
+                "write_s": float(m.group(4)) if background else float(m.group(3)),
+                "blocked_s": float(m.group(5)) if background else float(m.group(3)),
+                "at_s": round(t, 1),
+            }
+        )
         for old in out.glob("step_*"):  # keep the newest only: the disk holds about three 7B checkpoints
             if old.name != saves[-1]["name"]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -110,11 +137,26 @@ def run_row(name: str, args, runs: Path) -> dict:
         records = harness.read_metrics(out)
         return len(saves) >= len(saved_at) and bool(records) and records[-1]["step"] >= steps
 
-    run = harness.run(command(name, args, out), out.parent / f"{name}.log", timeout=args.timeout, until=done,
-                      on_line=on_line, env={"WANDB_MODE": "disabled"})
+    run = harness.run(
+        command(name, args, out),
+        out.parent / f"{name}.log",
+        timeout=args.timeout,
+        until=done,
+        on_line=on_line,
+        env={"WANDB_MODE": "disabled"},
+    )
     records = harness.read_metrics(out)
-    row = {"name": name, "config": config, "overrides": overrides, "async_checkpoint": is_async(overrides),
-           "cap_gib": cap, "command": run.command, "wall_s": run.wall_s, "saved_at_steps": saved_at, "saves": saves}
+    row = {
+        "name": name,
+        "config": config,
+        "overrides": overrides,
+        "async_checkpoint": is_async(overrides),
+        "cap_gib": cap,
+        "command": run.command,
+        "wall_s": run.wall_s,
+        "saved_at_steps": saved_at,
+        "saves": saves,
+    }
     if len(saves) < len(saved_at) or not records or records[-1]["step"] < steps:
         why = run.error() or " / ".join(list(run.tail)[-3:])
         row["error"] = f"{len(saves)} of {len(saved_at)} saves, {len(records)} of {steps} steps: " + why[-600:]
@@ -131,11 +173,17 @@ def run_row(name: str, args, runs: Path) -> dict:
     row.update(
         blocked_s_max=max(s["blocked_s"] for s in saves),
         write_s_median=median([s["write_s"] for s in saves]),
-        tok_s_writing=median(writing), tok_s_idle=median(idle), steps_writing=len(writing), steps_idle=len(idle),
+        tok_s_writing=median(writing),
+        tok_s_idle=median(idle),
+        steps_writing=len(writing),
+        steps_idle=len(idle),
         writing_vs_idle=round(statistics.median(writing) / statistics.median(idle), 3) if writing and idle else None,
-        peak_alloc_gib=peak("peak_memory_alloc_gib"), peak_reserved_gib=peak("peak_memory_reserved_gib"),
-        peak_host_rss_gib=peak("peak_host_rss_gib") or peak("peak_rss_gib"), host_pinned_gib=peak("host_pinned_gib"),
-        staged_gpu_gib=peak("checkpoint_staged_gpu_gib"), staged_host_gib=peak("checkpoint_staged_host_gib"),
+        peak_alloc_gib=peak("peak_memory_alloc_gib"),
+        peak_reserved_gib=peak("peak_memory_reserved_gib"),
+        peak_host_rss_gib=peak("peak_host_rss_gib") or peak("peak_rss_gib"),
+        host_pinned_gib=peak("host_pinned_gib"),
+        staged_gpu_gib=peak("checkpoint_staged_gpu_gib"),
+        staged_host_gib=peak("checkpoint_staged_host_gib"),
         blocked_s_metrics=[round(r["checkpoint_blocked_s"], 3) for r in records if "checkpoint_blocked_s" in r],
         tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
         writing_per_step=[bool(r.get("checkpoint_writing")) for r in records],
@@ -152,13 +200,29 @@ def table(rows: List[dict]) -> str:
         if r.get("error"):
             lines.append([r["name"], f"error: {r['error'][:100]}", "", "", "", "", ""])
             continue
-        lines.append([r["name"], " / ".join(f"{s['blocked_s']:.2f}" for s in r["saves"]),
-                      " / ".join(f"{s['write_s']:.1f}" for s in r["saves"]),
-                      f"{r['tok_s_writing'] or '-'} / {r['tok_s_idle'] or '-'}",
-                      f"{r['peak_reserved_gib']}" + (f" of {r['cap_gib']}" if r["cap_gib"] else ""),
-                      f"{r['peak_host_rss_gib']}", f"{r['staged_gpu_gib'] or 0} / {r['staged_host_gib'] or 0}"])
-    return harness.table(["row", "blocked s per save", "write s per save", "tok/s writing / idle",
-                          "peak reserved GiB", "host RSS GiB", "staged GPU / host GiB"], lines)
+        lines.append(
+            [
+                r["name"],
+                " / ".join(f"{s['blocked_s']:.2f}" for s in r["saves"]),
+                " / ".join(f"{s['write_s']:.1f}" for s in r["saves"]),
+                f"{r['tok_s_writing'] or '-'} / {r['tok_s_idle'] or '-'}",
+                f"{r['peak_reserved_gib']}" + (f" of {r['cap_gib']}" if r["cap_gib"] else ""),
+                f"{r['peak_host_rss_gib']}",
+                f"{r['staged_gpu_gib'] or 0} / {r['staged_host_gib'] or 0}",
+            ]
+        )
+    return harness.table(
+        [
+            "row",
+            "blocked s per save",
+            "write s per save",
+            "tok/s writing / idle",
+            "peak reserved GiB",
+            "host RSS GiB",
+            "staged GPU / host GiB",
+        ],
+        lines,
+    )
 
 
 def parse_args(argv: Optional[List[str]] = None):
@@ -175,8 +239,11 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--timeout", type=float, default=420, help="seconds per row before it is stopped as an error")
     ap.add_argument("--runs-dir", default="/tmp/checkpoint_save_runs", help="where the rows run (deleted after each)")
     ap.add_argument("--pack-cache-dir", default="/tmp/e2e_pack_cache", help="the rows' pack cache (shared)")
-    ap.add_argument("--out", default=harness.scratch("llama2_7b_checkpoint.json"),
-                    help="the JSON written (default outputs/bench/llama2_7b_checkpoint.json)")
+    ap.add_argument(
+        "--out",
+        default=harness.scratch("llama2_7b_checkpoint.json"),
+        help="the JSON written (default outputs/bench/llama2_7b_checkpoint.json)",
+    )
     ap.add_argument("--merge", action="store_true", help="keep --out's rows that this run does not re-measure")
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -197,19 +264,33 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     prov = harness.provenance(__file__, argv, args.allow_dirty)
     old = harness.earlier(args.out, args.merge)
-    doc = {**prov, "commands": harness.commands(old, prov["command"]),
-           "weights": None if args.toy else "random values (HF-format Llama2-7B made by bench/e2e.py)",
-           "save_every": args.save_every, "saves": args.saves, "tail": args.tail, "sync_at": args.sync_at,
-           "skip_steps": args.skip_steps, "rows": [r for r in old.get("rows", []) if r["name"] not in args.names]}
+    doc = {
+        **prov,
+        "commands": harness.commands(old, prov["command"]),
+        "weights": None if args.toy else "random values (HF-format Llama2-7B made by bench/e2e.py)",
+        "save_every": args.save_every,
+        "saves": args.saves,
+        "tail": args.tail,
+        "sync_at": args.sync_at,
+        "skip_steps": args.skip_steps,
+        "rows": [r for r in old.get("rows", []) if r["name"] not in args.names],
+    }
     for name in args.names:
         row = run_row(name, args, Path(args.runs_dir))
         row["measured_at"], row["code"] = prov["date"], prov["code"]  # (a merged file mixes runs: each row says)
         doc["rows"].append(row)
-        print(f"{name}: " + (f"error {row['error']}" if row.get("error") else
-                             f"blocked {[s['blocked_s'] for s in row['saves']]} s, written in "
-                             f"{[s['write_s'] for s in row['saves']]} s, tok/s writing {row['tok_s_writing']} vs "
-                             f"idle {row['tok_s_idle']}, peak reserved {row['peak_reserved_gib']} GiB, host RSS "
-                             f"{row['peak_host_rss_gib']} GiB, wall {row['wall_s']} s"), flush=True)
+        print(
+            f"{name}: "
+            + (
+                f"error {row['error']}"
+                if row.get("error")
+                else f"blocked {[s['blocked_s'] for s in row['saves']]} s, written in "
+                f"{[s['write_s'] for s in row['saves']]} s, tok/s writing {row['tok_s_writing']} vs "
+                f"idle {row['tok_s_idle']}, peak reserved {row['peak_reserved_gib']} GiB, host RSS "
+                f"{row['peak_host_rss_gib']} GiB, wall {row['wall_s']} s"
+            ),
+            flush=True,
+        )
         harness.write_json(args.out, doc)  # after every row: a stopped run keeps what it measured
     print(table(doc["rows"]))
     print(f"wrote {args.out}")

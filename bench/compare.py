@@ -67,13 +67,16 @@ IN_BWD_SUFFIX = "+in_bwd"
 IN_BWD_OVERRIDES = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch \d+ \| loss (\S+)")
 
-__doc__ += "\n".join(f"    {k:<8} {v[0]}" for k, v in harness.ANCHORS.items()) + """
+__doc__ += (
+    "\n".join(f"    {k:<8} {v[0]}" for k, v in harness.ANCHORS.items())
+    + """
 then ours, every key of `optimizers.VARIANTS` as registered when the variants are resolved (the end of --help lists
 them), and any other dotted path, e.g. my.pkg.MyAdamW, run as optimizer=my.pkg.MyAdamW.
 
 `--in-bwd` also runs every variant with optimizer_in_bwd=True clip_grad_norm=null (name + "+in_bwd");
 `--in-bwd-only` runs just those.
 """
+)
 
 
 def variants() -> Dict[str, tuple]:
@@ -128,7 +131,7 @@ def summarize(metrics: List[dict], skip_steps: int) -> dict:
         peak = max((m.get("peak_rss_gib") or 0.0) for m in metrics) or None
         kind = "cpu_rss"
     # Steady steps: skip the first ones (compilation, allocator warm-up), but keep at least one.
-    steady = metrics[min(skip_steps, len(metrics) - 1):]
+    steady = metrics[min(skip_steps, len(metrics) - 1) :]
     return {
         "peak_gib": peak,
         "peak_kind": kind,
@@ -162,8 +165,9 @@ def run_variant(name: str, overrides: List[str], args, run_dir: Path, log_prefix
     settings += [f"max_steps_per_epoch={args.steps}"] if args.steps else []
     settings += [] if args.wandb else ["metric_logger=null"]
     # The variant's keys last, so they win over the passthrough.
-    cmd = harness.recipe_command(DIST_RECIPE if args.nproc else RECIPE, *settings, *args.overrides, *overrides,
-                                 nproc=args.nproc)
+    cmd = harness.recipe_command(
+        DIST_RECIPE if args.nproc else RECIPE, *settings, *args.overrides, *overrides, nproc=args.nproc
+    )
     marks: Dict[str, float] = {}
 
     def on_line(line: str, t: float) -> None:
@@ -183,9 +187,16 @@ def run_variant(name: str, overrides: List[str], args, run_dir: Path, log_prefix
     until = last_step_logged if args.steps and not args.keep_checkpoints else None
     run = harness.run(cmd, run_dir / "run.log", timeout=args.timeout, until=until, on_line=on_line)
     metrics = harness.read_metrics(run_dir)
-    record = {"variant": name, "overrides": overrides, "command": run.command, "returncode": run.returncode,
-              "wall_s": run.wall_s, "stopped_before_checkpoint": run.stopped, "output_dir": str(run_dir),
-              "error": run.error()}
+    record = {
+        "variant": name,
+        "overrides": overrides,
+        "command": run.command,
+        "returncode": run.returncode,
+        "wall_s": run.wall_s,
+        "stopped_before_checkpoint": run.stopped,
+        "output_dir": str(run_dir),
+        "error": run.error(),
+    }
     record.update(summarize(metrics, args.skip_steps))
     record["first_step_s"] = marks["first_step"] - marks["setup"] if len(marks) == 2 else None
     if record["error"] is None and (not metrics or (args.steps and len(metrics) < args.steps and args.log_every_one)):
@@ -196,10 +207,15 @@ def run_variant(name: str, overrides: List[str], args, run_dir: Path, log_prefix
         # Whatever checkpoint the recipe began (a run stopped early leaves a .tmp-* folder) or wrote.
         for ckpt in list(run_dir.glob("epoch_*")) + list(run_dir.glob("step_*")) + list(run_dir.glob(".tmp-*")):
             shutil.rmtree(ckpt, ignore_errors=True)
-    status = f"FAILED: {record['error']}" if record["error"] else (
-        f"peak {_fmt(record['peak_gib'], 2)} GiB, {_fmt(record['tok_s'], 0)} tok/s, first step "
-        f"{_fmt(record['first_step_s'], 1)} s, opt step {_fmt(record['opt_step_ms'], 1)} ms, "
-        f"final loss {_fmt(record['losses'][-1], 4)}")
+    status = (
+        f"FAILED: {record['error']}"
+        if record["error"]
+        else (
+            f"peak {_fmt(record['peak_gib'], 2)} GiB, {_fmt(record['tok_s'], 0)} tok/s, first step "
+            f"{_fmt(record['first_step_s'], 1)} s, opt step {_fmt(record['opt_step_ms'], 1)} ms, "
+            f"final loss {_fmt(record['losses'][-1], 4)}"
+        )
+    )
     print(f"{log_prefix} done in {run.wall_s:.0f} s: {status}", flush=True)
     return record
 
@@ -218,8 +234,18 @@ def _final_loss(r: dict):
 def markdown_table(records: List[dict]) -> str:
     base = next((r for r in records if r["variant"] == FUSED and not r["error"]), None)
     kind = next((r["peak_kind"] for r in records if r.get("peak_kind")), "gpu_alloc")
-    headers = ["AdamW", "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)", "tokens/s",
-               "vs fused", "vs fused, paired", "first step s", "opt step ms", "state GiB", "final loss", "error"]
+    headers = [
+        "AdamW",
+        "peak GiB (GPU alloc)" if kind == "gpu_alloc" else "peak GiB (CPU RSS)",
+        "tokens/s",
+        "vs fused",
+        "vs fused, paired",
+        "first step s",
+        "opt step ms",
+        "state GiB",
+        "final loss",
+        "error",
+    ]
     rows = []
     for r in records:
         if r["error"]:
@@ -227,9 +253,20 @@ def markdown_table(records: List[dict]) -> str:
             continue
         rel = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and r["tok_s"] and base["tok_s"] else "-"
         paired = r.get("vs_fused_paired")
-        rows.append([r["variant"], _fmt(r["peak_gib"], 2), _fmt(r["tok_s"], 0), rel,
-                     "-" if paired is None else f"{paired:.3f}x", _fmt(r["first_step_s"], 1),
-                     _fmt(r["opt_step_ms"], 1), _fmt(r["opt_state_gib"], 2), _fmt(_final_loss(r), 4), ""])
+        rows.append(
+            [
+                r["variant"],
+                _fmt(r["peak_gib"], 2),
+                _fmt(r["tok_s"], 0),
+                rel,
+                "-" if paired is None else f"{paired:.3f}x",
+                _fmt(r["first_step_s"], 1),
+                _fmt(r["opt_step_ms"], 1),
+                _fmt(r["opt_state_gib"], 2),
+                _fmt(_final_loss(r), 4),
+                "",
+            ]
+        )
     return harness.table(headers, rows)
 
 
@@ -250,8 +287,14 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
     for i, r in enumerate(curves):
         in_bwd = r["variant"].endswith(IN_BWD_SUFFIX)
         in_bwd_drawn |= in_bwd
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"], linestyle="--" if in_bwd else "-",
-                linewidth=1.2, color=palette[i % len(palette)])
+        ax.plot(
+            range(1, len(r["losses"]) + 1),
+            r["losses"],
+            label=r["variant"],
+            linestyle="--" if in_bwd else "-",
+            linewidth=1.2,
+            color=palette[i % len(palette)],
+        )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
@@ -270,9 +313,15 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
     # labels: nothing overlaps, and a state difference is not hidden by the rest of the memory.
     rows = [r for r in ok if r.get("tok_s") is not None or r.get("peak_gib") is not None]
     kind = next((r.get("peak_kind") for r in rows if r.get("peak_kind")), "gpu_alloc")
-    panels = [("opt_state_gib", "optimizer state, GiB", 2), ("peak_gib", "peak memory, GiB (" +
-              ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS, whole process") + ")", 2),
-              ("tok_s", "tokens/s (median, steady steps)", 0)]
+    panels = [
+        ("opt_state_gib", "optimizer state, GiB", 2),
+        (
+            "peak_gib",
+            "peak memory, GiB (" + ("GPU allocated" if kind == "gpu_alloc" else "CPU RSS, whole process") + ")",
+            2,
+        ),
+        ("tok_s", "tokens/s (median, steady steps)", 0),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(12, max(2.6, 0.9 + 0.42 * len(rows))), sharey=True)
     labels = [r["variant"] for r in rows]
     colors = ["tab:orange" if lbl.startswith("optimizers.") else "tab:blue" for lbl in labels]
@@ -282,8 +331,14 @@ def plot(records: List[dict], out_dir: Path, title: str, name: str = "compare") 
         bars = ax.barh(range(len(rows)), values, color=colors, hatch=hatches, edgecolor="white")
         for bar, r in zip(bars, rows):
             v = r.get(key)
-            ax.annotate("-" if v is None else f"{v:,.{digits}f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                        xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+            ax.annotate(
+                "-" if v is None else f"{v:,.{digits}f}",
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=7,
+            )
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_xlim(0, (max(values) if values and max(values) > 0 else 1) * 1.25)
         ax.grid(axis="x", alpha=0.3)
@@ -315,11 +370,11 @@ def write_reports(result: dict, out_dir: Path, name: str, title: str) -> None:
     warning = f"**Warning: {result['busy_warning']}**\n\n" if result.get("busy_warning") else ""
     (out_dir / f"{name}.md").write_text(
         f"{title}: {result['steps']} steps per variant, {result['hardware']}, {result['date']}\n\n"
-        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + warning + table)
+        f"Command(s): {'; '.join(f'`{c}`' for c in commands)}\n\n" + warning + table
+    )
     plots = plot(records, out_dir, title, name)
     print("\n" + table)
     print(f"wrote {out_dir / (name + '.md')}" + "".join(f", {p}" for p in plots))
-
 
 
 def load_average() -> Optional[List[float]]:
@@ -333,40 +388,57 @@ def busy_warning(load: Optional[List[float]], cores: Optional[int]) -> Optional[
     """A warning when other work kept more than a quarter of the cores busy before the runs (1-minute load)."""
     if not load or not cores or load[0] <= max(0.5, cores / 4):
         return None
-    return (f"the machine was busy before the runs (load average {load[0]:.2f} on {cores} cores): tokens/s, step "
-            "times and first-step times are noise; rerun on an idle machine")
+    return (
+        f"the machine was busy before the runs (load average {load[0]:.2f} on {cores} cores): tokens/s, step "
+        "times and first-step times are noise; rerun on an idle machine"
+    )
 
 
 def parse_args(argv: Optional[List[str]] = None):
     now = "\n".join(f"    {k:<8} {v[0]}" for k, v in variants().items())
-    parser = argparse.ArgumentParser(description=__doc__ + f"\nRegistered now:\n{now}\n",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__ + f"\nRegistered now:\n{now}\n", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default="configs/tiny.yaml", help="recipe config (default configs/tiny.yaml)")
     parser.add_argument("--variants", default="all", help="comma-separated short names, full names or class paths")
     parser.add_argument("--in-bwd", action="store_true", help="also run each variant with optimizer_in_bwd=True")
     parser.add_argument("--in-bwd-only", action="store_true", help="run only the optimizer_in_bwd=True versions")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (max_steps_per_epoch)")
-    parser.add_argument("--nproc", type=int, default=0,
-                        help="run the distributed recipe (FSDP2) on this many processes / GPUs instead")
+    parser.add_argument(
+        "--nproc", type=int, default=0, help="run the distributed recipe (FSDP2) on this many processes / GPUs instead"
+    )
     parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tok/s and opt-step medians")
-    parser.add_argument("--out-dir", default=None,
-                        help="folder for the table, plots and runs (default: beside --out, else outputs/bench/compare)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="folder for the table, plots and runs (default: beside --out, else outputs/bench/compare)",
+    )
     parser.add_argument("--out", default=None, help="JSON results file (default {out-dir}/compare.json)")
-    parser.add_argument("--runs-dir", default=None,
-                        help="where each variant's output_dir goes (default {out-dir}/runs; outputs/bench/compare/runs "
-                             "when only --out is given)")
+    parser.add_argument(
+        "--runs-dir",
+        default=None,
+        help="where each variant's output_dir goes (default {out-dir}/runs; outputs/bench/compare/runs "
+        "when only --out is given)",
+    )
     parser.add_argument("--merge", action="store_true", help="keep records in --out of variants not run now")
-    parser.add_argument("--keep-checkpoints", action="store_true",
-                        help="let each run write its epoch_0/ checkpoint and keep it (by default a run is stopped "
-                             "once its last step is logged, before the checkpoint)")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="let each run write its epoch_0/ checkpoint and keep it (by default a run is stopped "
+        "once its last step is logged, before the checkpoint)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds per variant before it is killed")
     parser.add_argument("--wandb", action="store_true", help="keep the config's metric_logger (default: off)")
     parser.add_argument("--title", default=None, help="plot title (default: the config name)")
     parser.add_argument("--quiet", action="store_true", help="one line per variant instead of one per step")
     parser.add_argument("--name", default="compare", help="file stem of the table and plots (default compare)")
-    parser.add_argument("--replot", metavar="JSON", default=None,
-                        help="run nothing: write the table and plots of an existing results JSON into --out-dir "
-                             "(default outputs/bench/compare)")
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="run nothing: write the table and plots of an existing results JSON into --out-dir "
+        "(default outputs/bench/compare)",
+    )
     harness.add_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     args = parser.parse_args(argv)
@@ -401,15 +473,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     if warning:
         print(f"compare: WARNING: {warning}", flush=True)
     records = []
-    print(f"compare: {len(runs)} variant(s) on {args.config}, {args.steps} steps each; runs in {args.runs_dir}",
-          flush=True)
+    print(
+        f"compare: {len(runs)} variant(s) on {args.config}, {args.steps} steps each; runs in {args.runs_dir}",
+        flush=True,
+    )
     for i, (name, overrides) in enumerate(runs, 1):
         prefix = f"[{i}/{len(runs)} {name}]"
         try:
             rec = run_variant(name, overrides, args, args.runs_dir / slug(name), prefix)
         except Exception as e:  # the harness itself failed for this variant: still a row, not a crash
-            rec = {"variant": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}", "losses": [],
-                   "peak_gib": None, "tok_s": None, "first_step_s": None, "opt_step_ms": None}
+            rec = {
+                "variant": name,
+                "overrides": overrides,
+                "error": f"{type(e).__name__}: {e}",
+                "losses": [],
+                "peak_gib": None,
+                "tok_s": None,
+                "first_step_s": None,
+                "opt_step_ms": None,
+            }
             print(f"{prefix} FAILED: {rec['error']}", flush=True)
         rec["code"] = prov["code"]  # per record: a --merge file can hold rows of several commits
         records.append(rec)

@@ -44,20 +44,49 @@ REPO_ROOT = harness.REPO_ROOT
 N_PARAMS = 6.738e9  # Llama2-7B
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 
-STOCK_COMMON = ["dataset.packed=True", "compile=True", "batch_size=16", "seed=42", "clip_grad_norm=null",
-                "optimizer.lr=2e-5"]
+STOCK_COMMON = [
+    "dataset.packed=True",
+    "compile=True",
+    "batch_size=16",
+    "seed=42",
+    "clip_grad_norm=null",
+    "optimizer.lr=2e-5",
+]
 # name -> (kind, config, overrides, memory class). Stock rows: torchtune's recipe at its best flags per class.
 ROWS: Dict[str, tuple] = {
-    "stock_80gb": ("stock", "7B_full_low_memory", STOCK_COMMON + [
-        "optimizer=torch.optim.AdamW", "optimizer.fused=True", "optimizer_in_bwd=False",
-        "enable_activation_checkpointing=False", "enable_activation_offloading=False"], "80gb"),
-    "stock_low_memory": ("stock", "7B_full_low_memory", STOCK_COMMON + [
-        "optimizer=bitsandbytes.optim.PagedAdamW8bit", "optimizer_in_bwd=True",
-        "enable_activation_checkpointing=True", "enable_activation_offloading=True"], "24gb"),
+    "stock_80gb": (
+        "stock",
+        "7B_full_low_memory",
+        STOCK_COMMON
+        + [
+            "optimizer=torch.optim.AdamW",
+            "optimizer.fused=True",
+            "optimizer_in_bwd=False",
+            "enable_activation_checkpointing=False",
+            "enable_activation_offloading=False",
+        ],
+        "80gb",
+    ),
+    "stock_low_memory": (
+        "stock",
+        "7B_full_low_memory",
+        STOCK_COMMON
+        + [
+            "optimizer=bitsandbytes.optim.PagedAdamW8bit",
+            "optimizer_in_bwd=True",
+            "enable_activation_checkpointing=True",
+            "enable_activation_offloading=True",
+        ],
+        "24gb",
+    ),
     # device_memory_limit_gib caps the allocator at the class's size: a row that completes fits that card.
     "ours_80gb": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80"], "80gb"),
-    "ours_80gb_8bit": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "optimizer=optimizers.AdamW8bit"],
-                       "80gb"),
+    "ours_80gb_8bit": (
+        "ours",
+        "7B_full_80gb",
+        ["device_memory_limit_gib=80", "optimizer=optimizers.AdamW8bit"],
+        "80gb",
+    ),
     # The alternatives the 80 GB config was chosen against: a separate optimizer step, twice the batch.
     "ours_80gb_no_inbwd": ("ours", "7B_full_80gb", ["optimizer_in_bwd=False"], "80gb"),
     "ours_80gb_bs32": ("ours", "7B_full_80gb", ["batch_size=32"], "80gb"),
@@ -69,13 +98,21 @@ ROWS: Dict[str, tuple] = {
     # The configs' attention of packed rows is FlashAttention's varlen kernel; torchtune's flex attention is what
     # it was chosen against (finetune/model/attention.py).
     "ours_80gb_flex": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "packed_attention=flex"], "80gb"),
-    "ours_24gb_fp8_flex": ("ours", "7B_full_24gb", ["device_memory_limit_gib=24", "fp8=tensorwise",
-                                                    "packed_attention=flex"], "24gb"),
+    "ours_24gb_fp8_flex": (
+        "ours",
+        "7B_full_24gb",
+        ["device_memory_limit_gib=24", "fp8=tensorwise", "packed_attention=flex"],
+        "24gb",
+    ),
     # The seed's reference setting (unpacked, AC, fused), and the same with our 8-bit AdamW: the unpacked half of
     # the packed-vs-unpacked loss check.
     "seed_fused": ("ours", "7B_full", ["tokenizer.max_seq_len=512", "clip_grad_norm=null"], "seed"),
-    "seed_ours_8bit": ("ours", "7B_full", ["tokenizer.max_seq_len=512", "clip_grad_norm=null",
-                                           "optimizer=optimizers.AdamW8bit"], "seed"),
+    "seed_ours_8bit": (
+        "ours",
+        "7B_full",
+        ["tokenizer.max_seq_len=512", "clip_grad_norm=null", "optimizer=optimizers.AdamW8bit"],
+        "seed",
+    ),
 }
 ANCHOR = {"80gb": "stock_80gb", "24gb": "stock_low_memory"}
 
@@ -85,9 +122,17 @@ def make_checkpoint(folder: Path, tokenizer: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                      rms_norm_eps=1e-5, torch_dtype="bfloat16")
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -103,15 +148,34 @@ def command(name: str, args, out: Path) -> List[str]:
         shards = sorted(p.name for p in ck.glob("*.safetensors"))
         stock = Path(args.stock_dir)
         return harness.recipe_command(
-            stock / "full_finetune_single_device.py", "--config", str(stock / "configs" / "llama2" / f"{config}.yaml"),
-            f"output_dir={out}", f"checkpointer.checkpoint_dir={ck}",
-            f"checkpointer.checkpoint_files=[{','.join(shards)}]", "tokenizer.max_seq_len=512", "dataset.source=json",
-            "dataset.split=train", f"dataset.data_files={data / 'alpaca' / 'alpaca_data.json'}", "log_every_n_steps=1",
-            f"metric_logger.log_dir={out / 'logs'}", *common, *overrides)
+            stock / "full_finetune_single_device.py",
+            "--config",
+            str(stock / "configs" / "llama2" / f"{config}.yaml"),
+            f"output_dir={out}",
+            f"checkpointer.checkpoint_dir={ck}",
+            f"checkpointer.checkpoint_files=[{','.join(shards)}]",
+            "tokenizer.max_seq_len=512",
+            "dataset.source=json",
+            "dataset.split=train",
+            f"dataset.data_files={data / 'alpaca' / 'alpaca_data.json'}",
+            "log_every_n_steps=1",
+            f"metric_logger.log_dir={out / 'logs'}",
+            *common,
+            *overrides,
+        )
     return harness.recipe_command(
-        "full_finetune_single_device", "--config", f"configs/llama2/{config}.yaml",
-        f"output_dir={out}", f"checkpoint_dir={ck}", f"data_dir={data}", "metric_logger=null",
-        f"pack_cache_dir={args.pack_cache_dir}", "log_every_n_steps=1", *common, *overrides)
+        "full_finetune_single_device",
+        "--config",
+        f"configs/llama2/{config}.yaml",
+        f"output_dir={out}",
+        f"checkpoint_dir={ck}",
+        f"data_dir={data}",
+        "metric_logger=null",
+        f"pack_cache_dir={args.pack_cache_dir}",
+        "log_every_n_steps=1",
+        *common,
+        *overrides,
+    )
 
 
 def read_records(kind: str, out: Path) -> List[dict]:
@@ -143,7 +207,7 @@ def run_row(name: str, args, runs: Path) -> dict:
         why = run.error() or " / ".join(list(run.tail)[-3:])
         row["error"] = f"{len(records)} of {args.steps} steps logged in {row['wall_s']} s: " + why[-600:]
         return row
-    steady = records[args.skip_steps:]
+    steady = records[args.skip_steps :]
     tok_s = statistics.median(r["tokens_per_second"] for r in steady)
     row.update(
         variant=_optimizer_of(kind, config, overrides),
@@ -204,13 +268,33 @@ def table(records: List[dict]) -> str:
         if r.get("error"):
             rows.append([r["name"], r["config"], "", f"error: {r['error'][:120]}", "", "", "", "", ""])
             continue
-        rows.append([r["name"], r["config"], r["variant"], f"{r['tok_s']:,.0f}",
-                     f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-", f"{r['mfu']:.2f}",
-                     f"{r['peak_gib']:.1f} / {r['peak_reserved_gib']:.1f}",
-                     f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-",
-                     f"{r['epoch_hours']:.2f}" if r.get("epoch_hours") else "-"])
-    return harness.table(["row", "config", "AdamW", "tokens/s", "vs stock", "MFU", "peak alloc / reserved GiB",
-                          "first step s", "epoch h"], rows)
+        rows.append(
+            [
+                r["name"],
+                r["config"],
+                r["variant"],
+                f"{r['tok_s']:,.0f}",
+                f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-",
+                f"{r['mfu']:.2f}",
+                f"{r['peak_gib']:.1f} / {r['peak_reserved_gib']:.1f}",
+                f"{r['first_step_s']:.0f}" if r.get("first_step_s") is not None else "-",
+                f"{r['epoch_hours']:.2f}" if r.get("epoch_hours") else "-",
+            ]
+        )
+    return harness.table(
+        [
+            "row",
+            "config",
+            "AdamW",
+            "tokens/s",
+            "vs stock",
+            "MFU",
+            "peak alloc / reserved GiB",
+            "first step s",
+            "epoch h",
+        ],
+        rows,
+    )
 
 
 def plot(records: List[dict], path: Path, hardware: str) -> None:
@@ -221,11 +305,21 @@ def plot(records: List[dict], path: Path, hardware: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {"80gb": "tab:blue", "24gb": "tab:green", "seed": "tab:gray"}
     names = [r["name"] for r in ok]
-    bars = ax1.barh(names, [r["tok_s"] for r in ok], color=[colors.get(r["memory_class"], "tab:purple") for r in ok],
-                    hatch=None, edgecolor=["black" if r["kind"] == "stock" else "none" for r in ok])
+    bars = ax1.barh(
+        names,
+        [r["tok_s"] for r in ok],
+        color=[colors.get(r["memory_class"], "tab:purple") for r in ok],
+        hatch=None,
+        edgecolor=["black" if r["kind"] == "stock" else "none" for r in ok],
+    )
     for bar, r in zip(bars, ok):
-        ax1.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                 f" {r['tok_s']:,.0f}  ({r['peak_reserved_gib']:.0f} GiB)", va="center", fontsize=8)
+        ax1.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {r['tok_s']:,.0f}  ({r['peak_reserved_gib']:.0f} GiB)",
+            va="center",
+            fontsize=8,
+        )
     ax1.invert_yaxis()
     ax1.set_xlabel("trained tokens / s (median of steady steps)")
     ax1.set_title(f"Llama2-7B, {hardware.split(',')[0]} (outlined: torchtune stock); color = memory class", fontsize=9)
@@ -246,8 +340,11 @@ def plot(records: List[dict], path: Path, hardware: str) -> None:
 def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--make-checkpoint", metavar="DIR", help="write an HF-format Llama2-7B with random values and exit")
-    ap.add_argument("--tokenizer", default=f"{harness.DATA_DIR}/llama2_tokenizer/tokenizer.model",
-                    help="tokenizer.model copied into --make-checkpoint's folder")
+    ap.add_argument(
+        "--tokenizer",
+        default=f"{harness.DATA_DIR}/llama2_tokenizer/tokenizer.model",
+        help="tokenizer.model copied into --make-checkpoint's folder",
+    )
     ap.add_argument("--checkpoint-dir", help="the HF checkpoint every row loads")
     ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json")
     ap.add_argument("--stock-dir", help="torchtune's recipes folder (its full_finetune_single_device.py, configs/)")
@@ -257,8 +354,11 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row before it is stopped as an error")
     ap.add_argument("--runs-dir", default="/tmp/e2e_runs", help="output_dir of each row")
     ap.add_argument("--pack-cache-dir", default="/tmp/e2e_pack_cache", help="our rows' pack cache (shared)")
-    ap.add_argument("--out", default=harness.scratch("llama2_7b_e2e.json"),
-                    help="the JSON written (default outputs/bench/llama2_7b_e2e.json)")
+    ap.add_argument(
+        "--out",
+        default=harness.scratch("llama2_7b_e2e.json"),
+        help="the JSON written (default outputs/bench/llama2_7b_e2e.json)",
+    )
     ap.add_argument("--plot", help="PNG of tokens/s and loss curves (default: beside --out)")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows that this run does not re-measure")
     harness.add_arguments(ap)
@@ -297,9 +397,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         row = run_row(name, args, Path(args.runs_dir))
         row["measured_at"], row["code"] = prov["date"], prov["code"]
         records.append(row)
-        print(f"{name}: " + (f"error {row['error']}" if row.get("error") else
-                             f"{row['tok_s']:,.0f} tok/s, {row['peak_gib']} / {row['peak_reserved_gib']} GiB, "
-                             f"first step {row.get('first_step_s')} s, wall {row['wall_s']} s"), flush=True)
+        print(
+            f"{name}: "
+            + (
+                f"error {row['error']}"
+                if row.get("error")
+                else f"{row['tok_s']:,.0f} tok/s, {row['peak_gib']} / {row['peak_reserved_gib']} GiB, "
+                f"first step {row.get('first_step_s')} s, wall {row['wall_s']} s"
+            ),
+            flush=True,
+        )
         _finish(doc, kept, records, None)
         harness.write_json(args.out, doc)  # after every row: a stopped run keeps what it measured
     _finish(doc, kept, records, epoch_tokens(args))

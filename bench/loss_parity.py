@@ -69,8 +69,10 @@ def rows() -> tuple:
     defaults = [r[0] for r in out]
     for v in ours:
         out.append((f"{v.key}_fp32w", v.component, "fp32", v.overrides, ""))
-        out += [(f"{v.key}_{suffix}", v.component, "bf16", v.overrides + [f"optimizer.{s}"], s)
-                for suffix, s in EXTRAS.items()]
+        out += [
+            (f"{v.key}_{suffix}", v.component, "bf16", v.overrides + [f"optimizer.{s}"], s)
+            for suffix, s in EXTRAS.items()
+        ]
     return out, defaults
 
 
@@ -82,8 +84,9 @@ def overrides_value(overrides: List[str], key: str) -> Optional[str]:
     return value
 
 
-def heldout_loss(ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_len: int, n_heldout: int,
-                 batch_size: int = 16) -> dict:
+def heldout_loss(
+    ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_len: int, n_heldout: int, batch_size: int = 16
+) -> dict:
     """Token-weighted mean CE of a recipe checkpoint on the last n_heldout Alpaca records, in fp32."""
     import torch
     import torch.nn.functional as F
@@ -95,17 +98,33 @@ def heldout_loss(ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_
 
     hf = json.loads((ckpt_dir / "config.json").read_text())
     tokenizer = llama2_tokenizer(str(tokenizer_path), max_seq_len=max_seq_len, prompt_template=None)
+
     def records(train_on_input: bool):
-        return alpaca_dataset(tokenizer, source="json", data_files=str(data_file), split=f"train[-{n_heldout}:]",
-                              train_on_input=train_on_input, packed=False)
+        return alpaca_dataset(
+            tokenizer,
+            source="json",
+            data_files=str(data_file),
+            split=f"train[-{n_heldout}:]",
+            train_on_input=train_on_input,
+            packed=False,
+        )
 
     with torch.device("cpu"):
-        model = llama2(vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"],
-                       num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                       embed_dim=hf["hidden_size"], max_seq_len=hf["max_position_embeddings"])
-    state = convert_weights.hf_to_tune(load_file(str(ckpt_dir / "model.safetensors")),
-                                       num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                                       dim=hf["hidden_size"], head_dim=hf.get("head_dim"))
+        model = llama2(
+            vocab_size=hf["vocab_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf["num_key_value_heads"],
+            embed_dim=hf["hidden_size"],
+            max_seq_len=hf["max_position_embeddings"],
+        )
+    state = convert_weights.hf_to_tune(
+        load_file(str(ckpt_dir / "model.safetensors")),
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        dim=hf["hidden_size"],
+        head_dim=hf.get("head_dim"),
+    )
     model.load_state_dict({k: v.float() for k, v in state.items()})
     model.eval()
 
@@ -113,12 +132,16 @@ def heldout_loss(ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_
         total, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, len(ds), batch_size):
-                batch = padded_collate_sft([ds[j] for j in range(i, min(i + batch_size, len(ds)))],
-                                           padding_idx=tokenizer.pad_id, ignore_idx=-100)
+                batch = padded_collate_sft(
+                    [ds[j] for j in range(i, min(i + batch_size, len(ds)))],
+                    padding_idx=tokenizer.pad_id,
+                    ignore_idx=-100,
+                )
                 labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # token t predicts t+1, as the recipe
                 logits = model(batch["tokens"]).float()
-                total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                         ignore_index=-100, reduction="sum").item()
+                total += F.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+                ).item()
                 count += int((labels != -100).sum())
         return total / max(count, 1), count
 
@@ -126,16 +149,34 @@ def heldout_loss(ckpt_dir: Path, data_file: Path, tokenizer_path: Path, max_seq_
     # samples much of each one is Alpaca's fixed prompt preamble, which every variant learns quickly.
     loss, count = mean_ce(records(True))
     response_loss, response_count = mean_ce(records(False))
-    return {"heldout_loss": loss, "heldout_tokens": count, "heldout_response_loss": response_loss,
-            "heldout_response_tokens": response_count, "heldout_records": n_heldout}
+    return {
+        "heldout_loss": loss,
+        "heldout_tokens": count,
+        "heldout_response_loss": response_loss,
+        "heldout_response_tokens": response_count,
+        "heldout_records": n_heldout,
+    }
 
 
 def markdown_table(records: List[dict]) -> str:
-    return report.table(["AdamW [weights]", "final train loss", "held-out loss", "gap vs ref",
-                         "held-out response-only loss", "gap vs ref"], records,
-                        lambda r: [f"{r['final_train_loss']:.4f}", f"{r['heldout_loss']:.4f}",
-                                   f"{100 * r['gap_vs_ref']:+.2f} %", f"{r['heldout_response_loss']:.4f}",
-                                   f"{100 * r['response_gap_vs_ref']:+.2f} %"])
+    return report.table(
+        [
+            "AdamW [weights]",
+            "final train loss",
+            "held-out loss",
+            "gap vs ref",
+            "held-out response-only loss",
+            "gap vs ref",
+        ],
+        records,
+        lambda r: [
+            f"{r['final_train_loss']:.4f}",
+            f"{r['heldout_loss']:.4f}",
+            f"{100 * r['gap_vs_ref']:+.2f} %",
+            f"{r['heldout_response_loss']:.4f}",
+            f"{100 * r['response_gap_vs_ref']:+.2f} %",
+        ],
+    )
 
 
 def plot_title(steps: int) -> str:
@@ -149,15 +190,35 @@ def run_row(row: tuple, args, base: List[str], prefix: str) -> dict:
     run_dir = Path(args.runs_dir) / key
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = harness.recipe_command("full_finetune_single_device", "--config", CONFIG, f"output_dir={run_dir}",
-                                 "epochs=1", f"max_steps_per_epoch={args.steps}", "metric_logger=null", *base,
-                                 f"dtype={dtype}", *opt_overrides)
+    cmd = harness.recipe_command(
+        "full_finetune_single_device",
+        "--config",
+        CONFIG,
+        f"output_dir={run_dir}",
+        "epochs=1",
+        f"max_steps_per_epoch={args.steps}",
+        "metric_logger=null",
+        *base,
+        f"dtype={dtype}",
+        *opt_overrides,
+    )
     print(f"{prefix} start: {' '.join(cmd)}", flush=True)
     run = harness.run(cmd, run_dir / "run.log", timeout=args.timeout)
     losses = [m["loss"] for m in harness.read_metrics(run_dir)]
-    rec = {"variant": variant, "dtype": dtype, "reference": key == "ref", "label": label, "key": key,
-           "command": run.command, "error": run.error(), "losses": losses, "wall_s": run.wall_s,
-           "final_train_loss": None, "heldout_loss": None, "gap_vs_ref": None}
+    rec = {
+        "variant": variant,
+        "dtype": dtype,
+        "reference": key == "ref",
+        "label": label,
+        "key": key,
+        "command": run.command,
+        "error": run.error(),
+        "losses": losses,
+        "wall_s": run.wall_s,
+        "final_train_loss": None,
+        "heldout_loss": None,
+        "gap_vs_ref": None,
+    }
     if rec["error"] is None and len(losses) < args.steps:
         rec["error"] = f"logged {len(losses)} of {args.steps} steps"
     if not rec["error"]:
@@ -165,35 +226,56 @@ def run_row(row: tuple, args, base: List[str], prefix: str) -> dict:
         rec["final_train_loss"] = sum(losses[-k:]) / k
         data_dir = harness.repo_path(args.data_dir)
         try:
-            rec.update(heldout_loss(run_dir / "epoch_0", data_dir / "alpaca" / "alpaca_data.json",
-                                    data_dir / "llama2_tokenizer" / "tokenizer.model",
-                                    int(overrides_value(base, "tokenizer.max_seq_len")), args.heldout))
+            rec.update(
+                heldout_loss(
+                    run_dir / "epoch_0",
+                    data_dir / "alpaca" / "alpaca_data.json",
+                    data_dir / "llama2_tokenizer" / "tokenizer.model",
+                    int(overrides_value(base, "tokenizer.max_seq_len")),
+                    args.heldout,
+                )
+            )
         except Exception as e:
             rec["error"] = f"held-out eval failed: {type(e).__name__}: {e}"
     shutil.rmtree(run_dir / "epoch_0", ignore_errors=True)
-    print(f"{prefix} " + (f"FAILED: {rec['error']}" if rec["error"] else
-                          f"final train loss {rec['final_train_loss']:.4f}, held-out loss {rec['heldout_loss']:.4f}"),
-          flush=True)
+    print(
+        f"{prefix} "
+        + (
+            f"FAILED: {rec['error']}"
+            if rec["error"]
+            else f"final train loss {rec['final_train_loss']:.4f}, held-out loss {rec['heldout_loss']:.4f}"
+        ),
+        flush=True,
+    )
     return rec
 
 
 def parse_args(argv: Optional[List[str]] = None):
     table, defaults = rows()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=None,
-                        help=f"comma-separated keys (ref always runs), of: {', '.join(r[0] for r in table)} "
-                             f"(default {','.join(defaults)})")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated keys (ref always runs), of: {', '.join(r[0] for r in table)} "
+        f"(default {','.join(defaults)})",
+    )
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per variant")
     parser.add_argument("--last-k", type=int, default=10, help="final_train_loss = mean of the last K steps")
     parser.add_argument("--heldout", type=int, default=200, help="last N Alpaca records, left out of training")
     parser.add_argument("--data-dir", default=harness.DATA_DIR)
     parser.add_argument("--runs-dir", default="/tmp/loss_parity_runs", help="the recipe runs' folders")
-    parser.add_argument("--out", default=harness.scratch("loss_parity.json"),
-                        help="results JSON (default outputs/bench/loss_parity.json)")
+    parser.add_argument(
+        "--out",
+        default=harness.scratch("loss_parity.json"),
+        help="results JSON (default outputs/bench/loss_parity.json)",
+    )
     parser.add_argument("--plot", default=None, help="plot PNG (default: beside --out)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per recipe run")
-    parser.add_argument("--merge", action="store_true",
-                        help="add to the records in --out (re-running only the variants given; ref is reused)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add to the records in --out (re-running only the variants given; ref is reused)",
+    )
     parser.add_argument("--replot", metavar="JSON", default=None, help="run nothing: redraw --plot from a results JSON")
     # The width-2048 benchmark was `--setting width2048` of this script; it is bench/loss_parity_width2048.py now.
     parser.add_argument("--setting", choices=["tiny", "width2048"], default="tiny", help=argparse.SUPPRESS)
@@ -201,8 +283,10 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
     if args.setting == "width2048":
-        harness.refuse("the width-2048 benchmark is its own script: python bench/loss_parity_width2048.py "
-                       "(the same flags, without --setting)")
+        harness.refuse(
+            "the width-2048 benchmark is its own script: python bench/loss_parity_width2048.py "
+            "(the same flags, without --setting)"
+        )
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     args.keys = harness.pick(parser, args.variants, [r[0] for r in table], "variants", defaults)
     return args
@@ -235,23 +319,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ref and r["heldout_loss"] is not None and ref["heldout_loss"] is not None:
             r["gap_vs_ref"] = (r["heldout_loss"] - ref["heldout_loss"]) / ref["heldout_loss"]
             r["train_gap_vs_ref"] = (r["final_train_loss"] - ref["final_train_loss"]) / ref["final_train_loss"]
-            r["response_gap_vs_ref"] = ((r["heldout_response_loss"] - ref["heldout_response_loss"])
-                                        / ref["heldout_response_loss"])
-    harness.write_json(args.out, {
-        **prov,
-        "commands": harness.commands(old, prov["command"]),
-        "config": CONFIG,
-        "overrides": base + [f"max_steps_per_epoch={args.steps}", "epochs=1", "metric_logger=null"],
-        "steps": args.steps,
-        "last_k": args.last_k,
-        "heldout": f"the last {args.heldout} records of alpaca_data.json (not in the training split), "
-                   f"train_on_input=True, max_seq_len {overrides_value(base, 'tokenizer.max_seq_len')}, "
-                   "token-weighted mean CE in fp32",
-        "note": "Our optimizers take their plain-PyTorch path on a CPU (backend='auto' on CPU tensors), which "
-                "the Triton kernel matches in tests/optimizers/test_optimizers.py. Reference: fp32 weights and fp32 "
-                "AdamW states; every other variant trains bf16 weights, gradients and activations (dtype=bf16).",
-        "records": records,
-    })
+            r["response_gap_vs_ref"] = (r["heldout_response_loss"] - ref["heldout_response_loss"]) / ref[
+                "heldout_response_loss"
+            ]
+    harness.write_json(
+        args.out,
+        {
+            **prov,
+            "commands": harness.commands(old, prov["command"]),
+            "config": CONFIG,
+            "overrides": base + [f"max_steps_per_epoch={args.steps}", "epochs=1", "metric_logger=null"],
+            "steps": args.steps,
+            "last_k": args.last_k,
+            "heldout": f"the last {args.heldout} records of alpaca_data.json (not in the training split), "
+            f"train_on_input=True, max_seq_len {overrides_value(base, 'tokenizer.max_seq_len')}, "
+            "token-weighted mean CE in fp32",
+            "note": "Our optimizers take their plain-PyTorch path on a CPU (backend='auto' on CPU tensors), which "
+            "the Triton kernel matches in tests/optimizers/test_optimizers.py. Reference: fp32 weights and fp32 "
+            "AdamW states; every other variant trains bf16 weights, gradients and activations (dtype=bf16).",
+            "records": records,
+        },
+    )
     report.plot(records, Path(args.plot), plot_title(args.steps))
     print("\n" + markdown_table(records))
     print(f"wrote {args.out}")

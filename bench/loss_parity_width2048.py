@@ -50,24 +50,32 @@ def rows() -> tuple:
     """([(key, label, weights dtype, optimizer name)], the default keys); names as harness.make_optimizer reads them.
     Labels name the settings; ours with their defaults say "defaults"."""
     fused, ours = harness.ANCHORS["fused"][0], harness.ours()
-    out = [("ref", f"{fused} [fp32 master weights, reference]", "fp32", fused),
-           ("fused", f"{fused} [bf16 weights]", "bf16", fused)]
+    out = [
+        ("ref", f"{fused} [fp32 master weights, reference]", "fp32", fused),
+        ("fused", f"{fused} [bf16 weights]", "bf16", fused),
+    ]
     out += [(v.key, f"{v.component} [defaults]", "bf16", v.component) for v in ours]
-    out += [(f"{v.key}_rtn", f"{v.component} [stochastic_round=False]", "bf16",
-             f"{v.component}(stochastic_round=False)") for v in ours]
+    out += [
+        (f"{v.key}_rtn", f"{v.component} [stochastic_round=False]", "bf16", f"{v.component}(stochastic_round=False)")
+        for v in ours
+    ]
     for key in ("ao8", "ao4"):
         name = harness.ANCHORS[key][0]
-        out += [(key, f"{name} [defaults: bf16_stochastic_round=False]", "bf16", name),
-                (f"{key}_sr", f"{name} [bf16_stochastic_round=True]", "bf16", f"{name}(bf16_stochastic_round=True)")]
+        out += [
+            (key, f"{name} [defaults: bf16_stochastic_round=False]", "bf16", name),
+            (f"{key}_sr", f"{name} [bf16_stochastic_round=True]", "bf16", f"{name}(bf16_stochastic_round=True)"),
+        ]
     out.append(("bnb8", f"{harness.ANCHORS['bnb8'][0]} [defaults]", "bf16", harness.ANCHORS["bnb8"][0]))
     defaults = [r[0] for r in out]
-    out += [(f"{v.key}_comp", f"{v.component} [compensate=True]", "bf16", f"{v.component}(compensate=True)")
-            for v in ours]
+    out += [
+        (f"{v.key}_comp", f"{v.component} [compensate=True]", "bf16", f"{v.component}(compensate=True)") for v in ours
+    ]
     # FP8 matmuls (the recipes' fp8=...): the transformer layers' linear layers through torchao's float8 training,
     # weights, gradients and optimizer as in the bf16 rows.
     for recipe, suffix in (("tensorwise", "fp8"), ("rowwise", "fp8rw")):
-        out += [(f"{v.key}_{suffix}", f"{v.component} [defaults, fp8={recipe}]", "bf16", v.component, recipe)
-                for v in ours]
+        out += [
+            (f"{v.key}_{suffix}", f"{v.component} [defaults, fp8={recipe}]", "bf16", v.component, recipe) for v in ours
+        ]
     return [r if len(r) == 5 else (*r, None) for r in out], defaults
 
 
@@ -90,16 +98,26 @@ class Regime:
         from finetune.data.packing import PackedSFTDataset, TokenizedSamples
 
         self.args, self.device = args, device
-        shape = dict(REGIME, embed_dim=args.width, num_layers=args.layers, num_heads=args.width // 128,
-                     num_kv_heads=args.width // 128, max_seq_len=args.seq_len)
+        shape = dict(
+            REGIME,
+            embed_dim=args.width,
+            num_layers=args.layers,
+            num_heads=args.width // 128,
+            num_kv_heads=args.width // 128,
+            max_seq_len=args.seq_len,
+        )
         self.shape = shape
         data_dir = harness.repo_path(args.data_dir)
         data_file = str(data_dir / "alpaca" / "alpaca_data.json")
-        tok = llama2_tokenizer(str(data_dir / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=args.seq_len,
-                               prompt_template=None)
+        tok = llama2_tokenizer(
+            str(data_dir / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=args.seq_len, prompt_template=None
+        )
+
         def split(spec):
-            return alpaca_dataset(tok, source="json", data_files=data_file, split=spec, train_on_input=True,
-                                  packed=False)
+            return alpaca_dataset(
+                tok, source="json", data_files=data_file, split=spec, train_on_input=True, packed=False
+            )
+
         t = time.perf_counter()
         train = split(f"train[:-{args.heldout}]")
         if args.train_records:  # a smaller run (a smoke test): the first N records only
@@ -113,11 +131,12 @@ class Regime:
 
         def batches(n_steps, batch, seed):
             g = torch.Generator().manual_seed(seed)
-            order = torch.cat([torch.randperm(len(packed), generator=g)
-                               for _ in range(-(-n_steps * batch // len(packed)))])
+            order = torch.cat(
+                [torch.randperm(len(packed), generator=g) for _ in range(-(-n_steps * batch // len(packed)))]
+            )
             out = []
             for s in range(n_steps):
-                b = padded_collate_packed([packed[int(i)] for i in order[s * batch:(s + 1) * batch]])
+                b = padded_collate_packed([packed[int(i)] for i in order[s * batch : (s + 1) * batch]])
                 out.append({k: v.to(device) if hasattr(v, "to") else v for k, v in b.items()})
             return out
 
@@ -127,12 +146,15 @@ class Regime:
         self.ft_batches = batches(args.steps, args.batch, seed=2)
         items = sorted((heldout[i] for i in range(len(heldout))), key=lambda x: len(x["tokens"]))
         self.heldout = [
-            {k: v.to(device) for k, v in padded_collate_sft(items[i:i + 64], padding_idx=tok.pad_id,
-                                                            ignore_idx=-100).items()}
+            {
+                k: v.to(device)
+                for k, v in padded_collate_sft(items[i : i + 64], padding_idx=tok.pad_id, ignore_idx=-100).items()
+            }
             for i in range(0, len(items), 64)
         ]
-        self.heldout_tokens = sum(int((F.pad(b["labels"][:, 1:], (0, 1), value=-100) != -100).sum())
-                                  for b in self.heldout)
+        self.heldout_tokens = sum(
+            int((F.pad(b["labels"][:, 1:], (0, 1), value=-100) != -100).sum()) for b in self.heldout
+        )
         torch.manual_seed(args.seed)
         with torch.device(device):
             self.model = llama2(**shape)
@@ -156,8 +178,9 @@ class Regime:
         labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == torch.float32):
             logits = self.model(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100,
-                               reduction=reduction)
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction=reduction
+        )
 
     def heldout_loss(self) -> float:
         self.model.eval()
@@ -194,29 +217,43 @@ class Regime:
         return losses.tolist(), per_step, first
 
 
-
 def table(records: List[dict]) -> str:
-    return report.table(["AdamW [settings]", "weights", "held-out loss", "gap vs fp32 master", "share of its gain",
-                         "ms/step"], records,
-                        lambda r: [r["dtype"], f"{r['heldout_loss']:.4f}",
-                                   f"{100 * r['gap_vs_ref']:+.2f} %" if r.get("gap_vs_ref") is not None else "-",
-                                   f"{r['share_of_ref_gain']:.2f}" if "share_of_ref_gain" in r else "-",
-                                   f"{r['ms_per_step']:.0f}"])
+    return report.table(
+        ["AdamW [settings]", "weights", "held-out loss", "gap vs fp32 master", "share of its gain", "ms/step"],
+        records,
+        lambda r: [
+            r["dtype"],
+            f"{r['heldout_loss']:.4f}",
+            f"{100 * r['gap_vs_ref']:+.2f} %" if r.get("gap_vs_ref") is not None else "-",
+            f"{r['share_of_ref_gain']:.2f}" if "share_of_ref_gain" in r else "-",
+            f"{r['ms_per_step']:.0f}",
+        ],
+    )
 
 
 def parse_args(argv: Optional[List[str]] = None):
     table_rows, defaults = rows()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=None,
-                        help=f"comma-separated keys (ref always runs), of: {', '.join(r[0] for r in table_rows)} "
-                             "(default: all but the _comp rows)")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated keys (ref always runs), of: {', '.join(r[0] for r in table_rows)} "
+        "(default: all but the _comp rows)",
+    )
     parser.add_argument("--steps", type=int, default=500, help="fine-tune steps per variant")
     parser.add_argument("--heldout", type=int, default=2000, help="last N Alpaca records, left out of training")
-    parser.add_argument("--train-records", type=int, default=None,
-                        help="train on the first N records only (default: all but the held-out ones; for tests)")
+    parser.add_argument(
+        "--train-records",
+        type=int,
+        default=None,
+        help="train on the first N records only (default: all but the held-out ones; for tests)",
+    )
     parser.add_argument("--data-dir", default=harness.DATA_DIR)
-    parser.add_argument("--out", default=harness.scratch("loss_parity_width2048.json"),
-                        help="results JSON (default outputs/bench/loss_parity_width2048.json)")
+    parser.add_argument(
+        "--out",
+        default=harness.scratch("loss_parity_width2048.json"),
+        help="results JSON (default outputs/bench/loss_parity_width2048.json)",
+    )
     parser.add_argument("--plot", default=None, help="plot PNG (default: beside --out)")
     parser.add_argument("--replot", metavar="JSON", default=None, help="run nothing: redraw --plot from a results JSON")
     parser.add_argument("--width", type=int, default=2048, help="model width (heads of 128)")
@@ -251,8 +288,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     tag = f"[width{args.width}]"
     print(f"{tag} tokenizing, packing, building {args.steps + args.pretrain_steps} batches", flush=True)
     reg = Regime(args, device)
-    print(f"{tag} {reg.n_params / 1e9:.3f} B parameters; {reg.rows} packed rows ({100 * reg.fill:.1f} % full); "
-          f"{len(reg.heldout)} held-out batches, {reg.heldout_tokens} tokens", flush=True)
+    print(
+        f"{tag} {reg.n_params / 1e9:.3f} B parameters; {reg.rows} packed rows ({100 * reg.fill:.1f} % full); "
+        f"{len(reg.heldout)} held-out batches, {reg.heldout_tokens} tokens",
+        flush=True,
+    )
 
     # The shared starting point: fp32 master weights, bf16 autocast, fused AdamW.
     init_loss = reg.heldout_loss()
@@ -263,37 +303,59 @@ def main(argv: Optional[List[str]] = None) -> int:
     start_loss = {"fp32": reg.heldout_loss()}
     reg.set_dtype(torch.bfloat16)
     start_loss["bf16"] = reg.heldout_loss()
-    print(f"{tag} pre-trained {args.pretrain_steps} steps ({pre_step_s * 1e3:.0f} ms/step): held-out "
-          f"{init_loss:.4f} -> {start_loss['fp32']:.4f} (fp32), {start_loss['bf16']:.4f} (bf16 copy)", flush=True)
+    print(
+        f"{tag} pre-trained {args.pretrain_steps} steps ({pre_step_s * 1e3:.0f} ms/step): held-out "
+        f"{init_loss:.4f} -> {start_loss['fp32']:.4f} (fp32), {start_loss['bf16']:.4f} (bf16 copy)",
+        flush=True,
+    )
 
-    title = (f"Alpaca, Llama2 architecture {args.layers} x {args.width} ({reg.n_params / 1e9:.2f} B), fine-tuned at "
-             f"lr {args.lr:g} from a pre-trained state: {args.steps} steps of {args.batch} x {args.seq_len} tokens")
+    title = (
+        f"Alpaca, Llama2 architecture {args.layers} x {args.width} ({reg.n_params / 1e9:.2f} B), fine-tuned at "
+        f"lr {args.lr:g} from a pre-trained state: {args.steps} steps of {args.batch} x {args.seq_len} tokens"
+    )
     doc = {
         **prov,
         "title": title,
-        "model": dict(reg.shape, architecture="torchtune llama2 builder (Llama2: RMSNorm, RoPE, SwiGLU)",
-                      intermediate_dim=reg.model.layers[0].mlp.w1.weight.shape[0]),
+        "model": dict(
+            reg.shape,
+            architecture="torchtune llama2 builder (Llama2: RMSNorm, RoPE, SwiGLU)",
+            intermediate_dim=reg.model.layers[0].mlp.w1.weight.shape[0],
+        ),
         "width": args.width,
         "parameters": reg.n_params,
         "steps": args.steps,
         "batch": f"{args.batch} packed rows x {args.seq_len} tokens per step",
-        "fine_tune": {"lr": args.lr, "warmup_steps": 20, "schedule": "linear warm-up, then constant",
-                      "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "clip_grad_norm": None},
-        "pretrain": {"steps": args.pretrain_steps, "batch": args.pretrain_batch, "lr": args.pretrain_lr,
-                     "schedule": "30 warm-up steps, cosine to 0", "clip_grad_norm": 1.0,
-                     "optimizer": "torch.optim.AdamW(fused=True), fp32 weights and states, bf16 autocast",
-                     "heldout_before": init_loss, "heldout_after_fp32": start_loss["fp32"],
-                     "heldout_after_bf16": start_loss["bf16"], "ms_per_step": 1e3 * pre_step_s,
-                     "losses": pre_losses[::10]},
+        "fine_tune": {
+            "lr": args.lr,
+            "warmup_steps": 20,
+            "schedule": "linear warm-up, then constant",
+            "weight_decay": 0.0,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "clip_grad_norm": None,
+        },
+        "pretrain": {
+            "steps": args.pretrain_steps,
+            "batch": args.pretrain_batch,
+            "lr": args.pretrain_lr,
+            "schedule": "30 warm-up steps, cosine to 0",
+            "clip_grad_norm": 1.0,
+            "optimizer": "torch.optim.AdamW(fused=True), fp32 weights and states, bf16 autocast",
+            "heldout_before": init_loss,
+            "heldout_after_fp32": start_loss["fp32"],
+            "heldout_after_bf16": start_loss["bf16"],
+            "ms_per_step": 1e3 * pre_step_s,
+            "losses": pre_losses[::10],
+        },
         "data": f"alpaca_data.json: the first {reg.train_records} records tokenized (train_on_input=True, "
-                f"max_seq_len {args.seq_len}) and packed best-fit into {reg.rows} rows "
-                f"({100 * reg.fill:.1f} % full, block-causal); two seeded orders of those rows for pre-training "
-                f"and fine-tuning",
+        f"max_seq_len {args.seq_len}) and packed best-fit into {reg.rows} rows "
+        f"({100 * reg.fill:.1f} % full, block-causal); two seeded orders of those rows for pre-training "
+        f"and fine-tuning",
         "heldout": f"the last {args.heldout} records of alpaca_data.json (never trained on), unpacked, "
-                   f"{reg.heldout_tokens} tokens, token-weighted mean CE, logits in fp32",
+        f"{reg.heldout_tokens} tokens, token-weighted mean CE, logits in fp32",
         "share": "share = (heldout_start - heldout) / (heldout_start - heldout_ref): the part of the fp32-master "
-                 "reference's held-out improvement a variant achieved (heldout_start: the pre-trained state, "
-                 "in the run's weight dtype)",
+        "reference's held-out improvement a variant achieved (heldout_start: the pre-trained state, "
+        "in the run's weight dtype)",
         "records": [],
     }
     records = doc["records"]
@@ -305,8 +367,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         with torch.no_grad():
             for k, p in reg.model.state_dict().items():
                 p.copy_(state[k])
-        rec = {"key": key, "variant": label.split(" [")[0], "label": label, "dtype": dtype, "fp8": fp8,
-               "reference": key == "ref", "error": None, "heldout_start": start_loss[dtype]}
+        rec = {
+            "key": key,
+            "variant": label.split(" [")[0],
+            "label": label,
+            "dtype": dtype,
+            "fp8": fp8,
+            "reference": key == "ref",
+            "error": None,
+            "heldout_start": start_loss[dtype],
+        }
         records.append(rec)
         if fp8 is not None:  # a converted copy: the next rows start from the plain model again
             from finetune.model.prepare import convert_to_fp8
@@ -316,8 +386,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             opt = harness.make_optimizer(name, list(reg.model.parameters()), lr=args.lr, weight_decay=0.0)
             losses, step_s, first = reg.train(opt, reg.ft_batches, warmup=20, cosine=False)
-            rec.update(heldout_loss=reg.heldout_loss(), final_train_loss=sum(losses[-50:]) / len(losses[-50:]),
-                       ms_per_step=1e3 * step_s, first_step_s=first, losses=[round(x, 4) for x in losses])
+            rec.update(
+                heldout_loss=reg.heldout_loss(),
+                final_train_loss=sum(losses[-50:]) / len(losses[-50:]),
+                ms_per_step=1e3 * step_s,
+                first_step_s=first,
+                losses=[round(x, 4) for x in losses],
+            )
             nonfinite = getattr(opt, "nonfinite_count", None)
             if nonfinite is not None:
                 rec["nonfinite_count"] = int(nonfinite)
@@ -336,13 +411,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             for r in records:
                 if r.get("heldout_loss") is not None:
                     r["gap_vs_ref"] = (r["heldout_loss"] - ref["heldout_loss"]) / ref["heldout_loss"]
-                    r["share_of_ref_gain"] = ((r["heldout_start"] - r["heldout_loss"])
-                                              / (ref["heldout_start"] - ref["heldout_loss"]))
-        print(f"{prefix} held-out {rec['heldout_loss']:.4f}"
-              + (f", gap {100 * rec['gap_vs_ref']:+.2f} %, share {rec['share_of_ref_gain']:.2f}"
-                 if "gap_vs_ref" in rec else "")
-              + f"; {rec['ms_per_step']:.0f} ms/step, first step {first:.1f} s; "
-              f"{time.perf_counter() - started:.0f} s so far", flush=True)
+                    r["share_of_ref_gain"] = (r["heldout_start"] - r["heldout_loss"]) / (
+                        ref["heldout_start"] - ref["heldout_loss"]
+                    )
+        print(
+            f"{prefix} held-out {rec['heldout_loss']:.4f}"
+            + (
+                f", gap {100 * rec['gap_vs_ref']:+.2f} %, share {rec['share_of_ref_gain']:.2f}"
+                if "gap_vs_ref" in rec
+                else ""
+            )
+            + f"; {rec['ms_per_step']:.0f} ms/step, first step {first:.1f} s; "
+            f"{time.perf_counter() - started:.0f} s so far",
+            flush=True,
+        )
         # Written after every row: a call that runs out of time keeps what it measured.
         harness.write_json(args.out, dict(doc, wall_s=time.perf_counter() - started))
     harness.write_json(args.out, dict(doc, wall_s=time.perf_counter() - started))

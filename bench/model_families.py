@@ -60,8 +60,18 @@ LLAMA2_TOKENIZER = Path("llama2_tokenizer") / "tokenizer.model"
 
 # The special tokens of the stand-in tokenizers: those the family's chat format uses and those torchtune's own
 # tokenizer for the family looks up (the stock rows read them from our tokenizer.json: special_tokens_path).
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                   "<|eom_id|>", "<|python_tag|>", "<|image|>", "<|step_id|>", "<|finetune_right_pad_id|>"]
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+    "<|step_id|>",
+    "<|finetune_right_pad_id|>",
+]
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
@@ -70,19 +80,27 @@ MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 # its rendering of a conversation not a prefix of the rendering of a longer one; Mistral's [INST], refusing roles it
 # does not know).
 TEMPLATES = {
-    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
-               " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
-    "qwen2": ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
-              "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "qwen3": ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
-              "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
-              " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
-              "{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
-                "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
-                "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+        " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    "qwen2": (
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
+        "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "qwen3": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
+        "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
+        " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+        "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    ),
 }
 
 
@@ -108,61 +126,202 @@ class Spec:
         return TEMPLATES["llama3" if self.family == "llama3" else self.family]
 
 
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
-SPECS: Dict[str, Spec] = {s.key: s for s in [
-    Spec("llama3_1_8b", "llama3", "LlamaConfig",
-         dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-              num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-              rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False),
-         "torchtune.models.llama3_1.llama3_1_8b", "torchtune.models.llama3_1.llama3_1",
-         {"80gb": "llama3_1/8B_full_80gb", "32gb": "llama3_1/8B_full_32gb"}, LLAMA3_SPECIALS, "<|begin_of_text|>",
-         "<|end_of_text|>", ("llama3_1/8B_full_single_device", []), {"scale_factor": 8}),
-    Spec("llama3_2_3b", "llama3", "LlamaConfig",
-         dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-              num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
-              rope_theta=500000.0, rope_scaling={**_LLAMA31_ROPE, "factor": 32.0}, tie_word_embeddings=True),
-         "torchtune.models.llama3_2.llama3_2_3b", "torchtune.models.llama3_2.llama3_2",
-         {"80gb": "llama3_2/3B_full_80gb", "24gb": "llama3_2/3B_full_24gb"}, LLAMA3_SPECIALS, "<|begin_of_text|>",
-         "<|end_of_text|>", ("llama3_2/3B_full_single_device", []), {"scale_factor": 32, "tie_word_embeddings": True}),
-    Spec("qwen2_5_7b", "qwen2", "Qwen2Config",
-         dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-              num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              tie_word_embeddings=False, use_sliding_window=False, sliding_window=131072, max_window_layers=28),
-         "torchtune.models.qwen2_5.qwen2_5_7b_base", "torchtune.models.qwen2.qwen2",
-         {"80gb": "qwen2_5/7B_full_80gb", "32gb": "qwen2_5/7B_full_32gb"}, QWEN_SPECIALS, None, "<|endoftext|>",
-         ("qwen2_5/7B_full_single_device", ["model._component_=torchtune.models.qwen2_5.qwen2_5_7b_base"])),
-    Spec("qwen2_5_3b", "qwen2", "Qwen2Config",
-         dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-              num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-              tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=36),
-         "torchtune.models.qwen2_5.qwen2_5_3b", "torchtune.models.qwen2.qwen2",
-         {"80gb": "qwen2_5/3B_full_80gb", "24gb": "qwen2_5/3B_full_24gb"}, QWEN_SPECIALS, None, "<|endoftext|>",
-         ("qwen2_5/3B_full_single_device", []), {"tie_word_embeddings": True}),
-    Spec("qwen3_8b", "qwen3", "Qwen3Config",
-         dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-              num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-              rope_theta=1000000.0, tie_word_embeddings=False),
-         "finetune.model.qwen3_8b", "finetune.model.qwen3",
-         {"80gb": "qwen3/8B_full_80gb", "32gb": "qwen3/8B_full_32gb"}, QWEN_SPECIALS, None, "<|endoftext|>",
-         None, {"head_dim": 32}),  # (the toy's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
-    Spec("mistral_7b", "mistral", "MistralConfig",
-         dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-              num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
-              sliding_window=None, tie_word_embeddings=False),
-         "finetune.model.mistral_7b_v0_3", "torchtune.models.mistral.mistral",
-         {"80gb": "mistral/7B_full_80gb", "32gb": "mistral/7B_full_32gb"}, MISTRAL_SPECIALS, "<s>", "</s>",
-         ("mistral/7B_full_low_memory", [
-             "model._component_=torchtune.models.mistral.mistral", "model.vocab_size=32768", "model.num_layers=32",
-             "model.num_heads=32", "model.num_kv_heads=8", "model.embed_dim=4096", "model.intermediate_dim=14336",
-             "model.max_seq_len=32768", "model.rope_base=1000000"])),
-]}
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+SPECS: Dict[str, Spec] = {
+    s.key: s
+    for s in [
+        Spec(
+            "llama3_1_8b",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling=_LLAMA31_ROPE,
+                tie_word_embeddings=False,
+            ),
+            "torchtune.models.llama3_1.llama3_1_8b",
+            "torchtune.models.llama3_1.llama3_1",
+            {"80gb": "llama3_1/8B_full_80gb", "32gb": "llama3_1/8B_full_32gb"},
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            ("llama3_1/8B_full_single_device", []),
+            {"scale_factor": 8},
+        ),
+        Spec(
+            "llama3_2_3b",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                vocab_size=128256,
+                hidden_size=3072,
+                intermediate_size=8192,
+                num_hidden_layers=28,
+                num_attention_heads=24,
+                num_key_value_heads=8,
+                head_dim=128,
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
+                tie_word_embeddings=True,
+            ),
+            "torchtune.models.llama3_2.llama3_2_3b",
+            "torchtune.models.llama3_2.llama3_2",
+            {"80gb": "llama3_2/3B_full_80gb", "24gb": "llama3_2/3B_full_24gb"},
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            ("llama3_2/3B_full_single_device", []),
+            {"scale_factor": 32, "tie_word_embeddings": True},
+        ),
+        Spec(
+            "qwen2_5_7b",
+            "qwen2",
+            "Qwen2Config",
+            dict(
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_hidden_layers=28,
+                num_attention_heads=28,
+                num_key_value_heads=4,
+                max_position_embeddings=131072,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=False,
+                use_sliding_window=False,
+                sliding_window=131072,
+                max_window_layers=28,
+            ),
+            "torchtune.models.qwen2_5.qwen2_5_7b_base",
+            "torchtune.models.qwen2.qwen2",
+            {"80gb": "qwen2_5/7B_full_80gb", "32gb": "qwen2_5/7B_full_32gb"},
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+            ("qwen2_5/7B_full_single_device", ["model._component_=torchtune.models.qwen2_5.qwen2_5_7b_base"]),
+        ),
+        Spec(
+            "qwen2_5_3b",
+            "qwen2",
+            "Qwen2Config",
+            dict(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=11008,
+                num_hidden_layers=36,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                max_position_embeddings=32768,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                sliding_window=32768,
+                max_window_layers=36,
+            ),
+            "torchtune.models.qwen2_5.qwen2_5_3b",
+            "torchtune.models.qwen2.qwen2",
+            {"80gb": "qwen2_5/3B_full_80gb", "24gb": "qwen2_5/3B_full_24gb"},
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+            ("qwen2_5/3B_full_single_device", []),
+            {"tie_word_embeddings": True},
+        ),
+        Spec(
+            "qwen3_8b",
+            "qwen3",
+            "Qwen3Config",
+            dict(
+                vocab_size=151936,
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                max_position_embeddings=40960,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=False,
+            ),
+            "finetune.model.qwen3_8b",
+            "finetune.model.qwen3",
+            {"80gb": "qwen3/8B_full_80gb", "32gb": "qwen3/8B_full_32gb"},
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+            None,
+            {"head_dim": 32},
+        ),  # (the toy's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
+        Spec(
+            "mistral_7b",
+            "mistral",
+            "MistralConfig",
+            dict(
+                vocab_size=32768,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
+                rms_norm_eps=1e-5,
+                rope_theta=1000000.0,
+                sliding_window=None,
+                tie_word_embeddings=False,
+            ),
+            "finetune.model.mistral_7b_v0_3",
+            "torchtune.models.mistral.mistral",
+            {"80gb": "mistral/7B_full_80gb", "32gb": "mistral/7B_full_32gb"},
+            MISTRAL_SPECIALS,
+            "<s>",
+            "</s>",
+            (
+                "mistral/7B_full_low_memory",
+                [
+                    "model._component_=torchtune.models.mistral.mistral",
+                    "model.vocab_size=32768",
+                    "model.num_layers=32",
+                    "model.num_heads=32",
+                    "model.num_kv_heads=8",
+                    "model.embed_dim=4096",
+                    "model.intermediate_dim=14336",
+                    "model.max_seq_len=32768",
+                    "model.rope_base=1000000",
+                ],
+            ),
+        ),
+    ]
+}
 
 # The toy models (--toy): 2 layers of width 64, 4 heads of 16 in 2 key/value groups, a 1,024-token BPE.
 TOY_SCALE = 0.1  # their random values: +-0.1 (the real sizes: +-0.02), so that a toy's attention is not uniform
 TOY_BPE_SIZE = 1008  # the toy BPE's tokens; with a family's special tokens (at most 10) within the 1,024
-TOY_SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+TOY_SIZES = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def toy_hf(spec: Spec) -> Dict:
@@ -178,10 +337,18 @@ def toy_hf(spec: Spec) -> Dict:
 
 def model_overrides(spec: Spec, hf: Dict) -> List[str]:
     """Recipe overrides that build the model of config.json ``hf`` with the spec's sizes builder (the toys)."""
-    args = dict(vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                num_kv_heads=hf["num_key_value_heads"], embed_dim=hf["hidden_size"],
-                intermediate_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=hf["rms_norm_eps"], rope_base=rope_theta(hf), **spec.builder_extra)
+    args = dict(
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        embed_dim=hf["hidden_size"],
+        intermediate_dim=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_base=rope_theta(hf),
+        **spec.builder_extra,
+    )
     return [f"model._component_={spec.sizes_builder}"] + [f"model.{k}={v}" for k, v in args.items()]
 
 
@@ -204,6 +371,7 @@ def n_params(spec: Spec) -> int:
 
 # -- the stand-in tokenizer -------------------------------------------------------------------------------------------
 
+
 def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
     records = json.loads((Path(data_dir) / ALPACA).read_text())[:limit]
     return [" ".join(r[k] for k in ("instruction", "input", "output") if r.get(k)) for r in records]
@@ -211,8 +379,10 @@ def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
 
 # Qwen's pre-tokenizer (Llama 3's differs only in taking digits three at a time): words, single digits, punctuation
 # runs, newlines and spaces, split before the byte-level BPE.
-PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRETOKENIZE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def train_bpe(texts: List[str], vocab_size: int):
@@ -222,12 +392,16 @@ def train_bpe(texts: List[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -241,12 +415,19 @@ def write_tokenizer(folder: Path, spec: Spec, bpe) -> Dict[str, Optional[int]]:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.specials])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec.bos, "eos_token": spec.eos,
-              "pad_token": spec.eos if spec.family != "llama3" else "<|finetune_right_pad_id|>",
-              "model_max_length": 131072, "chat_template": spec.template}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.bos,
+        "eos_token": spec.eos,
+        "pad_token": spec.eos if spec.family != "llama3" else "<|finetune_right_pad_id|>",
+        "model_max_length": 131072,
+        "chat_template": spec.template,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return {"bos_token_id": None if spec.bos is None else tok.token_to_id(spec.bos),
-            "eos_token_id": tok.token_to_id(spec.eos)}
+    return {
+        "bos_token_id": None if spec.bos is None else tok.token_to_id(spec.bos),
+        "eos_token_id": tok.token_to_id(spec.eos),
+    }
 
 
 def write_stock_tokenizer(folder: Path, spec: Spec, bpe, data_dir) -> List[str]:
@@ -256,8 +437,10 @@ def write_stock_tokenizer(folder: Path, spec: Spec, bpe, data_dir) -> List[str]:
         import base64
 
         byte_of = _gpt2_unicode_to_byte()
-        lines = [f"{base64.b64encode(bytes(byte_of[c] for c in token)).decode()} {i}"
-                 for token, i in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])]
+        lines = [
+            f"{base64.b64encode(bytes(byte_of[c] for c in token)).decode()} {i}"
+            for token, i in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])
+        ]
         (folder / "tiktoken.model").write_text("\n".join(lines) + "\n")
         return [f"tokenizer.path={folder / 'tiktoken.model'}"]
     if spec.family in ("qwen2", "qwen3"):
@@ -280,8 +463,18 @@ def _gpt2_unicode_to_byte() -> Dict[str, int]:
 
 # -- the checkpoint ---------------------------------------------------------------------------------------------------
 
-def make_checkpoint(folder: Path, spec: Spec, hf: Dict, bpe, *, device: str = "cpu", seed: int = 0,
-                    shard: str = "5GB", scale: float = 0.02) -> Dict:
+
+def make_checkpoint(
+    folder: Path,
+    spec: Spec,
+    hf: Dict,
+    bpe,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    shard: str = "5GB",
+    scale: float = 0.02,
+) -> Dict:
     """An HF folder: transformers' model for config.json ``hf`` with uniform random values (bit-identical on every
     CPU: no vectorised normal sampling; +-``scale``, norm scales 1 +- 0.1), bf16 on a GPU, fp32 on the CPU, and the
     family's tokenizer files. Returns the config.json written."""
@@ -312,9 +505,18 @@ CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24}
 # the activations). Two choices per model: torch's fused AdamW with activation checkpointing, and bitsandbytes'
 # 8-bit AdamW without (half the states' memory pays for the activations). The faster of those that finish is the
 # family's anchor. (Peak memory is logged on every row: torchtune's Qwen2.5 configs turn it off.)
-STOCK_COMMON = ["dataset.packed=True", "compile=True", "batch_size=16", "seed=42", "clip_grad_norm=null",
-                "optimizer.lr=2e-5", "optimizer_in_bwd=True", "enable_activation_offloading=False",
-                "tokenizer.max_seq_len=512", "log_peak_memory_stats=True"]
+STOCK_COMMON = [
+    "dataset.packed=True",
+    "compile=True",
+    "batch_size=16",
+    "seed=42",
+    "clip_grad_norm=null",
+    "optimizer.lr=2e-5",
+    "optimizer_in_bwd=True",
+    "enable_activation_offloading=False",
+    "tokenizer.max_seq_len=512",
+    "log_peak_memory_stats=True",
+]
 STOCK_ROWS = {
     "stock": ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "enable_activation_checkpointing=True"],
     "stock_8bit": ["optimizer=bitsandbytes.optim.AdamW8bit", "enable_activation_checkpointing=False"],
@@ -350,8 +552,11 @@ def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = Fa
     if "ours" in kinds:
         rows += [Row(f"ours_{c}", "ours", cfg, c, [], CLASS_GIB[c]) for c, cfg in spec.configs.items()]
     if "ours" in kinds and candidates:
-        rows += [Row(f"ours_{c}_{name}", "ours", cfg, c, flags, CLASS_GIB[c]) for c, cfg in spec.configs.items()
-                 for name, flags in CANDIDATES.get(c, {}).items()]
+        rows += [
+            Row(f"ours_{c}_{name}", "ours", cfg, c, flags, CLASS_GIB[c])
+            for c, cfg in spec.configs.items()
+            for name, flags in CANDIDATES.get(c, {}).items()
+        ]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
     if loss_rows:
@@ -365,25 +570,69 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
     if row.kind == "stock":
         stock = Path(args.stock_dir)
         shards = sorted(p.name for p in ck.glob("*.safetensors"))
-        extra = [] if not args.toy else ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2",
-                                         "tokenizer.max_seq_len=128", "log_peak_memory_stats=False",
-                                         *model_overrides(spec, json.loads((ck / "config.json").read_text()))]
+        extra = (
+            []
+            if not args.toy
+            else [
+                "device=cpu",
+                "dtype=fp32",
+                "compile=False",
+                "batch_size=2",
+                "tokenizer.max_seq_len=128",
+                "log_peak_memory_stats=False",
+                *model_overrides(spec, json.loads((ck / "config.json").read_text())),
+            ]
+        )
         return harness.recipe_command(
-            stock / "full_finetune_single_device.py", "--config", str(stock / "configs" / f"{row.config}.yaml"),
-            f"output_dir={out}", f"checkpointer.checkpoint_dir={ck}", f"checkpointer.checkpoint_files=[{','.join(shards)}]",
-            "dataset._component_=torchtune.datasets.alpaca_dataset", "dataset.source=json", split,
-            f"dataset.data_files={data / ALPACA}", "log_every_n_steps=1", f"metric_logger.log_dir={out / 'logs'}",
-            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger", steps,
-            *spec.stock[1], *STOCK_COMMON, *row.overrides, *(ck / "stock_tokenizer.args").read_text().split("\n"),
-            *extra)
+            stock / "full_finetune_single_device.py",
+            "--config",
+            str(stock / "configs" / f"{row.config}.yaml"),
+            f"output_dir={out}",
+            f"checkpointer.checkpoint_dir={ck}",
+            f"checkpointer.checkpoint_files=[{','.join(shards)}]",
+            "dataset._component_=torchtune.datasets.alpaca_dataset",
+            "dataset.source=json",
+            split,
+            f"dataset.data_files={data / ALPACA}",
+            "log_every_n_steps=1",
+            f"metric_logger.log_dir={out / 'logs'}",
+            "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+            steps,
+            *spec.stock[1],
+            *STOCK_COMMON,
+            *row.overrides,
+            *(ck / "stock_tokenizer.args").read_text().split("\n"),
+            *extra,
+        )
     cap = [] if args.toy or row.cap is None else [f"device_memory_limit_gib={row.cap}"]
-    extra = [] if not args.toy else ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2",
-                                     "tokenizer.max_seq_len=128",
-                                     *model_overrides(spec, json.loads((ck / "config.json").read_text()))]
+    extra = (
+        []
+        if not args.toy
+        else [
+            "device=cpu",
+            "dtype=fp32",
+            "compile=False",
+            "batch_size=2",
+            "tokenizer.max_seq_len=128",
+            *model_overrides(spec, json.loads((ck / "config.json").read_text())),
+        ]
+    )
     return harness.recipe_command(
-        "full_finetune_single_device", "--config", f"configs/{row.config}.yaml", f"checkpoint_dir={ck}",
-        f"data_dir={data}", f"output_dir={out}", "metric_logger=null", f"pack_cache_dir={args.work_dir}/pack_cache",
-        "log_every_n_steps=1", steps, split, *cap, *row.overrides, *extra)
+        "full_finetune_single_device",
+        "--config",
+        f"configs/{row.config}.yaml",
+        f"checkpoint_dir={ck}",
+        f"data_dir={data}",
+        f"output_dir={out}",
+        "metric_logger=null",
+        f"pack_cache_dir={args.work_dir}/pack_cache",
+        "log_every_n_steps=1",
+        steps,
+        split,
+        *cap,
+        *row.overrides,
+        *extra,
+    )
 
 
 def variant(row: Row, cmd: List[str]) -> str:
@@ -394,8 +643,12 @@ def variant(row: Row, cmd: List[str]) -> str:
         opt = next(o.split("=", 1)[1] for o in row.overrides if o.startswith("optimizer="))
         return f"{opt} + CEWithChunkedOutputLoss"
     cfg = OmegaConf.load(REPO_ROOT / "configs" / f"{row.config}.yaml")
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in cmd if "=" in o and not o.startswith("~")
-                                                       and o.split("=")[0].startswith(("optimizer", "loss"))]))
+    cfg = OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist(
+            [o for o in cmd if "=" in o and not o.startswith("~") and o.split("=")[0].startswith(("optimizer", "loss"))]
+        ),
+    )
     for deleted in [o[1:] for o in cmd if o.startswith("~loss.")]:
         cfg.loss.pop(deleted.split(".", 1)[1], None)
     loss = cfg.loss._component_.rsplit(".", 1)[1] + (f"({cfg.loss.impl})" if cfg.loss.get("impl") else "")
@@ -414,33 +667,43 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
     out.mkdir(parents=True)
     cmd = command(row, spec, ck, out, args)
     kind = "stock" if row.kind == "stock" else "ours"
-    record = {"family": spec.key, "name": row.name, "kind": row.kind, "config": row.config,
-              "memory_class": row.memory_class, "device_memory_limit_gib": row.cap,
-              "overrides": row.overrides}
+    record = {
+        "family": spec.key,
+        "name": row.name,
+        "kind": row.kind,
+        "config": row.config,
+        "memory_class": row.memory_class,
+        "device_memory_limit_gib": row.cap,
+        "overrides": row.overrides,
+    }
     env = {"WANDB_MODE": "disabled"}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         record["gpu"] = gpu
-    run = harness.run(cmd, out / "log.txt", timeout=args.timeout, env=env,
-                      until=lambda: len(read_records(kind, out)) >= args.steps)
+    run = harness.run(
+        cmd, out / "log.txt", timeout=args.timeout, env=env, until=lambda: len(read_records(kind, out)) >= args.steps
+    )
     records = read_records(kind, out)
     record.update(command=run.command, wall_s=run.wall_s)
     if len(records) < args.steps:
         why = run.error() or " / ".join(list(run.tail)[-3:])
         record["error"] = f"{len(records)} of {args.steps} steps logged in {run.wall_s} s: " + why[-600:]
         return record
-    tok_s = statistics.median(r["tokens_per_second"] for r in records[args.skip_steps:])
+    tok_s = statistics.median(r["tokens_per_second"] for r in records[args.skip_steps :])
     record.update(
-        variant=variant(row, cmd), tok_s=round(tok_s, 1),
+        variant=variant(row, cmd),
+        tok_s=round(tok_s, 1),
         peak_gib=harness.peak(records, "peak_memory_alloc_gib"),
         peak_reserved_gib=harness.peak(records, "peak_memory_reserved_gib"),
         mfu=round(6 * n_params(spec) * tok_s / PEAK_FLOPS, 3),
         first_step_s=round(records[0]["first_step_s"], 1) if "first_step_s" in records[0] else None,
-        losses=[round(r["loss"], 5) for r in records])
+        losses=[round(r["loss"], 5) for r in records],
+    )
     return record
 
 
 # -- one worker per GPU ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Job:
@@ -472,8 +735,7 @@ def make_family_checkpoint(spec: Spec, folder: Path, bpe, args) -> None:
     """The family's checkpoint and the stock recipe's tokenizer files for it (``--make-checkpoint`` runs it in a
     process of its own, so the GPU memory it took is freed after)."""
     hf = toy_hf(spec) if args.toy else spec.hf
-    make_checkpoint(folder, spec, hf, bpe, device="cpu" if args.toy else "cuda",
-                    scale=TOY_SCALE if args.toy else 0.02)
+    make_checkpoint(folder, spec, hf, bpe, device="cpu" if args.toy else "cuda", scale=TOY_SCALE if args.toy else 0.02)
     stock = write_stock_tokenizer(folder, spec, bpe, args.data_dir) if spec.stock else []
     if spec.stock and spec.family != "mistral":
         stock.append(f"tokenizer.special_tokens_path={folder / 'tokenizer.json'}")
@@ -491,10 +753,26 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
             make_family_checkpoint(job.spec, ck, Tokenizer.from_file(str(bpe_file)), args)
             error, wall = None, round(time.monotonic() - t, 1)
         else:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--make-checkpoint", str(ck), "--families",
-                   job.spec.key, "--bpe", str(bpe_file), "--data-dir", args.data_dir, "--rows", "ours"]
-            made = harness.run(cmd, Path(args.work_dir) / f"make_{job.name}.log", timeout=args.timeout,
-                               env={"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--make-checkpoint",
+                str(ck),
+                "--families",
+                job.spec.key,
+                "--bpe",
+                str(bpe_file),
+                "--data-dir",
+                args.data_dir,
+                "--rows",
+                "ours",
+            ]
+            made = harness.run(
+                cmd,
+                Path(args.work_dir) / f"make_{job.name}.log",
+                timeout=args.timeout,
+                env={"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {},
+            )
             error, wall = made.error(), made.wall_s
         if error:
             with lock:
@@ -506,8 +784,15 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
                 record = run_row(row, job.spec, ck, gpu, args)
             except Exception as e:  # (one row's surprise must not cost the others)
                 record = {"family": job.spec.key, "name": row.name, "kind": row.kind, "error": repr(e)[:500]}
-            print(f"{job.spec.key} {row.name}: " + (f"error {record['error']}" if record.get("error") else
-                  f"{record['tok_s']:,.0f} tok/s, {record['peak_reserved_gib']} GiB reserved"), flush=True)
+            print(
+                f"{job.spec.key} {row.name}: "
+                + (
+                    f"error {record['error']}"
+                    if record.get("error")
+                    else f"{record['tok_s']:,.0f} tok/s, {record['peak_reserved_gib']} GiB reserved"
+                ),
+                flush=True,
+            )
             with lock:
                 done.append(record)
                 flush()
@@ -517,8 +802,14 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
 def finish(records: List[dict]) -> None:
     """vs_stock: over the fastest stock row of the family that finished within 80 GiB reserved."""
     for r in records:
-        stock = [s for s in records if s["family"] == r["family"] and s["kind"] == "stock" and not s.get("error")
-                 and (s.get("peak_reserved_gib") or 0) <= CLASS_GIB["80gb"]]
+        stock = [
+            s
+            for s in records
+            if s["family"] == r["family"]
+            and s["kind"] == "stock"
+            and not s.get("error")
+            and (s.get("peak_reserved_gib") or 0) <= CLASS_GIB["80gb"]
+        ]
         if stock and not r.get("error"):
             anchor = max(stock, key=lambda s: s["tok_s"])
             r["vs_stock"], r["anchor"] = round(r["tok_s"] / anchor["tok_s"], 3), anchor["name"]
@@ -530,11 +821,20 @@ def table(records: List[dict]) -> str:
         if r.get("error"):
             rows.append([r["family"], r.get("name", ""), "", f"error: {r['error'][:100]}", "", "", ""])
             continue
-        rows.append([r["family"], r["name"], r["variant"], f"{r['tok_s']:,.0f}",
-                     f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-", f"{r['mfu']:.2f}",
-                     f"{r['peak_gib']} / {r['peak_reserved_gib']} (cap {r['device_memory_limit_gib']})"])
-    return harness.table(["family", "row", "AdamW + loss", "tokens/s", "vs stock", "MFU", "peak alloc / reserved GiB"],
-                         rows)
+        rows.append(
+            [
+                r["family"],
+                r["name"],
+                r["variant"],
+                f"{r['tok_s']:,.0f}",
+                f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-",
+                f"{r['mfu']:.2f}",
+                f"{r['peak_gib']} / {r['peak_reserved_gib']} (cap {r['device_memory_limit_gib']})",
+            ]
+        )
+    return harness.table(
+        ["family", "row", "AdamW + loss", "tokens/s", "vs stock", "MFU", "peak alloc / reserved GiB"], rows
+    )
 
 
 def gpus(toy: bool) -> List[Optional[int]]:
@@ -555,18 +855,24 @@ def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(SPECS), help=f"comma-separated, of: {', '.join(SPECS)}")
     ap.add_argument("--rows", default="ours,stock", help="ours, stock, or both (comma-separated)")
-    ap.add_argument("--loss-rows", action="store_true",
-                    help="also the smaller-class config with each loss (LOSSES), on a GPU of their own")
+    ap.add_argument(
+        "--loss-rows",
+        action="store_true",
+        help="also the smaller-class config with each loss (LOSSES), on a GPU of their own",
+    )
     ap.add_argument("--loss-families", default="llama3_1_8b", help="the families that get --loss-rows")
     ap.add_argument("--only", default="", help="only these row names (e.g. ours_80gb,stock); default all")
     ap.add_argument("--candidates", action="store_true", help="also the alternatives in CANDIDATES")
     ap.add_argument("--data-dir", default=harness.DATA_DIR, help="holds alpaca/alpaca_data.json and llama2_tokenizer/")
     ap.add_argument("--stock-dir", help="torchtune's recipes folder (its full_finetune_single_device.py, configs/)")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per row")
-    ap.add_argument("--split", default="train[:4000]",
-                    help="the Alpaca records every row reads (tokenized and packed before its first step: the first "
-                         "4,000, about 1,100 rows of 512 tokens, hold the steps; the whole file costs each row a "
-                         "minute)")
+    ap.add_argument(
+        "--split",
+        default="train[:4000]",
+        help="the Alpaca records every row reads (tokenized and packed before its first step: the first "
+        "4,000, about 1,100 rows of 512 tokens, hold the steps; the whole file costs each row a "
+        "minute)",
+    )
     ap.add_argument("--skip-steps", type=int, default=4, help="steps left out of the median (compile, warm-up)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row before it is stopped as an error")
     ap.add_argument("--bpe-size", type=int, default=32000, help="tokens of the stand-in BPE")
@@ -602,11 +908,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     old = harness.earlier(args.out, args.merge)
     measured = {(j.spec.key, r.name) for j in jobs for r in j.rows}
     kept = [r for r in old.get("records", []) if (r["family"], r.get("name")) not in measured]
-    doc = {**prov, "commands": harness.commands(old, prov["command"]), "steps": args.steps,
-           "skip_steps": args.skip_steps,
-           "weights": "random values: HF checkpoints made by transformers from each family's real config.json; "
-                      f"a {args.bpe_size}-token byte-level BPE trained on Alpaca stands in for its tokenizer",
-           "records": kept}
+    doc = {
+        **prov,
+        "commands": harness.commands(old, prov["command"]),
+        "steps": args.steps,
+        "skip_steps": args.skip_steps,
+        "weights": "random values: HF checkpoints made by transformers from each family's real config.json; "
+        f"a {args.bpe_size}-token byte-level BPE trained on Alpaca stands in for its tokenizer",
+        "records": kept,
+    }
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     bpe_file = work / f"bpe_{args.bpe_size}.json"
@@ -627,8 +937,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     plan: Dict[Optional[int], List[Job]] = {g: [] for g in devices}
     for job in jobs:
         plan[min(devices, key=lambda g: sum(j.cost for j in plan[g]))].append(job)
-    threads = [threading.Thread(target=worker, args=(g, js, bpe_file, args, records, lock, flush))
-               for g, js in plan.items() if js]
+    threads = [
+        threading.Thread(target=worker, args=(g, js, bpe_file, args, records, lock, flush))
+        for g, js in plan.items()
+        if js
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -90,9 +90,16 @@ def time_variant(name, shapes, steps, warmup, device):
         b.synchronize()
         busy.append(a.elapsed_time(b))
     finite = all(bool(torch.isfinite(p).all()) for p in params[:3])
-    rec = dict(variant=name, step_ms=statistics.median(times), step_ms_min=min(times),
-               device_ms=statistics.median(busy), host_ms=statistics.median(host), first_step_s=first,
-               state_gib=state / 2**30, finite_after=finite)
+    rec = dict(
+        variant=name,
+        step_ms=statistics.median(times),
+        step_ms_min=min(times),
+        device_ms=statistics.median(busy),
+        host_ms=statistics.median(host),
+        first_step_s=first,
+        state_gib=state / 2**30,
+        finite_after=finite,
+    )
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
@@ -111,8 +118,11 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--shapes", choices=["llama2_7b", "small"], default="llama2_7b")
-    ap.add_argument("--out", default=harness.scratch("optimizer_step.json"),
-                    help="write the JSON here (default outputs/bench/optimizer_step.json)")
+    ap.add_argument(
+        "--out",
+        default=harness.scratch("optimizer_step.json"),
+        help="write the JSON here (default outputs/bench/optimizer_step.json)",
+    )
     harness.add_arguments(ap)
     return ap.parse_args(argv)
 
@@ -139,15 +149,36 @@ def main(argv=None):
             torch.cuda.empty_cache()
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    print("\n" + harness.table(
-        ["variant", "step ms", "device ms", "host ms", "first step s", "state GiB"],
-        [[r["variant"], f"failed: {r['error'][:60]}", "", "", "", ""] if "error" in r else
-         [r["variant"], f"{r['step_ms']:.1f}", f"{r['device_ms']:.1f}", f"{r['host_ms']:.1f}",
-          f"{r['first_step_s']:.1f}", f"{r['state_gib']:.2f}"] for r in records]))
-    harness.write_json(args.out, dict(
-        prov, params=n, tensors=len(shapes), param_dtype="bfloat16",
-        note="Llama2-7B parameter shapes at random values (no weights needed to time an optimizer step).",
-        records=records))
+    print(
+        "\n"
+        + harness.table(
+            ["variant", "step ms", "device ms", "host ms", "first step s", "state GiB"],
+            [
+                [r["variant"], f"failed: {r['error'][:60]}", "", "", "", ""]
+                if "error" in r
+                else [
+                    r["variant"],
+                    f"{r['step_ms']:.1f}",
+                    f"{r['device_ms']:.1f}",
+                    f"{r['host_ms']:.1f}",
+                    f"{r['first_step_s']:.1f}",
+                    f"{r['state_gib']:.2f}",
+                ]
+                for r in records
+            ],
+        )
+    )
+    harness.write_json(
+        args.out,
+        dict(
+            prov,
+            params=n,
+            tensors=len(shapes),
+            param_dtype="bfloat16",
+            note="Llama2-7B parameter shapes at random values (no weights needed to time an optimizer step).",
+            records=records,
+        ),
+    )
     print(f"wrote {args.out}")
     return records
 

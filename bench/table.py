@@ -44,9 +44,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness as harness
-
-from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json
 from finetune.reporting.metrics import read_records, summary_metrics
+from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json
 
 # (summary key, column header, format); the first of a tuple of keys that a row has is shown.
 COLUMNS = [
@@ -61,8 +60,12 @@ COLUMNS = [
     (("skipped_steps",), "skipped", "{}"),
     (("eval/truthfulqa_mc2",), "truthfulqa_mc2", "{:.4f}"),
 ]
-PLOTTED = [("peak_memory_alloc_gib", "peak_rss_gib"), ("optimizer_state_gib",), ("tokens_per_second_median",),
-           ("eval/truthfulqa_mc2",)]
+PLOTTED = [
+    ("peak_memory_alloc_gib", "peak_rss_gib"),
+    ("optimizer_state_gib",),
+    ("tokens_per_second_median",),
+    ("eval/truthfulqa_mc2",),
+]
 
 
 def first(row: Dict[str, Any], keys) -> Any:
@@ -80,11 +83,16 @@ def from_folder(folder: Path) -> Dict[str, Any]:
     summary = read_json(folder / SUMMARY_FILE)
     if summary is None:
         if not records:
-            harness.refuse(f"{folder} holds neither {SUMMARY_FILE} nor {METRICS_FILE}: give run folders "
-                           "(a fine-tune's output_dir), or --from wandb for wandb folders")
+            harness.refuse(
+                f"{folder} holds neither {SUMMARY_FILE} nor {METRICS_FILE}: give run folders "
+                "(a fine-tune's output_dir), or --from wandb for wandb folders"
+            )
         summary = {"name": folder.name, **summary_metrics(records)}
-    return {**summary, "source": str(folder),
-            "losses": [[r.get("step"), r.get("loss")] for r in records if r.get("loss") is not None]}
+    return {
+        **summary,
+        "source": str(folder),
+        "losses": [[r.get("step"), r.get("loss")] for r in records if r.get("loss") is not None],
+    }
 
 
 def inspect_records(wandb_file: Path) -> List[Dict[str, Any]]:
@@ -103,8 +111,10 @@ def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
     root = path / "wandb" if (path / "wandb").is_dir() else path
     files = sorted(root.glob("*run-*/run-*.wandb"))
     if not files:
-        harness.refuse(f"{path} holds no wandb run (no */run-*.wandb under {root}): give a wandb folder or a run "
-                       "folder with one, or run folders without --from wandb")
+        harness.refuse(
+            f"{path} holds no wandb run (no */run-*.wandb under {root}): give a wandb folder or a run "
+            "folder with one, or run folders without --from wandb"
+        )
     pieces = []
     for f in files:
         records = inspect_records(f)
@@ -114,8 +124,7 @@ def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
     for _, run_id, run, records, f in sorted(pieces, key=lambda p: p[0]):
         merged = runs.setdefault(run_id, {"id": run_id, "summary": {}, "history": [], "config": {}, "files": []})
         merged["files"].append(str(f.parent))
-        for key, field in (("name", "display_name"), ("group", "run_group"), ("tags", "tags"),
-                           ("project", "project")):
+        for key, field in (("name", "display_name"), ("group", "run_group"), ("tags", "tags"), ("project", "project")):
             if run.get(field):  # (a resumed run's file names none of these: the first run's stand)
                 merged[key] = run[field]
         for record in records:
@@ -137,11 +146,21 @@ def from_wandb(path: Path) -> List[Dict[str, Any]]:
     rows = []
     for run in wandb_runs(path).values():
         history = run["history"]
-        rows.append({**{k: v for k, v in run["summary"].items() if not k.startswith("_")},
-                     "name": run.get("name", run["id"]), "group": run.get("group"), "tags": run.get("tags"),
-                     "wandb_run_id": run["id"], "source": ", ".join(run["files"]),
-                     "losses": [[h.get("global_step", h.get("_step")), h["loss"]] for h in history
-                                if isinstance(h.get("loss"), (int, float))]})
+        rows.append(
+            {
+                **{k: v for k, v in run["summary"].items() if not k.startswith("_")},
+                "name": run.get("name", run["id"]),
+                "group": run.get("group"),
+                "tags": run.get("tags"),
+                "wandb_run_id": run["id"],
+                "source": ", ".join(run["files"]),
+                "losses": [
+                    [h.get("global_step", h.get("_step")), h["loss"]]
+                    for h in history
+                    if isinstance(h.get("loss"), (int, float))
+                ],
+            }
+        )
     return rows
 
 
@@ -168,10 +187,14 @@ def plot(rows: List[Dict[str, Any]], out_dir: Path) -> List[str]:
     if plt is None or not rows:
         return []
     names = [row["name"] for row in rows]
-    panels = [(keys, header) for keys, header, _ in COLUMNS if keys in PLOTTED
-              and any(first(row, keys) is not None for row in rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels) + 2, 0.5 * len(rows) + 2), squeeze=False,
-                             sharey=True)
+    panels = [
+        (keys, header)
+        for keys, header, _ in COLUMNS
+        if keys in PLOTTED and any(first(row, keys) is not None for row in rows)
+    ]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(3 * len(panels) + 2, 0.5 * len(rows) + 2), squeeze=False, sharey=True
+    )
     for ax, (keys, header) in zip(axes[0], panels):
         ax.barh(names, [first(row, keys) or 0 for row in rows], color="tab:blue")
         ax.set_title(header)
@@ -204,25 +227,29 @@ def build(paths: List[Path], source: str, out_dir: Path, argv: List[str]) -> Dic
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(rows)
     (out_dir / "table.md").write_text(text)
-    doc = {"command": shlex.join(["python", "bench/table.py", *argv]),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "from": source, "rows": rows, "plots": plot(rows, out_dir)}
+    doc = {
+        "command": shlex.join(["python", "bench/table.py", *argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "from": source,
+        "rows": rows,
+        "plots": plot(rows, out_dir),
+    }
     harness.write_json(out_dir / "table.json", doc)
     return doc
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("paths", nargs="+", type=Path, help="run folders (or wandb folders with --from wandb)")
     parser.add_argument("--from", dest="source", choices=("folders", "wandb"), default="folders")
     parser.add_argument("--out-dir", type=Path, default=Path(harness.scratch("table")))
     args = parser.parse_args(argv)
     doc = build(args.paths, args.source, args.out_dir, argv)
     print(markdown(doc["rows"]), end="")
-    print(f"{args.out_dir / 'table.md'}, {args.out_dir / 'table.json'}" +
-          "".join(f", {p}" for p in doc["plots"]))
+    print(f"{args.out_dir / 'table.md'}, {args.out_dir / 'table.json'}" + "".join(f", {p}" for p in doc["plots"]))
     return 0
 
 

@@ -50,19 +50,39 @@ def main(argv: Optional[List[str]] = None) -> None:
         total_us[name] += dur
         calls[name] += 1
     all_us = sum(total_us.values()) or 1.0
-    rows = [{"kernel": name, "category": classify(name), "calls_per_step": calls[name] / n,
-             "ms_per_step": us / n / 1e3, "share": us / all_us} for name, us in total_us.most_common()]
+    rows = [
+        {
+            "kernel": name,
+            "category": classify(name),
+            "calls_per_step": calls[name] / n,
+            "ms_per_step": us / n / 1e3,
+            "share": us / all_us,
+        }
+        for name, us in total_us.most_common()
+    ]
     by_category = collections.Counter()
     for row in rows:
         by_category[row["category"]] += row["ms_per_step"]
     print(f"{path}: {n} step(s), {all_us / n / 1e3:.1f} ms of kernels per step")
-    for row in rows[:args.top]:
-        print(f"{row['ms_per_step']:8.2f} ms {100 * row['share']:5.1f} % {row['calls_per_step']:6.0f}x "
-              f"{row['category']:<12} {row['kernel'][:110]}")
+    for row in rows[: args.top]:
+        print(
+            f"{row['ms_per_step']:8.2f} ms {100 * row['share']:5.1f} % {row['calls_per_step']:6.0f}x "
+            f"{row['category']:<12} {row['kernel'][:110]}"
+        )
     print("categories (ms per step): " + ", ".join(f"{c} {ms:.1f}" for c, ms in by_category.most_common()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"trace": str(path), "steps": n, "kernel_ms_per_step": all_us / n / 1e3,
-                                               "categories_ms": dict(by_category), "kernels": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "trace": str(path),
+                    "steps": n,
+                    "kernel_ms_per_step": all_us / n / 1e3,
+                    "categories_ms": dict(by_category),
+                    "kernels": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -41,11 +41,15 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
 
     config_file = ckpt / "config.json"
     if not config_file.is_file():
-        raise EvalInputError(f"checkpoint_dir={ckpt} has no config.json (a partial or non-HF checkpoint): {FIX_CHECKPOINT}")
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} has no config.json (a partial or non-HF checkpoint): {FIX_CHECKPOINT}"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EvalInputError(f"checkpoint_dir={ckpt}: config.json is not valid JSON ({e}) (a partial write?): {FIX_CHECKPOINT}")
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt}: config.json is not valid JSON ({e}) (a partial write?): {FIX_CHECKPOINT}"
+        )
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in MODEL_TYPES:
         raise EvalInputError(
@@ -56,7 +60,8 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
     if missing:
         raise EvalInputError(
             f"checkpoint_dir={ckpt}: config.json lacks the model's sizes ({', '.join(f'{k}={config.get(k)!r}' for k in missing)}; "
-            "without them transformers would build its default 7B model): restore the config.json the weights were saved with")
+            "without them transformers would build its default 7B model): restore the config.json the weights were saved with"
+        )
 
     for shard in _weight_files(ckpt):
         if shard.suffix != ".safetensors":
@@ -71,23 +76,35 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
             with safe_open(str(shard), framework="pt") as f:
                 shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         except Exception as e:  # safetensors raises its own error type for truncated or garbled files
-            raise EvalInputError(f"checkpoint_dir={ckpt}: weights file {shard.name} is unreadable ({e}) (a partial write?): {FIX_CHECKPOINT}")
+            raise EvalInputError(
+                f"checkpoint_dir={ckpt}: weights file {shard.name} is unreadable ({e}) (a partial write?): {FIX_CHECKPOINT}"
+            )
         _check_shapes(ckpt, config, shapes)
 
     tokenizer = Path(tokenizer_path) if tokenizer_path else _tokenizer_file(ckpt)
     if not tokenizer.is_file():
-        what = f"tokenizer_path={tokenizer} does not exist" if tokenizer_path else f"checkpoint_dir={ckpt} has no tokenizer.model (nor tokenizer.json)"
-        raise EvalInputError(f"{what}: set tokenizer_path= the model's tokenizer.json, or <data_dir>/llama2_tokenizer/tokenizer.model for Llama 2 (or copy it into the checkpoint)")
+        what = (
+            f"tokenizer_path={tokenizer} does not exist"
+            if tokenizer_path
+            else f"checkpoint_dir={ckpt} has no tokenizer.model (nor tokenizer.json)"
+        )
+        raise EvalInputError(
+            f"{what}: set tokenizer_path= the model's tokenizer.json, or <data_dir>/llama2_tokenizer/tokenizer.model for Llama 2 (or copy it into the checkpoint)"
+        )
     if tokenizer.suffix == ".json":
         try:
             tokenizer_vocab = len(load_tokenizer(tokenizer, add_bos=False))
         except Exception as e:  # tokenizers and transformers raise several types for a file they cannot read
-            raise EvalInputError(f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({str(e)[:200]}): copy the model's tokenizer.json and tokenizer_config.json into the checkpoint")
+            raise EvalInputError(
+                f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({str(e)[:200]}): copy the model's tokenizer.json and tokenizer_config.json into the checkpoint"
+            )
     else:
         try:
             tokenizer_vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer)).vocab_size()
         except Exception as e:  # sentencepiece raises RuntimeError/OSError for anything it cannot parse
-            raise EvalInputError(f"tokenizer {tokenizer} is not a SentencePiece model ({e}): set tokenizer_path=<data_dir>/llama2_tokenizer/tokenizer.model")
+            raise EvalInputError(
+                f"tokenizer {tokenizer} is not a SentencePiece model ({e}): set tokenizer_path=<data_dir>/llama2_tokenizer/tokenizer.model"
+            )
     if tokenizer_vocab > config.get("vocab_size", 0):
         raise EvalInputError(
             f"tokenizer {tokenizer} has {tokenizer_vocab} tokens but checkpoint_dir={ckpt} has vocab_size "
@@ -99,7 +116,11 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
 def _tokenizer_file(ckpt: Path) -> Path:
     """The folder's tokenizer: a SentencePiece tokenizer.model (Llama 2) if it has one, else tokenizer.json."""
     sentencepiece_model = ckpt / "tokenizer.model"
-    return sentencepiece_model if sentencepiece_model.is_file() or not (ckpt / "tokenizer.json").is_file() else ckpt / "tokenizer.json"
+    return (
+        sentencepiece_model
+        if sentencepiece_model.is_file() or not (ckpt / "tokenizer.json").is_file()
+        else ckpt / "tokenizer.json"
+    )
 
 
 def _check_shapes(ckpt: Path, config: dict, shapes: dict) -> None:
@@ -110,12 +131,16 @@ def _check_shapes(ckpt: Path, config: dict, shapes: dict) -> None:
     if embed is not None and embed != want:
         raise EvalInputError(
             f"checkpoint_dir={ckpt}: model.embed_tokens.weight is {list(embed)} but config.json says vocab_size x "
-            f"hidden_size = {list(want)} (weights of another model size?): {FIX_CHECKPOINT}")
-    layers = {int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+            f"hidden_size = {list(want)} (weights of another model size?): {FIX_CHECKPOINT}"
+        )
+    layers = {
+        int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()
+    }
     if layers and max(layers) >= config["num_hidden_layers"]:
         raise EvalInputError(
             f"checkpoint_dir={ckpt} holds weights of layer {max(layers)} but config.json says num_hidden_layers="
-            f"{config['num_hidden_layers']} (weights of another model?): {FIX_CHECKPOINT}")
+            f"{config['num_hidden_layers']} (weights of another model?): {FIX_CHECKPOINT}"
+        )
 
 
 def _weight_files(ckpt: Path) -> list[Path]:
@@ -126,8 +151,10 @@ def _weight_files(ckpt: Path) -> list[Path]:
     except BadInput as e:
         raise EvalInputError(f"checkpoint_dir={ckpt}: {e}") from None
     if not files:
-        raise EvalInputError(f"checkpoint_dir={ckpt} has no model.safetensors (nor its shards, nor "
-                             f"pytorch_model*.bin; a partial checkpoint?): {FIX_CHECKPOINT}")
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} has no model.safetensors (nor its shards, nor "
+            f"pytorch_model*.bin; a partial checkpoint?): {FIX_CHECKPOINT}"
+        )
     return files
 
 
@@ -157,16 +184,22 @@ def load_model(ckpt: Path, device: torch.device, dtype: torch.dtype) -> transfor
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, output_loading_info=True)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a shard's tensor of another shape than config.json's
-        raise EvalInputError(f"checkpoint_dir={ckpt} does not load ({' '.join(str(e).split())[:300]}): {FIX_CHECKPOINT}") from None
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} does not load ({' '.join(str(e).split())[:300]}): {FIX_CHECKPOINT}"
+        ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise EvalInputError(f"checkpoint_dir={ckpt} lacks {len(missing)} weights (e.g. {missing[:3]}) that config.json needs: {FIX_CHECKPOINT}")
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} lacks {len(missing)} weights (e.g. {missing[:3]}) that config.json needs: {FIX_CHECKPOINT}"
+        )
     bad = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
     if bad is not None:
-        raise EvalInputError(f"checkpoint_dir={ckpt} holds non-finite weights ({bad} has NaN or inf): the run that wrote it "
-                             "diverged; evaluate an earlier checkpoint (step_N), or resume that run with a lower optimizer.lr")
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt} holds non-finite weights ({bad} has NaN or inf): the run that wrote it "
+            "diverged; evaluate an earlier checkpoint (step_N), or resume that run with a lower optimizer.lr"
+        )
     return model.to(device).eval()
 
 

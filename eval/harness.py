@@ -15,7 +15,9 @@ from lm_eval.utils import handle_non_serializable, make_table
 try:
     from lm_eval.models.huggingface import HFLM
 except ImportError as e:  # lm-eval installs its HF backend's dependencies only with the `lm_eval[hf]` extra
-    raise ImportError(f"lm-eval's HF model class cannot be imported ({e}): pip install accelerate (or 'lm_eval[hf]')") from e
+    raise ImportError(
+        f"lm-eval's HF model class cannot be imported ({e}): pip install accelerate (or 'lm_eval[hf]')"
+    ) from e
 
 
 def evaluate(model, tokenizer, task, *, add_bos: bool, batch_size: int, limit: int | None) -> dict:
@@ -39,8 +41,9 @@ def save(results: dict, output_dir) -> Path:
     return path
 
 
-def log_to_wandb(results: dict, project: str, run_name: str, values: Optional[Dict[str, Any]] = None,
-                 folder: Optional[Path] = None) -> None:
+def log_to_wandb(
+    results: dict, project: str, run_name: str, values: Optional[Dict[str, Any]] = None, folder: Optional[Path] = None
+) -> None:
     """Scores, task config and a results table to a W&B run of their own, through lm-eval's own W&B logger, and
     ``values`` (the ``eval/...`` keys) into its summary, where a training run keeps them. The run's files go to
     ``$WANDB_DIR/wandb`` if set, else ``{folder}/wandb`` (beside the results file)."""
@@ -49,11 +52,20 @@ def log_to_wandb(results: dict, project: str, run_name: str, values: Optional[Di
     try:
         import wandb  # noqa: F401  (an optional dependency; WandbLogger imports it too)
     except ImportError as e:
-        raise ImportError(f"wandb logging needs the wandb package ({e}): pip install wandb, or unset wandb_project") from e
+        raise ImportError(
+            f"wandb logging needs the wandb package ({e}): pip install wandb, or unset wandb_project"
+        ) from e
     mode = wandb_mode(None)  # (offline without WANDB_API_KEY, as the fine-tune recipe)
     where = os.environ.get("WANDB_DIR") or folder
-    logger = WandbLogger(init_args={"project": project, "name": run_name, "job_type": "eval",
-                                    **({"mode": mode} if mode else {}), **({"dir": str(where)} if where else {})})
+    logger = WandbLogger(
+        init_args={
+            "project": project,
+            "name": run_name,
+            "job_type": "eval",
+            **({"mode": mode} if mode else {}),
+            **({"dir": str(where)} if where else {}),
+        }
+    )
     logger.post_init(results)
     logger.log_eval_result()
     logger.run.summary.update(values or {})
@@ -63,8 +75,11 @@ def log_to_wandb(results: dict, project: str, run_name: str, values: Optional[Di
 def scores(results: dict, task: str) -> Dict[str, Any]:
     """The task's numbers under the ``eval/`` keys a training run's summary and history hold them by."""
     metrics = results["results"][task]
-    out = {f"eval/{task}": metrics["acc,none"], f"eval/{task}_stderr": metrics.get("acc_stderr,none"),
-           "eval/questions": results["n-samples"][task]["effective"]}
+    out = {
+        f"eval/{task}": metrics["acc,none"],
+        f"eval/{task}_stderr": metrics.get("acc_stderr,none"),
+        "eval/questions": results["n-samples"][task]["effective"],
+    }
     return {k: v for k, v in out.items() if isinstance(v, (int, float))}
 
 
@@ -79,8 +94,9 @@ def wandb_mode(training_mode: Optional[str]) -> Optional[str]:
     return None
 
 
-def log_to_training_run(values: Dict[str, Any], wandb_run: Dict[str, Any], *, global_step: Optional[int],
-                        next_step: int, fallback_dir: Path) -> Dict[str, Any]:
+def log_to_training_run(
+    values: Dict[str, Any], wandb_run: Dict[str, Any], *, global_step: Optional[int], next_step: int, fallback_dir: Path
+) -> Dict[str, Any]:
     """``values`` (the ``eval/...`` scores) into the wandb run that trained the checkpoint, resumed by its id: a
     history row (at ``global_step`` on the run's x-axis) and the run's summary. Returns where it went.
 
@@ -98,8 +114,14 @@ def log_to_training_run(values: Dict[str, Any], wandb_run: Dict[str, Any], *, gl
         folder = Path(fallback_dir)
     folder.mkdir(parents=True, exist_ok=True)
     mode = wandb_mode(wandb_run.get("mode"))
-    run = wandb.init(id=wandb_run["id"], project=wandb_run.get("project"), entity=wandb_run.get("entity"),
-                     resume="allow", dir=str(folder), **({"mode": mode} if mode else {}))
+    run = wandb.init(
+        id=wandb_run["id"],
+        project=wandb_run.get("project"),
+        entity=wandb_run.get("entity"),
+        resume="allow",
+        dir=str(folder),
+        **({"mode": mode} if mode else {}),
+    )
     step = max(int(run.step), int(next_step))
     run.log({**values, **({"global_step": global_step} if global_step is not None else {})}, step=step)
     run.summary.update(values)

@@ -52,7 +52,9 @@ def reference_task_config(hub_jsonl) -> dict:
 
 def write_hub_jsonl(mc_task_json, path) -> Path:
     path = Path(path)
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in hub_rows(mc_task_json)), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in hub_rows(mc_task_json)), encoding="utf-8"
+    )
     return path
 
 
@@ -92,16 +94,32 @@ def our_command(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=
     ]  # fmt: skip
 
 
-def run_ours(checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8, add_bos=False) -> tuple[dict, list[str]]:
+def run_ours(
+    checkpoint_dir, data_dir, output_dir, *, limit=None, batch_size=8, add_bos=False
+) -> tuple[dict, list[str]]:
     """Our recipe as a user runs it, from the repo root; returns (its results JSON, the command)."""
-    cmd = our_command(Path(checkpoint_dir).resolve(), Path(data_dir).resolve(), output_dir, limit=limit, batch_size=batch_size, add_bos=add_bos)
+    cmd = our_command(
+        Path(checkpoint_dir).resolve(),
+        Path(data_dir).resolve(),
+        output_dir,
+        limit=limit,
+        batch_size=batch_size,
+        add_bos=add_bos,
+    )
     subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     (path,) = sorted(Path(output_dir).glob("results_*.json"))[-1:]
     return json.loads(path.read_text()), cmd
 
 
 def hardware() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return {
         "cpu": cpu,
         "cpu_cores": os.cpu_count(),
@@ -116,23 +134,37 @@ def hardware() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint_dir", required=True,
-                        help="an HF checkpoint folder, e.g. the fine-tune recipe's outputs/tiny/epoch_0")
-    parser.add_argument("--data_dir", default="../shared/data",
-                        help="the data folder holding truthfulqa/mc_task.json (default ../shared/data)")
+    parser.add_argument(
+        "--checkpoint_dir",
+        required=True,
+        help="an HF checkpoint folder, e.g. the fine-tune recipe's outputs/tiny/epoch_0",
+    )
+    parser.add_argument(
+        "--data_dir",
+        default="../shared/data",
+        help="the data folder holding truthfulqa/mc_task.json (default ../shared/data)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="first N questions (default: all 817)")
     parser.add_argument("--batch_size", type=int, default=8, help="requests per forward pass, both paths (default 8)")
-    parser.add_argument("--add_bos", action="store_true", help="prepend BOS in both paths (default: no BOS, see docs/eval.md)")
+    parser.add_argument(
+        "--add_bos", action="store_true", help="prepend BOS in both paths (default: no BOS, see docs/eval.md)"
+    )
     parser.add_argument("--out", default=None, help="write the numbers here as JSON")
-    parser.add_argument("--note", default=None, help="free text stored with the numbers (e.g. how the checkpoint was made)")
+    parser.add_argument(
+        "--note", default=None, help="free text stored with the numbers (e.g. how the checkpoint was made)"
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        ours, cmd = run_ours(args.checkpoint_dir, args.data_dir, tmp, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos)
+        ours, cmd = run_ours(
+            args.checkpoint_dir, args.data_dir, tmp, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos
+        )
         ours_wall = time.perf_counter() - start
     start = time.perf_counter()
-    ref, call = run_lm_eval_hf(args.checkpoint_dir, args.data_dir, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos)
+    ref, call = run_lm_eval_hf(
+        args.checkpoint_dir, args.data_dir, limit=args.limit, batch_size=args.batch_size, add_bos=args.add_bos
+    )
     ref_wall = time.perf_counter() - start
 
     ours_score = ours["results"][TASK_NAME]["acc,none"]

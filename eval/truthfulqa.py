@@ -48,15 +48,21 @@ def read_mc_task(path) -> list[dict]:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EvalInputError(f"data file {path} is not valid JSON ({e}): restore TruthfulQA's mc_task.json there, or {FIX_DATA}")
+        raise EvalInputError(
+            f"data file {path} is not valid JSON ({e}): restore TruthfulQA's mc_task.json there, or {FIX_DATA}"
+        )
     if not isinstance(raw, list) or not raw:
-        raise EvalInputError(f"data file {path} should hold a non-empty JSON list of questions: restore TruthfulQA's mc_task.json, or {FIX_DATA}")
+        raise EvalInputError(
+            f"data file {path} should hold a non-empty JSON list of questions: restore TruthfulQA's mc_task.json, or {FIX_DATA}"
+        )
     return [_hub_row(item, i, path) for i, item in enumerate(raw)]
 
 
 def _hub_row(item, i: int, path: Path) -> dict:
     def bad(what):
-        return EvalInputError(f"data file {path}, question {i}: {what}; restore TruthfulQA's mc_task.json, or {FIX_DATA}")
+        return EvalInputError(
+            f"data file {path}, question {i}: {what}; restore TruthfulQA's mc_task.json, or {FIX_DATA}"
+        )
 
     if not isinstance(item, dict) or not isinstance(item.get("question"), str):
         raise bad("expected {question, mc1_targets, mc2_targets} with a string question")
@@ -99,4 +105,6 @@ def task_spec(data_source: str, data_dir):
         data_file = Path(data_dir) / DATA_FILE
         read_mc_task(data_file)  # fail now, with our message, rather than inside lm-eval
         return local_task_config(data_file.resolve())
-    raise EvalInputError(f"data_source={data_source!r} is not one of {list(DATA_SOURCES)}: set data_source=local (offline) or data_source=hub")
+    raise EvalInputError(
+        f"data_source={data_source!r} is not one of {list(DATA_SOURCES)}: set data_source=local (offline) or data_source=hub"
+    )

@@ -47,12 +47,16 @@ def hf_weight_files(folder: Path) -> List[Path]:
         root = folder.resolve()
         outside = [str(s.relative_to(folder)) for s in shards if not s.resolve().is_relative_to(root)]
         if outside:
-            raise BadInput(f"{index} names weight files outside {folder} ({outside[0]}; a checkpoint's shards sit in "
-                           "its own folder): refused; re-copy the checkpoint folder")
+            raise BadInput(
+                f"{index} names weight files outside {folder} ({outside[0]}; a checkpoint's shards sit in "
+                "its own folder): refused; re-copy the checkpoint folder"
+            )
         missing = [s.name for s in shards if not s.is_file()]
         if missing:
-            raise BadInput(f"{folder} is missing weight shards {missing} listed in {index.name} (a partial copy?): "
-                           "re-copy the checkpoint folder")
+            raise BadInput(
+                f"{folder} is missing weight shards {missing} listed in {index.name} (a partial copy?): "
+                "re-copy the checkpoint folder"
+            )
         return shards
     return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
 
@@ -71,12 +75,16 @@ def load_state_file(path: Path, *, mmap: bool = False, fix: str = "") -> Any:
         first = " ".join(str(e).split())
         found = re.search(r"unsupported global:? *(?:GLOBAL )?([\w.]+)", first, re.IGNORECASE)
         if found is None:  # garbage bytes read as a (broken) legacy pickle
-            raise BadInput(f"{path} is unreadable ({first.split('.', 1)[0][:160]}; truncated or not a torch "
-                           f"file?); {fix}") from None
+            raise BadInput(
+                f"{path} is unreadable ({first.split('.', 1)[0][:160]}; truncated or not a torch file?); {fix}"
+            ) from None
         what = f"a reference to {found.group(1)}"
-        raise BadInput(f"{path} holds {what}, which a recipe state file never does (it may be planted code): "
-                       f"refused to load it; {fix}") from None
+        raise BadInput(
+            f"{path} holds {what}, which a recipe state file never does (it may be planted code): "
+            f"refused to load it; {fix}"
+        ) from None
     except Exception as e:  # truncated zip, garbage, a folder: RuntimeError, EOFError, OSError, ValueError ...
         text = " ".join(str(e).split())[:200]
-        raise BadInput(f"{path} is unreadable ({type(e).__name__}: {text}; truncated or not a torch file?); "
-                       f"{fix}") from None
+        raise BadInput(
+            f"{path} is unreadable ({type(e).__name__}: {text}; truncated or not a torch file?); {fix}"
+        ) from None

@@ -53,8 +53,12 @@ def rank_pids(parent: Optional[int] = None) -> List[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             fields = _proc_stat(int(name))
-            if fields is not None and int(fields[1]) == parent and int(fields[3]) == int(name) \
-                    and _is_torchrun_worker(int(name)):
+            if (
+                fields is not None
+                and int(fields[1]) == parent
+                and int(fields[3]) == int(name)
+                and _is_torchrun_worker(int(name))
+            ):
                 pids.append(int(name))
     return sorted(pids)
 
@@ -100,12 +104,16 @@ class StopForwarder:
         if self.signum is not None:
             from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
-            sys.stderr.write(f"launcher: a second stop signal ({signal.Signals(signum).name}): torchrun stops the "
-                             "ranks (SIGKILL after --shutdown-timeout)\n")
+            sys.stderr.write(
+                f"launcher: a second stop signal ({signal.Signals(signum).name}): torchrun stops the "
+                "ranks (SIGKILL after --shutdown-timeout)\n"
+            )
             _terminate_process_handler(signum, frame)  # raises torchrun's SignalException
         self.signum = signum
-        sys.stderr.write(f"launcher: {signal.Signals(signum).name}: every rank saves a checkpoint at the next step "
-                         "boundary and stops; waiting for them (a second signal stops them without waiting)\n")
+        sys.stderr.write(
+            f"launcher: {signal.Signals(signum).name}: every rank saves a checkpoint at the next step "
+            "boundary and stops; waiting for them (a second signal stops them without waiting)\n"
+        )
         threading.Thread(target=self._forward, name="stop-forwarder", daemon=True).start()
 
     def _forward(self) -> None:
@@ -162,8 +170,10 @@ def torchrun_signals(args: Sequence[str]) -> tuple:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.partition("=")[0] in NPROC_FLAGS for a in args):
-        sys.stderr.write("error: python -m recipes.launch starts N ranks: give --nproc_per_node N before the recipe "
-                         "(for one process, run tune run recipes/... directly)\n")
+        sys.stderr.write(
+            "error: python -m recipes.launch starts N ranks: give --nproc_per_node N before the recipe "
+            "(for one process, run tune run recipes/... directly)\n"
+        )
         sys.exit(2)
     rest, handled = torchrun_signals(args)
     StopForwarder().install()

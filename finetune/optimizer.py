@@ -46,8 +46,9 @@ class OptimizerSpec:
         try:
             return config.instantiate(OmegaConf.merge({"_component_": self.path}, self.kwargs), params, **extra)
         except (TypeError, ValueError) as e:
-            raise BadInput(f"optimizer={self.path} rejected its arguments ({first_line(e)}); fix the optimizer.* "
-                           "keys") from None
+            raise BadInput(
+                f"optimizer={self.path} rejected its arguments ({first_line(e)}); fix the optimizer.* keys"
+            ) from None
 
 
 def _import(path: str, key: str):
@@ -55,10 +56,15 @@ def _import(path: str, key: str):
         return _get_component_from_path(path)
     except Exception as e:  # InstantiationError, ValueError: the path does not import
         hint = " (install it with: pip install -e '.[bnb]')" if path.startswith("bitsandbytes") else ""
-        more = (", bitsandbytes.optim.AdamW8bit, torchao.optim.AdamW8bit or optimizers.AdamW8bit"
-                if key == "optimizer" else "")
-        raise BadInput(f"{key}={path} cannot be imported{hint} ({first_line(e.__cause__ or e)}); use a class path "
-                       f"such as torch.optim.AdamW{more}") from None
+        more = (
+            ", bitsandbytes.optim.AdamW8bit, torchao.optim.AdamW8bit or optimizers.AdamW8bit"
+            if key == "optimizer"
+            else ""
+        )
+        raise BadInput(
+            f"{key}={path} cannot be imported{hint} ({first_line(e.__cause__ or e)}); use a class path "
+            f"such as torch.optim.AdamW{more}"
+        ) from None
 
 
 def resolve_optimizer(cfg_optimizer: DictConfig) -> OptimizerSpec:
@@ -87,8 +93,10 @@ def resolve_optimizer(cfg_optimizer: DictConfig) -> OptimizerSpec:
             dropped.append(f"{key}={value}")
         else:
             accepted = ", ".join(k for k in params if k not in ("self", "params"))
-            raise BadInput(f"optimizer.{key}={value} is not accepted by {path} (it takes: {accepted}); remove it "
-                           f"with ~optimizer.{key}")
+            raise BadInput(
+                f"optimizer.{key}={value} is not accepted by {path} (it takes: {accepted}); remove it "
+                f"with ~optimizer.{key}"
+            )
     if dropped:
         log.info(f"{path} does not take torch.optim's backend flag(s) {', '.join(dropped)}: dropped them")
     return OptimizerSpec(path=path, cls=cls, kwargs=keep, inner=inner)

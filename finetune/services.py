@@ -38,7 +38,8 @@ def build_data(cfg: DictConfig, s: Settings, log, ranks: Optional[DistributedRan
     dataset = loading.build_dataset(cfg.dataset, tokenizer, s, log)
     share = {} if ranks is None else {"num_replicas": ranks.world, "rank": ranks.rank}
     dataloader, sampler, steps_per_epoch = loading.build_dataloader(
-        dataset, s, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share)
+        dataset, s, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share
+    )
     return Data(tokenizer, loss_fn, dataloader, sampler, steps_per_epoch)
 
 
@@ -52,19 +53,36 @@ class Reporting:
     summary: RunSummary
 
 
-def build_reporting(cfg: DictConfig, s: Settings, folder: RunFolder, family, hf_config: dict, *, log,
-                    resume_step: Optional[int], nothing_left: Optional[str],
-                    ranks: Optional[DistributedRanks] = None) -> Reporting:
+def build_reporting(
+    cfg: DictConfig,
+    s: Settings,
+    folder: RunFolder,
+    family,
+    hf_config: dict,
+    *,
+    log,
+    resume_step: Optional[int],
+    nothing_left: Optional[str],
+    ranks: Optional[DistributedRanks] = None,
+) -> Reporting:
     """What saves and reports the run. Rank 0 (or the one device) talks to the terminal and wandb and writes the
     metrics; every rank writes its part of a checkpoint. ``resume_step``: the step a resumed run continues after."""
     main = ranks is None or ranks.main
     summary: Optional[RunSummary] = None  # (made last; the checkpointer reports each save to it)
     checkpointer = Checkpointer(
-        folder, family, hf_config, s.tokenizer_path, background=s.async_checkpoint, device=s.device,
-        memory_limit_gib=s.memory_limit_gib, log=log if main else None,
-        on_saved=lambda saved: summary.saved_checkpoint(saved))
-    profiler = Profiler(cfg.get("profiler"), output_dir=s.output_dir, device=s.device,
-                        **({} if ranks is None else {"rank": ranks.rank}))
+        folder,
+        family,
+        hf_config,
+        s.tokenizer_path,
+        background=s.async_checkpoint,
+        device=s.device,
+        memory_limit_gib=s.memory_limit_gib,
+        log=log if main else None,
+        on_saved=lambda saved: summary.saved_checkpoint(saved),
+    )
+    profiler = Profiler(
+        cfg.get("profiler"), output_dir=s.output_dir, device=s.device, **({} if ranks is None else {"rank": ranks.rank})
+    )
     identity = run_identity(cfg, s, **({} if ranks is None else {"world": ranks.world}))
     logger, wandb_dir = metric_logger(cfg, log, identity) if main else (None, None)
     wandb_run = wandb_run_info(logger)

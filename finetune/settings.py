@@ -22,32 +22,69 @@ from torchtune import training, utils
 from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
-from finetune.model import attention
-from finetune.data import packing
-from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
 from finetune.checkpoint import hf_format
+from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
 from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
-from finetune.optimizer import OptimizerSpec, resolve_optimizer
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
+from finetune.data import packing
+from finetune.model import attention
+from finetune.optimizer import OptimizerSpec, resolve_optimizer
 
 log = utils.get_logger("INFO")
 
 # Every top-level key the fine-tune recipes read (unknown ones are refused, with the closest of these suggested).
 KNOWN_CONFIG_KEYS = (
-    "data_dir", "output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite",
-    "model", "tokenizer", "dataset", "loss", "optimizer", "lr_scheduler", "metric_logger",
-    "device", "dtype", "seed", "shuffle", "batch_size", "gradient_accumulation_steps", "epochs",
-    "max_steps_per_epoch", "clip_grad_norm", "optimizer_in_bwd", "compile", "enable_activation_checkpointing",
-    "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib", "pack_cache_dir",
-    "save_every_n_steps", "async_checkpoint", "log_every_n_steps", "max_consecutive_skipped_steps", "log_level",
-    "fp8", "profiler", "packed_attention",
+    "data_dir",
+    "output_dir",
+    "checkpoint_dir",
+    "resume_from_checkpoint",
+    "overwrite",
+    "model",
+    "tokenizer",
+    "dataset",
+    "loss",
+    "optimizer",
+    "lr_scheduler",
+    "metric_logger",
+    "device",
+    "dtype",
+    "seed",
+    "shuffle",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "epochs",
+    "max_steps_per_epoch",
+    "clip_grad_norm",
+    "optimizer_in_bwd",
+    "compile",
+    "enable_activation_checkpointing",
+    "ac_mode",
+    "ac_option",
+    "enable_activation_offloading",
+    "device_memory_limit_gib",
+    "pack_cache_dir",
+    "save_every_n_steps",
+    "async_checkpoint",
+    "log_every_n_steps",
+    "max_consecutive_skipped_steps",
+    "log_level",
+    "fp8",
+    "profiler",
+    "packed_attention",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
 MAX_LR = 1.0
 # The model's sizes, each a positive integer when the config sets it.
-MODEL_SIZES = {"model.num_layers": 2, "model.embed_dim": 128, "model.num_heads": 4, "model.num_kv_heads": 4,
-               "model.vocab_size": 32000, "model.max_seq_len": 512, "model.intermediate_dim": 512}
+MODEL_SIZES = {
+    "model.num_layers": 2,
+    "model.embed_dim": 128,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 4,
+    "model.vocab_size": 32000,
+    "model.max_seq_len": 512,
+    "model.intermediate_dim": 512,
+}
 
 # Loaders of HF `datasets` that read local files named in `data_files`.
 LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
@@ -59,8 +96,14 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (dy
 # The component sections whose keys are checked against what their _component_ accepts (a typo is one error naming
 # the valid keys, not a TypeError from deep inside the build), with the component used when a section names none.
 # The dataset is left to its builder: alpaca_dataset passes unknown keys on to datasets.load_dataset's builders.
-CHECKED_COMPONENTS = {"model": None, "tokenizer": None, "loss": None, "lr_scheduler": None, "metric_logger": None,
-                      "profiler": "torchtune.training.setup_torch_profiler"}
+CHECKED_COMPONENTS = {
+    "model": None,
+    "tokenizer": None,
+    "loss": None,
+    "lr_scheduler": None,
+    "metric_logger": None,
+    "profiler": "torchtune.training.setup_torch_profiler",
+}
 # A component that hands its **kwargs on: the keys of that callable are valid too.
 KWARGS_GO_TO = {"torchtune.training.metric_logging.WandBLogger": "wandb.init"}
 
@@ -85,8 +128,11 @@ def accepted_keys(target, path: str = "") -> Optional[set]:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
         return None
-    named = {k for k, p in params.items() if k != "self" and p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                                           inspect.Parameter.VAR_KEYWORD)}
+    named = {
+        k
+        for k, p in params.items()
+        if k != "self" and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return named
     if path in KWARGS_GO_TO:
@@ -106,15 +152,19 @@ def check_component_keys(cfg: DictConfig) -> None:
         try:
             keys = accepted_keys(_get_component_from_path(path), path)
         except Exception as e:  # the path does not import
-            raise BadInput(f"{section}._component_={path} cannot be imported ({first_line(e.__cause__ or e)}); check "
-                           "the dotted path") from None
+            raise BadInput(
+                f"{section}._component_={path} cannot be imported ({first_line(e.__cause__ or e)}); check "
+                "the dotted path"
+            ) from None
         for key in node.keys() if keys is not None else ():
             if key == "_component_" or key in keys:
                 continue
             close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
             hint = f"did you mean {section}.{close[0]}? " if close else ""
-            raise BadInput(f"{section}.{key} is not a key of {path}; {hint}its keys: {', '.join(sorted(keys))} "
-                           f"(remove it with ~{section}.{key})")
+            raise BadInput(
+                f"{section}.{key} is not a key of {path}; {hint}its keys: {', '.join(sorted(keys))} "
+                f"(remove it with ~{section}.{key})"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,8 +172,19 @@ def check_component_keys(cfg: DictConfig) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def number(cfg: DictConfig, key: str, *, integer: bool, low: float, strict: bool, allow_none: bool = False,
-           default: Any = None, example: Any = 1, high: Optional[float] = None, why_high: str = ""):
+def number(
+    cfg: DictConfig,
+    key: str,
+    *,
+    integer: bool,
+    low: float,
+    strict: bool,
+    allow_none: bool = False,
+    default: Any = None,
+    example: Any = 1,
+    high: Optional[float] = None,
+    why_high: str = "",
+):
     """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: a whole one)
     above ``low`` (``>= low`` when not ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not
     numbers."""
@@ -137,10 +198,14 @@ def number(cfg: DictConfig, key: str, *, integer: bool, low: float, strict: bool
     if not ok:
         if integer:
             rule = {(0, True): "a positive integer", (0, False): "a non-negative integer"}.get(
-                (low, strict), f"an integer {'>' if strict else '>='} {low:g}")
+                (low, strict), f"an integer {'>' if strict else '>='} {low:g}"
+            )
         else:
-            rule = "a positive number" if (low, strict) == (0, True) else \
-                f"a finite number {'>' if strict else '>='} {low:g}"
+            rule = (
+                "a positive number"
+                if (low, strict) == (0, True)
+                else f"a finite number {'>' if strict else '>='} {low:g}"
+            )
         raise BadInput(f"{key}={value!r} must be {rule}{' or null' if allow_none else ''}; set e.g. {key}={example}")
     return int(value) if integer else float(value)
 
@@ -200,7 +265,9 @@ class Settings:
     async_checkpoint: bool = True  # write checkpoints in the background (finetune/checkpoint/async_save.py)
     packed: bool = False  # dataset.packed: samples packed into rows of tokenizer.max_seq_len
     source_config: Optional[dict] = None  # checkpoint_dir's config.json, read once
-    packed_attention: str = "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
+    packed_attention: str = (
+        "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
+    )
     model: Any = None  # the model section the recipes instantiate (resolve_model)
     family: str = hf_format.DEFAULT_FAMILY  # its hf_format.FAMILIES key
     model_note: Optional[str] = None  # the line the recipes log when the model is the folder's
@@ -211,14 +278,18 @@ def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
     ``enable_activation_checkpointing`` is off."""
     mode = cfg.get("ac_mode", "full")
     if mode not in AC_MODES:
-        raise BadInput(f"ac_mode={mode!r} is not an activation checkpointing mode; use ac_mode=full (every layer) "
-                       "or ac_mode=selective ac_option=N (every Nth layer)")
+        raise BadInput(
+            f"ac_mode={mode!r} is not an activation checkpointing mode; use ac_mode=full (every layer) "
+            "or ac_mode=selective ac_option=N (every Nth layer)"
+        )
     every = 1
     if mode == "selective":
         option = cfg.get("ac_option")
         if not (isinstance(option, int) and not isinstance(option, bool) and option >= 1):
-            raise BadInput(f"ac_mode=selective needs ac_option=N, a positive integer (checkpoint every Nth layer); "
-                           f"got ac_option={option!r}")
+            raise BadInput(
+                f"ac_mode=selective needs ac_option=N, a positive integer (checkpoint every Nth layer); "
+                f"got ac_option={option!r}"
+            )
         every = option
     return every if cfg.get("enable_activation_checkpointing", False) else None
 
@@ -232,11 +303,11 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         raise BadInput(f"dtype={dtype_name!r} is not supported; use dtype=bf16 or dtype=fp32")
     device_name = cfg.get("device", "cuda")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device_name)):
-        raise BadInput(f"device={device_name} is not supported by these recipes; use device=cuda (a GPU) or "
-                       "device=cpu")
+        raise BadInput(f"device={device_name} is not supported by these recipes; use device=cuda (a GPU) or device=cpu")
     if str(device_name).startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(f"device={device_name} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny "
-                       "model)")
+        raise BadInput(
+            f"device={device_name} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny model)"
+        )
     device = utils.get_device(device=device_name)
 
     def positive(key, allow_none=False, integer=True):
@@ -247,27 +318,42 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     accum, log_every = positive("gradient_accumulation_steps"), positive("log_every_n_steps")
     save_every = positive("save_every_n_steps", allow_none=True)  # null turns them off; 0 is refused, not "off"
     clip = positive("clip_grad_norm", allow_none=True, integer=False)
-    max_skips = number(cfg, "max_consecutive_skipped_steps", integer=True, low=0, strict=True, default=10,
-                       example=10)
+    max_skips = number(cfg, "max_consecutive_skipped_steps", integer=True, low=0, strict=True, default=10, example=10)
     # Finite and in range before anything is built (a NaN lr would otherwise train a NaN model). No fine-tuning lr
     # is above 1 (Adam's are near 1e-5); parameter-free optimizers take 1.0 as a multiplier.
     if OmegaConf.select(cfg, "optimizer.lr") is not None:
-        number(cfg, "optimizer.lr", integer=False, low=0, strict=True, high=MAX_LR, example=2e-5,
-               why_high="a fine-tuning lr is near 1e-5; parameter-free optimizers take 1.0")
-    for key, strict in (("optimizer.weight_decay", False), ("optimizer.eps", True),
-                        ("lr_scheduler.num_warmup_steps", False)):
+        number(
+            cfg,
+            "optimizer.lr",
+            integer=False,
+            low=0,
+            strict=True,
+            high=MAX_LR,
+            example=2e-5,
+            why_high="a fine-tuning lr is near 1e-5; parameter-free optimizers take 1.0",
+        )
+    for key, strict in (
+        ("optimizer.weight_decay", False),
+        ("optimizer.eps", True),
+        ("lr_scheduler.num_warmup_steps", False),
+    ):
         number(cfg, key, integer=False, low=0, strict=strict, allow_none=True)
     for key, example in MODEL_SIZES.items():  # (in a config that builds the model from its sizes, as the tiny one)
         if OmegaConf.select(cfg, key) is not None:
             number(cfg, key, integer=True, low=0, strict=True, example=example)
-    heads, kv_heads, width = (OmegaConf.select(cfg, k) for k in ("model.num_heads", "model.num_kv_heads",
-                                                                   "model.embed_dim"))
+    heads, kv_heads, width = (
+        OmegaConf.select(cfg, k) for k in ("model.num_heads", "model.num_kv_heads", "model.embed_dim")
+    )
     if heads and width and width % heads:
-        raise BadInput(f"model.embed_dim={width} must be a multiple of model.num_heads={heads}; set e.g. "
-                       f"model.embed_dim={heads * max(1, round(width / heads))}")
+        raise BadInput(
+            f"model.embed_dim={width} must be a multiple of model.num_heads={heads}; set e.g. "
+            f"model.embed_dim={heads * max(1, round(width / heads))}"
+        )
     if heads and kv_heads and heads % kv_heads:
-        raise BadInput(f"model.num_heads={heads} must be a multiple of model.num_kv_heads={kv_heads}; set e.g. "
-                       f"model.num_kv_heads={heads}")
+        raise BadInput(
+            f"model.num_heads={heads} must be a multiple of model.num_kv_heads={kv_heads}; set e.g. "
+            f"model.num_kv_heads={heads}"
+        )
     number(cfg, "tokenizer.max_seq_len", integer=True, low=0, strict=True, allow_none=True, example=512)
     overwrite = flag(cfg, "overwrite")
     async_checkpoint = flag(cfg, "async_checkpoint", default=True)
@@ -276,11 +362,13 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     if optimizer_in_bwd and accum > 1:
         raise BadInput(
             f"optimizer_in_bwd=True cannot accumulate gradients (gradient_accumulation_steps={accum}): each gradient "
-            "is applied and freed during backward; set gradient_accumulation_steps=1 or optimizer_in_bwd=False")
+            "is applied and freed during backward; set gradient_accumulation_steps=1 or optimizer_in_bwd=False"
+        )
     if optimizer_in_bwd and clip is not None:
         raise BadInput(
             f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={clip}): the global norm is only known "
-            "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False")
+            "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False"
+        )
     optimizer = resolve_optimizer(cfg.optimizer)
     # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
     # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
@@ -289,26 +377,36 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             f"optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward, so it cannot "
             f"accumulate (gradient_accumulation_steps={accum}), clip (clip_grad_norm={clip}) or run in backward "
             f"(optimizer_in_bwd={optimizer_in_bwd}); set gradient_accumulation_steps=1 clip_grad_norm=null "
-            "optimizer_in_bwd=False")
+            "optimizer_in_bwd=False"
+        )
 
     seed = number(cfg, "seed", integer=True, low=0, strict=False, default=0, example=42)
     ac_every = activation_checkpointing(cfg)
     offload_activations = bool(cfg.get("enable_activation_offloading", False))
     if offload_activations and device.type != "cuda":
-        raise BadInput("enable_activation_offloading=True moves activations to CPU memory during the forward pass "
-                       f"and needs a GPU (device={device_name}); set enable_activation_offloading=False")
+        raise BadInput(
+            "enable_activation_offloading=True moves activations to CPU memory during the forward pass "
+            f"and needs a GPU (device={device_name}); set enable_activation_offloading=False"
+        )
     cache = cfg.get("pack_cache_dir", "default")
-    pack_cache_dir = None if cache in (None, False, "off") else (
-        packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
+    pack_cache_dir = (
+        None
+        if cache in (None, False, "off")
+        else (packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
+    )
     memory_limit = positive("device_memory_limit_gib", allow_none=True, integer=False)
     if memory_limit is not None:
         if device.type != "cuda":
-            raise BadInput(f"device_memory_limit_gib={memory_limit} caps GPU memory and needs device=cuda; set "
-                           "device_memory_limit_gib=null")
+            raise BadInput(
+                f"device_memory_limit_gib={memory_limit} caps GPU memory and needs device=cuda; set "
+                "device_memory_limit_gib=null"
+            )
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
         if memory_limit > total:
-            raise BadInput(f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
-                           "smaller value or null")
+            raise BadInput(
+                f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
+                "smaller value or null"
+            )
 
     packed = OmegaConf.select(cfg, "dataset.packed", default=False)
     if packed not in (True, False):
@@ -318,47 +416,85 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
 
     if distributed:
         if optimizer_in_bwd:
-            raise BadInput("optimizer_in_bwd=True is not supported by the distributed recipe; set "
-                           "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)")
+            raise BadInput(
+                "optimizer_in_bwd=True is not supported by the distributed recipe; set "
+                "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)"
+            )
         if offload_activations:
-            raise BadInput("enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
-                           "gradients and states instead: set enable_activation_offloading=False")
+            raise BadInput(
+                "enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
+                "gradients and states instead: set enable_activation_offloading=False"
+            )
         if optimizer.cpu_offload:
-            raise BadInput("optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
-                           "the optimizer state across GPUs instead: use the single-device recipe or another optimizer")
+            raise BadInput(
+                "optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
+                "the optimizer state across GPUs instead: use the single-device recipe or another optimizer"
+            )
 
     paths = _check_paths(cfg)
     if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
-        raise BadInput(f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
-                       f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
-                       "already: use optimizer=torch.optim.AdamW (or another optimizer)")
+        raise BadInput(
+            f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
+            f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
+            "already: use optimizer=torch.optim.AdamW (or another optimizer)"
+        )
     output_dir = Path(cfg.output_dir)
     if overwrite and not resumes_in_place(output_dir, paths["resume_dir"]):
-        inputs = [("checkpoint_dir", paths["checkpoint_dir"]), ("tokenizer.path", paths["tokenizer_path"]),
-                  ("resume_from_checkpoint", paths["resume_dir"])]
-        doomed = inputs_overwrite_would_delete(output_dir, [(k, p) for k, p in inputs if p is not None] + [
-            ("dataset.data_files", f) for f in paths["data_files"]])
+        inputs = [
+            ("checkpoint_dir", paths["checkpoint_dir"]),
+            ("tokenizer.path", paths["tokenizer_path"]),
+            ("resume_from_checkpoint", paths["resume_dir"]),
+        ]
+        doomed = inputs_overwrite_would_delete(
+            output_dir,
+            [(k, p) for k, p in inputs if p is not None] + [("dataset.data_files", f) for f in paths["data_files"]],
+        )
         if doomed is not None:
             key, path, result = doomed
-            raise BadInput(f"overwrite=True would delete {result}, which this run reads ({key}={path}); copy it out "
-                           f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
-                           f"{key} there, or set output_dir to a new folder (e.g. output_dir="
-                           f"{fresh_dir_name(output_dir)}) and keep overwrite=False")
+            raise BadInput(
+                f"overwrite=True would delete {result}, which this run reads ({key}={path}); copy it out "
+                f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
+                f"{key} there, or set output_dir to a new folder (e.g. output_dir="
+                f"{fresh_dir_name(output_dir)}) and keep overwrite=False"
+            )
     model, family, model_note = resolve_model(cfg, paths["checkpoint_dir"], paths["source_config"])
     return Settings(
-        device=device, dtype=training.get_dtype(dtype_name, device=device), batch_size=batch_size, epochs=epochs,
-        max_steps_per_epoch=max_steps, accum=accum, log_every=log_every, save_every=save_every, clip=clip,
-        max_skips=max_skips, overwrite=overwrite, optimizer_in_bwd=optimizer_in_bwd, seed=seed,
-        shuffle=bool(cfg.get("shuffle", True)), ac_every=ac_every, offload_activations=offload_activations,
-        compile=bool(cfg.get("compile", False)), pack_cache_dir=pack_cache_dir, memory_limit_gib=memory_limit,
-        output_dir=output_dir, **paths, optimizer=optimizer, fp8=fp8,
+        device=device,
+        dtype=training.get_dtype(dtype_name, device=device),
+        batch_size=batch_size,
+        epochs=epochs,
+        max_steps_per_epoch=max_steps,
+        accum=accum,
+        log_every=log_every,
+        save_every=save_every,
+        clip=clip,
+        max_skips=max_skips,
+        overwrite=overwrite,
+        optimizer_in_bwd=optimizer_in_bwd,
+        seed=seed,
+        shuffle=bool(cfg.get("shuffle", True)),
+        ac_every=ac_every,
+        offload_activations=offload_activations,
+        compile=bool(cfg.get("compile", False)),
+        pack_cache_dir=pack_cache_dir,
+        memory_limit_gib=memory_limit,
+        output_dir=output_dir,
+        **paths,
+        optimizer=optimizer,
+        fp8=fp8,
         model_component=str(OmegaConf.select(cfg, "model._component_") or ""),
-        lr_scheduler=lr_scheduler(cfg), dtype_name=dtype_name,
+        lr_scheduler=lr_scheduler(cfg),
+        dtype_name=dtype_name,
         tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
         dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
         reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
-        async_checkpoint=async_checkpoint, packed=packed, packed_attention=packed_attention, model=model,
-        family=family, model_note=model_note)
+        async_checkpoint=async_checkpoint,
+        packed=packed,
+        packed_attention=packed_attention,
+        model=model,
+        family=family,
+        model_note=model_note,
+    )
 
 
 def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optional[dict]):
@@ -370,16 +506,20 @@ def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optio
     given = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_dict(section) else {}
     if source is None:
         if not given.get("_component_"):
-            raise BadInput("model._component_ is not set; name a model builder (e.g. "
-                           "model._component_=torchtune.models.llama2.llama2_7b), or set checkpoint_dir=DIR (a Hugging "
-                           "Face model folder: its config.json describes the model)")
+            raise BadInput(
+                "model._component_ is not set; name a model builder (e.g. "
+                "model._component_=torchtune.models.llama2.llama2_7b), or set checkpoint_dir=DIR (a Hugging "
+                "Face model folder: its config.json describes the model)"
+            )
         return section, hf_format.family_of(given["_component_"]).name, None
     family, built = hf_format.resolve_model(source, given)
-    note = (f"Model: {family.name} built from {checkpoint_dir / 'config.json'}: {built['num_layers']} layers of "
-            f"width {built['embed_dim']}, {built['num_heads']} heads ({built['num_kv_heads']} key/value) of "
-            f"{built['head_dim']}, vocabulary {built['vocab_size']}, RoPE base {built['rope_base']:g}"
-            f"{' (Llama 3.1 scaling)' if built.get('rope_scaling') else ''}, norm eps {built['norm_eps']:g}"
-            f"{', tied embeddings' if built['tie_word_embeddings'] else ''}")
+    note = (
+        f"Model: {family.name} built from {checkpoint_dir / 'config.json'}: {built['num_layers']} layers of "
+        f"width {built['embed_dim']}, {built['num_heads']} heads ({built['num_kv_heads']} key/value) of "
+        f"{built['head_dim']}, vocabulary {built['vocab_size']}, RoPE base {built['rope_base']:g}"
+        f"{' (Llama 3.1 scaling)' if built.get('rope_scaling') else ''}, norm eps {built['norm_eps']:g}"
+        f"{', tied embeddings' if built['tie_word_embeddings'] else ''}"
+    )
     return OmegaConf.create(built), family.name, note
 
 
@@ -398,25 +538,35 @@ def read_packed_attention(cfg: DictConfig, device: torch.device, *, packed: bool
     with a torch that has ``torch.nn.attention.varlen``."""
     value = cfg.get("packed_attention", "flex")
     if value not in attention.PACKED_ATTENTION:
-        raise BadInput(f"packed_attention={value!r} is not an attention of packed rows; use packed_attention=flex "
-                       "(torchtune's flex-attention block mask) or packed_attention=varlen (FlashAttention's "
-                       "variable-length kernel, CUDA)")
+        raise BadInput(
+            f"packed_attention={value!r} is not an attention of packed rows; use packed_attention=flex "
+            "(torchtune's flex-attention block mask) or packed_attention=varlen (FlashAttention's "
+            "variable-length kernel, CUDA)"
+        )
     if value == "flex":
         return value
     if not packed:
-        raise BadInput("packed_attention=varlen computes the attention of packed rows and needs dataset.packed=True; "
-                       "set dataset.packed=True, or packed_attention=flex")
+        raise BadInput(
+            "packed_attention=varlen computes the attention of packed rows and needs dataset.packed=True; "
+            "set dataset.packed=True, or packed_attention=flex"
+        )
     if device.type != "cuda":
-        raise BadInput(f"packed_attention=varlen runs FlashAttention's CUDA kernel and needs device=cuda "
-                       f"(device={device}); set packed_attention=flex")
+        raise BadInput(
+            f"packed_attention=varlen runs FlashAttention's CUDA kernel and needs device=cuda "
+            f"(device={device}); set packed_attention=flex"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 0):
-        raise BadInput(f"packed_attention=varlen needs FlashAttention-2's GPUs (compute capability 8.0 or later: "
-                       f"Ampere, Hopper); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
-                       "set packed_attention=flex")
+        raise BadInput(
+            f"packed_attention=varlen needs FlashAttention-2's GPUs (compute capability 8.0 or later: "
+            f"Ampere, Hopper); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
+            "set packed_attention=flex"
+        )
     if not attention.varlen_available():  # (a module attribute: tests stand in for the kernel)
-        raise BadInput(f"packed_attention=varlen needs torch.nn.attention.varlen (torch 2.9 or later; this is torch "
-                       f"{torch.__version__}); set packed_attention=flex")
+        raise BadInput(
+            f"packed_attention=varlen needs torch.nn.attention.varlen (torch 2.9 or later; this is torch "
+            f"{torch.__version__}); set packed_attention=flex"
+        )
     return value
 
 
@@ -431,21 +581,28 @@ def read_fp8(cfg: DictConfig, device: torch.device, compile_: bool) -> Optional[
     if value in (None, False, "off"):
         return None
     if value not in FP8_RECIPES:
-        raise BadInput(f"fp8={value!r} is not an FP8 recipe; use fp8=tensorwise (one scale per tensor, the fastest), "
-                       "fp8=rowwise (one scale per row), or fp8=null for bf16 matmuls")
+        raise BadInput(
+            f"fp8={value!r} is not an FP8 recipe; use fp8=tensorwise (one scale per tensor, the fastest), "
+            "fp8=rowwise (one scale per row), or fp8=null for bf16 matmuls"
+        )
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise BadInput(f"fp8={value} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); "
-                           f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: set fp8=null")
+            raise BadInput(
+                f"fp8={value} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: set fp8=null"
+            )
         if not compile_:
-            raise BadInput(f"fp8={value} needs compile=True on a GPU (eager, each FP8 cast is a kernel of its own and "
-                           "the step is slower than in bf16); set compile=True, or fp8=null")
+            raise BadInput(
+                f"fp8={value} needs compile=True on a GPU (eager, each FP8 cast is a kernel of its own and "
+                "the step is slower than in bf16); set compile=True, or fp8=null"
+            )
     return value
 
 
 def _check_paths(cfg: DictConfig) -> dict:
     """The tokenizer file, the dataset's local files, checkpoint_dir and resume_from_checkpoint exist and look right."""
+
     def fix_for(section: str, key: str, what: str) -> str:
         # Name the key the user actually sets: the folder the path is built from, if any.
         raw = str(OmegaConf.to_container(cfg[section], resolve=False).get(key, ""))
@@ -457,8 +614,9 @@ def _check_paths(cfg: DictConfig) -> dict:
 
     tok = Path(cfg.tokenizer.path)
     if not tok.is_file():
-        raise BadInput(f"tokenizer.path={tok} does not exist; "
-                       + fix_for("tokenizer", "path", "llama2_tokenizer/tokenizer.model"))
+        raise BadInput(
+            f"tokenizer.path={tok} does not exist; " + fix_for("tokenizer", "path", "llama2_tokenizer/tokenizer.model")
+        )
 
     source, data_files = cfg.dataset.get("source"), []
     if source in LOCAL_DATASET_SOURCES:
@@ -472,16 +630,20 @@ def _check_paths(cfg: DictConfig) -> dict:
         data_files = [str(f) for f in files]
         for f in data_files:
             if not Path(f).is_file():
-                raise BadInput(f"dataset.data_files={f} does not exist; "
-                               + fix_for("dataset", "data_files", "alpaca/alpaca_data.json")
-                               + ", or take Alpaca from the hub with dataset.source=tatsu-lab/alpaca ~dataset.data_files")
+                raise BadInput(
+                    f"dataset.data_files={f} does not exist; "
+                    + fix_for("dataset", "data_files", "alpaca/alpaca_data.json")
+                    + ", or take Alpaca from the hub with dataset.source=tatsu-lab/alpaca ~dataset.data_files"
+                )
 
     ckpt = cfg.get("checkpoint_dir")
     checkpoint_dir = Path(ckpt) if ckpt else None
     if checkpoint_dir is not None and (not checkpoint_dir.is_dir() or not hf_weight_files(checkpoint_dir)):
-        raise BadInput(f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
-                       "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
-                       "init")
+        raise BadInput(
+            f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
+            "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
+            "init"
+        )
     source_config = read_source_config(checkpoint_dir)
 
     resume = cfg.get("resume_from_checkpoint")
@@ -489,8 +651,15 @@ def _check_paths(cfg: DictConfig) -> dict:
     if resume_dir is not None:
         missing = [f for f in (WEIGHTS_FILE, RECIPE_STATE_FILE) if not (resume_dir / f).is_file()]
         if missing:
-            raise BadInput(f"resume_from_checkpoint={resume} lacks {', '.join(missing)}; point it at a step_N or "
-                           "epoch_E folder this recipe wrote (or use checkpoint_dir=... to start a new run from its "
-                           "weights)")
-    return dict(tokenizer_path=tok, data_files=data_files, checkpoint_dir=checkpoint_dir, resume_dir=resume_dir,
-                source_config=source_config)
+            raise BadInput(
+                f"resume_from_checkpoint={resume} lacks {', '.join(missing)}; point it at a step_N or "
+                "epoch_E folder this recipe wrote (or use checkpoint_dir=... to start a new run from its "
+                "weights)"
+            )
+    return dict(
+        tokenizer_path=tok,
+        data_files=data_files,
+        checkpoint_dir=checkpoint_dir,
+        resume_dir=resume_dir,
+        source_config=source_config,
+    )

@@ -104,16 +104,16 @@ class SkipCounter:
 
     def state(self) -> Dict[str, int]:
         """What a checkpoint keeps (plain ints in recipe_state.pt)."""
-        return {"skipped_steps": self.skipped, "skipped_in_a_row": self.in_a_row,
-                "empty_in_a_row": self.empty_in_a_row}
+        return {"skipped_steps": self.skipped, "skipped_in_a_row": self.in_a_row, "empty_in_a_row": self.empty_in_a_row}
 
     def restore(self, state: Dict[str, Any]) -> None:
         self.skipped = int(state.get("skipped_steps", 0))
         self.in_a_row = int(state.get("skipped_in_a_row", 0))
         self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
 
-    def count(self, skipped: bool, step: int, loss: float, grad_norm: Optional[float],
-              tokens: Optional[int] = None) -> None:
+    def count(
+        self, skipped: bool, step: int, loss: float, grad_norm: Optional[float], tokens: Optional[int] = None
+    ) -> None:
         """After step ``step`` (1-based) with ``tokens`` trained tokens: a skipped step is counted and warned about;
         a good one resets the row."""
         if not skipped:
@@ -124,11 +124,15 @@ class SkipCounter:
         empty = tokens == 0
         self.empty_in_a_row = self.empty_in_a_row + 1 if empty else 0
         if empty:
-            self.log.warning(f"step {step}: no trained tokens (every label of its samples is masked): step skipped "
-                             f"({self.in_a_row} in a row)")
+            self.log.warning(
+                f"step {step}: no trained tokens (every label of its samples is masked): step skipped "
+                f"({self.in_a_row} in a row)"
+            )
         else:
-            self.log.warning(f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, step skipped (no "
-                             f"optimizer update; {self.in_a_row} in a row)")
+            self.log.warning(
+                f"step {step}: loss {loss}, grad norm {grad_norm}: not finite, step skipped (no "
+                f"optimizer update; {self.in_a_row} in a row)"
+            )
         if self.in_a_row < self.max_in_a_row:
             return
         limit = f"max_consecutive_skipped_steps={self.max_in_a_row} sets the limit"
@@ -137,8 +141,10 @@ class SkipCounter:
                 f"{self.in_a_row} steps in a row had no trained tokens (last: step {step}): every label of their "
                 "samples is masked, so there is nothing to learn; check the data (empty responses?), "
                 "dataset.train_on_input=False (the prompt is masked) and tokenizer.max_seq_len (a response cut off "
-                f"entirely) ({limit})")
+                f"entirely) ({limit})"
+            )
         raise NonFiniteStop(
             f"{self.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}, loss {loss}, "
             f"grad norm {grad_norm}): training diverged; resume from the last checkpoint with a lower optimizer.lr "
-            f"or clip_grad_norm=1.0 ({limit})")
+            f"or clip_grad_norm=1.0 ({limit})"
+        )

@@ -14,6 +14,7 @@ meets them (``_mend_tune_run``). A moved checkout needs `pip install -e .` again
 standard wheel carries no recipes/, and the finder then steps aside. Keep this module's imports to the standard
 library: it runs in every interpreter of the environment.
 """
+
 import importlib.abc
 import importlib.machinery
 import os
@@ -46,8 +47,10 @@ def _mend_tune_run(Run):
         if dotted.startswith("."):
             sys.stderr.write(
                 "error: tune run " + recipe_path + ": tune imports a recipe given by its path as the module named "
-                "after that path, so the path must lie below the current folder; cd " + os.path.dirname(full) +
-                " and give its file name (this repository's recipes/*.py run from any folder)\n")
+                "after that path, so the path must lie below the current folder; cd "
+                + os.path.dirname(full)
+                + " and give its file name (this repository's recipes/*.py run from any folder)\n"
+            )
             raise SystemExit(2)
         return dotted
 
@@ -105,7 +108,8 @@ class RecipesFinder:
 
 
 if os.path.isfile(os.path.join(RECIPES_DIR, "__init__.py")) and not any(
-        getattr(f, "__name__", "") == "RecipesFinder" for f in sys.meta_path):
+    getattr(f, "__name__", "") == "RecipesFinder" for f in sys.meta_path
+):
     sys.meta_path.insert(0, RecipesFinder)
 
 # The `tune` command imports torchtune, and with it torchao, before any recipe code runs, so torchao's "Skipping import

@@ -17,15 +17,52 @@ from .adamw_fp8 import AdamWFp8
 
 __all__ = ["AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8", "VARIANTS", "Variant", "register"]
 
-register(Variant("ours16", "optimizers.AdamW", AdamW, 2 * AdamW.FORMAT.bytes_per_element,
-                 "m and v in bf16 (fp32 with state_dtype='fp32': 8 bytes/param)",
-                 tol_fp32=0.01, tol_bf16=0.04, tol_contract=0.01, exact_codes=False))
-register(Variant("ours8", "optimizers.AdamW8bit", AdamW8bit, 2 * AdamW8bit.FORMAT.bytes_per_element,
-                 "m as e4m3, sqrt(v) as an unsigned 8-bit float (4 exponent, 4 mantissa bits); fp32 scale per 256",
-                 tol_fp32=0.03, tol_bf16=0.05, tol_contract=0.05))
-register(Variant("ours4", "optimizers.AdamW4bit", AdamW4bit, 2 * AdamW4bit.FORMAT.bytes_per_element,
-                 "m as 4-bit levels, rounded stochastically; sqrt(v) as a 4-bit float; fp32 scale per 128",
-                 tol_fp32=0.25, tol_bf16=0.25, tol_contract=0.3))
-register(Variant("oursfp8", "optimizers.AdamWFp8", AdamWFp8, 2 * AdamWFp8.FORMAT.bytes_per_element,
-                 "m and v as float8 e4m3; fp32 scale per 256",
-                 tol_fp32=0.06, tol_bf16=0.08, tol_contract=0.05))
+register(
+    Variant(
+        "ours16",
+        "optimizers.AdamW",
+        AdamW,
+        2 * AdamW.FORMAT.bytes_per_element,
+        "m and v in bf16 (fp32 with state_dtype='fp32': 8 bytes/param)",
+        tol_fp32=0.01,
+        tol_bf16=0.04,
+        tol_contract=0.01,
+        exact_codes=False,
+    )
+)
+register(
+    Variant(
+        "ours8",
+        "optimizers.AdamW8bit",
+        AdamW8bit,
+        2 * AdamW8bit.FORMAT.bytes_per_element,
+        "m as e4m3, sqrt(v) as an unsigned 8-bit float (4 exponent, 4 mantissa bits); fp32 scale per 256",
+        tol_fp32=0.03,
+        tol_bf16=0.05,
+        tol_contract=0.05,
+    )
+)
+register(
+    Variant(
+        "ours4",
+        "optimizers.AdamW4bit",
+        AdamW4bit,
+        2 * AdamW4bit.FORMAT.bytes_per_element,
+        "m as 4-bit levels, rounded stochastically; sqrt(v) as a 4-bit float; fp32 scale per 128",
+        tol_fp32=0.25,
+        tol_bf16=0.25,
+        tol_contract=0.3,
+    )
+)
+register(
+    Variant(
+        "oursfp8",
+        "optimizers.AdamWFp8",
+        AdamWFp8,
+        2 * AdamWFp8.FORMAT.bytes_per_element,
+        "m and v as float8 e4m3; fp32 scale per 256",
+        tol_fp32=0.06,
+        tol_bf16=0.08,
+        tol_contract=0.05,
+    )
+)

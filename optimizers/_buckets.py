@@ -105,14 +105,14 @@ class Bucket:
         nblk = -(-self.numels[i] // B)
         lo = self.offsets[i]
         out = {
-            "exp_avg": self.m_codes[lo // epc: (lo + nblk * B) // epc].view(nblk, B // epc),
-            "exp_avg_sq": self.v_codes[lo // epc: (lo + nblk * B) // epc].view(nblk, B // epc),
+            "exp_avg": self.m_codes[lo // epc : (lo + nblk * B) // epc].view(nblk, B // epc),
+            "exp_avg_sq": self.v_codes[lo // epc : (lo + nblk * B) // epc].view(nblk, B // epc),
         }
         if fmt.scaled:
-            out["exp_avg_scale"] = self.m_scale[lo // B: lo // B + nblk]
-            out["exp_avg_sq_scale"] = self.v_scale[lo // B: lo // B + nblk]
+            out["exp_avg_scale"] = self.m_scale[lo // B : lo // B + nblk]
+            out["exp_avg_sq_scale"] = self.v_scale[lo // B : lo // B + nblk]
         if self.compensate:
-            out["error"] = self.err[lo: lo + nblk * B].view(nblk, B)
+            out["error"] = self.err[lo : lo + nblk * B].view(nblk, B)
         return out
 
     def state_bytes(self) -> int:

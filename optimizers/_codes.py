@@ -95,7 +95,12 @@ def decode_e4m3_words(w, s):
             cvt.f32.f16 $1, h1;
             cvt.f32.f16 $2, h2;
             cvt.f32.f16 $3, h3; }""",
-            "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            "=r,=r,=r,=r,r",
+            [w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
         x = interleave4(x0, x1, x2, x3)
     return x * (s * _INV_FP8_MAX)[:, None]
 

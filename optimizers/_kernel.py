@@ -18,7 +18,7 @@ Grouped arguments: ``hp`` is a tensor's hyper-parameters (lr, weight_decay, beta
 ``raw`` a fetched tile's loads (``_fetch``).
 """
 
-from ._format import round_to, ld, st
+from ._format import ld, round_to, st
 from ._random_bits import _m_dither, _sr_bits
 from ._triton import HAVE_TRITON, INTERPRET, jit, tl
 
@@ -28,7 +28,7 @@ from ._triton import HAVE_TRITON, INTERPRET, jit, tl
 # move again) or NaN codes (FP8: NaN in every weight of the block). 2^63 keeps every stored v (at most the largest g^2
 # it has seen, up to its format's rounding, for any b2) a factor 4 below fp32's max. Same instruction count as the
 # NaN/inf compare alone (only the constant differs).
-G_MAX = 2.0 ** 63
+G_MAX = 2.0**63
 _G_MAX_TL = tl.constexpr(G_MAX)
 
 if HAVE_TRITON and not INTERPRET:
@@ -107,8 +107,16 @@ def _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW: tl.constexpr):
         return (_f32(lr), _f32(wd), _f32(b1), _f32(b2), _f32(eps), _f32(ss), _f32(isb), _f32(sign))
     else:
         hp = hp_tab + tl.load(hp_idx + t) * 8
-        return (tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4), tl.load(hp + 5),
-                tl.load(hp + 6), tl.load(hp + 7))
+        return (
+            tl.load(hp),
+            tl.load(hp + 1),
+            tl.load(hp + 2),
+            tl.load(hp + 3),
+            tl.load(hp + 4),
+            tl.load(hp + 5),
+            tl.load(hp + 6),
+            tl.load(hp + 7),
+        )
 
 
 @jit
@@ -164,8 +172,24 @@ def _to_f32(x):
 
 
 @jit
-def _fetch(p_ptr, g_ptr, err_ptr, states, s_base, lo, hi, rows, emask_lo, emask_hi, bmask, BLOCK: tl.constexpr,
-           EPC: tl.constexpr, LOAD: tl.constexpr, COMPENSATE: tl.constexpr, WORDS: tl.constexpr):
+def _fetch(
+    p_ptr,
+    g_ptr,
+    err_ptr,
+    states,
+    s_base,
+    lo,
+    hi,
+    rows,
+    emask_lo,
+    emask_hi,
+    bmask,
+    BLOCK: tl.constexpr,
+    EPC: tl.constexpr,
+    LOAD: tl.constexpr,
+    COMPENSATE: tl.constexpr,
+    WORDS: tl.constexpr,
+):
     """Issue every load of one tile (raw: bf16 weights and grads, codes and scales); no arithmetic on them."""
     m_codes, m_scale, v_codes, v_scale = states
     p_lo = _ld_param(p_ptr, lo, emask_lo, 0, BLOCK, WORDS)
@@ -186,9 +210,29 @@ def _fetch(p_ptr, g_ptr, err_ptr, states, s_base, lo, hi, rows, emask_lo, emask_
 
 
 @jit
-def _update_tile(raw, p_ptr, err_ptr, states, lut, s_base, hp, lo, hi, rows, emask_lo, emask_hi, bmask, seed, t_base,
-                 BLOCK: tl.constexpr, EPC: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
-                 COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+def _update_tile(
+    raw,
+    p_ptr,
+    err_ptr,
+    states,
+    lut,
+    s_base,
+    hp,
+    lo,
+    hi,
+    rows,
+    emask_lo,
+    emask_hi,
+    bmask,
+    seed,
+    t_base,
+    BLOCK: tl.constexpr,
+    EPC: tl.constexpr,
+    DECODE: tl.constexpr,
+    STORE: tl.constexpr,
+    COMPENSATE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
     """Decode, update and store one fetched tile. Returns max(|g|) of the lo/hi element pairs, NaN where either g
     is NaN: the kernel folds it into a running max, its only trace of non-finite gradients in the hot loop (see
     ``_count_nonfinite``)."""
@@ -204,8 +248,20 @@ def _update_tile(raw, p_ptr, err_ptr, states, lut, s_base, hp, lo, hi, rows, ema
     b_off = _udiv(s_base, BLOCK)
     # the first moment's "root" arguments carry its dither (formats without one ignore them; the compiler drops
     # the computation)
-    STORE(m_codes + c_off, m_scale + b_off, lo, hi, rows, bmask, m_lo, m_hi, _m_dither(t_base, lo, seed),
-          _m_dither(t_base, hi, seed), lut, True)
+    STORE(
+        m_codes + c_off,
+        m_scale + b_off,
+        lo,
+        hi,
+        rows,
+        bmask,
+        m_lo,
+        m_hi,
+        _m_dither(t_base, lo, seed),
+        _m_dither(t_base, hi, seed),
+        lut,
+        True,
+    )
     STORE(v_codes + c_off, v_scale + b_off, lo, hi, rows, bmask, v_lo, v_hi, r_lo, r_hi, lut, False)
     e_ptr = err_ptr + s_base
     _write_param(p_ptr, e_ptr, lo, emask_lo, x_lo, seed, s_base, COMPENSATE, STOCHASTIC)
@@ -220,8 +276,24 @@ def _nonfinite(g):
 
 
 @jit
-def _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab, p0, g0, lo, hi,
-                     TILE: tl.constexpr, BLOCK: tl.constexpr, RUN: tl.constexpr, ALIGNED: tl.constexpr):
+def _count_nonfinite(
+    pid,
+    G,
+    n_full,
+    n_tail,
+    cum_full,
+    tail_tab,
+    meta_tab,
+    ptr_tab,
+    p0,
+    g0,
+    lo,
+    hi,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RUN: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     """Non-finite gradient elements of this program's tiles, by walking them again (reading only the gradients).
 
     Counting in the update itself cost ~5 instructions per element (an integer per element, and the non-finite
@@ -237,11 +309,13 @@ def _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_t
             n += _nonfinite(tl.load(g_ptr + lo)) + _nonfinite(tl.load(g_ptr + hi))
     for j in range(pid, n_tail, G):
         t = tl.load(tail_tab + 2 * j)
-        p_ptr, g_ptr, s_base, rem, _ = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE,
-                                               BLOCK, ALIGNED)
+        p_ptr, g_ptr, s_base, rem, _ = _locate(
+            t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED
+        )
         r = rem.to(tl.int32)
-        n += _nonfinite(tl.load(g_ptr + lo, mask=lo < r, other=0.0)) + _nonfinite(tl.load(g_ptr + hi, mask=hi < r,
-                                                                                          other=0.0))
+        n += _nonfinite(tl.load(g_ptr + lo, mask=lo < r, other=0.0)) + _nonfinite(
+            tl.load(g_ptr + hi, mask=hi < r, other=0.0)
+        )
     return n
 
 
@@ -253,19 +327,39 @@ def _adamw_kernel(
     meta_tab,  # int64 [T, 2]: numel, element offset of its state slice
     hp_tab,  # fp32 [R, 8]: each row a ``hp`` (see the module docstring)
     hp_idx,  # int32 [T]: each tensor's row of hp_tab (one row per param group and step count, usually 1-2 rows)
-    lr0, wd0, b10, b20, eps0, ss0, isb0, sign0,  # with ONE_ROW: the one row, as arguments (no table upload)
-    cum_full, n_full,  # int64 [T + 1]: full tiles of the tensors before each one (a prefix sum); their total
-    tail_tab, n_tail,  # int32 [n_tail, 2]: (tensor, tile within it) of each tensor's partial last tile, if any
+    lr0,
+    wd0,
+    b10,
+    b20,
+    eps0,
+    ss0,
+    isb0,
+    sign0,  # with ONE_ROW: the one row, as arguments (no table upload)
+    cum_full,
+    n_full,  # int64 [T + 1]: full tiles of the tensors before each one (a prefix sum); their total
+    tail_tab,
+    n_tail,  # int32 [n_tail, 2]: (tensor, tile within it) of each tensor's partial last tile, if any
     p0,  # the first param: only its pointer type is used, to type the addresses read from ptr_tab
     g0,  # the first grad, likewise
-    m_codes, m_scale, v_codes, v_scale,
+    m_codes,
+    m_scale,
+    v_codes,
+    v_scale,
     lut,  # int32: the format's lookup table (StateFormat.table), or a dummy
     err_ptr,  # compensation buffer (same offsets as the states), or a dummy
     nonfinite_ptr,  # int32 [1]: count of skipped non-finite gradient elements
     seed,
-    BLOCK: tl.constexpr, NB: tl.constexpr, EPC: tl.constexpr, RUN: tl.constexpr,
-    LOAD: tl.constexpr, DECODE: tl.constexpr, STORE: tl.constexpr,
-    COMPENSATE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, ONE_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,
+    EPC: tl.constexpr,
+    RUN: tl.constexpr,
+    LOAD: tl.constexpr,
+    DECODE: tl.constexpr,
+    STORE: tl.constexpr,
+    COMPENSATE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     WORDS: tl.constexpr,  # every param and grad 4-byte aligned: bf16 full tiles load as int32 words (_ld_param)
 ):
     """Persistent: a grid of a few programs per SM; program i takes chunks i, i + G, ... of RUN consecutive full
@@ -303,8 +397,9 @@ def _adamw_kernel(
         end = tl.load(cum_full + t + 1)
         p_ptr, g_ptr, s_base, rem, t_base = _locate(t, k, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED)
         hp = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
-        raw = _fetch(p_ptr, g_ptr, err_ptr, states, s_base, lo, hi, rows, None, None, None, BLOCK, EPC, LOAD,
-                     COMPENSATE, WORDS)
+        raw = _fetch(
+            p_ptr, g_ptr, err_ptr, states, s_base, lo, hi, rows, None, None, None, BLOCK, EPC, LOAD, COMPENSATE, WORDS
+        )
         for q in tl.range(0, n_tiles, 1, num_stages=1):
             # Prefetch the next tile: the next of this chunk, or the first of this program's next chunk; after its
             # last tile a program fetches that tile again (one wasted tile per program).
@@ -320,12 +415,50 @@ def _adamw_kernel(
             else:
                 t2, k2 = _find(jn, t, cum_full)
                 end2 = tl.load(cum_full + t2 + 1)
-                p_ptr2, g_ptr2, s_base2, rem2, t_base2 = _locate(t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK,
-                                                                  ALIGNED)
-            raw2 = _fetch(p_ptr2, g_ptr2, err_ptr, states, s_base2, lo, hi, rows, None, None, None, BLOCK, EPC,
-                          LOAD, COMPENSATE, WORDS)
-            g_abs = _update_tile(raw, p_ptr, err_ptr, states, lut, s_base, hp, lo, hi, rows, None, None, None, seed,
-                                 t_base, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
+                p_ptr2, g_ptr2, s_base2, rem2, t_base2 = _locate(
+                    t2, k2, meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED
+                )
+            raw2 = _fetch(
+                p_ptr2,
+                g_ptr2,
+                err_ptr,
+                states,
+                s_base2,
+                lo,
+                hi,
+                rows,
+                None,
+                None,
+                None,
+                BLOCK,
+                EPC,
+                LOAD,
+                COMPENSATE,
+                WORDS,
+            )
+            g_abs = _update_tile(
+                raw,
+                p_ptr,
+                err_ptr,
+                states,
+                lut,
+                s_base,
+                hp,
+                lo,
+                hi,
+                rows,
+                None,
+                None,
+                None,
+                seed,
+                t_base,
+                BLOCK,
+                EPC,
+                DECODE,
+                STORE,
+                COMPENSATE,
+                STOCHASTIC,
+            )
             seen = _nanmax(seen, g_abs)
             if t2 != t:
                 hp = _hparams(hp_tab, hp_idx, t2, hp0, ONE_ROW)
@@ -334,19 +467,61 @@ def _adamw_kernel(
     # Each tensor's last, partial tile: element masks for the param and grad, block masks for the (padded) states.
     for j in range(pid, n_tail, G):
         t = tl.load(tail_tab + 2 * j)
-        p_ptr, g_ptr, s_base, rem, t_base = _locate(t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0,
-                                                    TILE, BLOCK, ALIGNED)
+        p_ptr, g_ptr, s_base, rem, t_base = _locate(
+            t, tl.load(tail_tab + 2 * j + 1), meta_tab, ptr_tab, p0, g0, TILE, BLOCK, ALIGNED
+        )
         r = rem.to(tl.int32)
         emask_lo = lo < r
         emask_hi = hi < r
         bmask = rows * BLOCK < r
-        raw = _fetch(p_ptr, g_ptr, err_ptr, states, s_base, lo, hi, rows, emask_lo, emask_hi, bmask, BLOCK, EPC,
-                     LOAD, COMPENSATE, WORDS)
+        raw = _fetch(
+            p_ptr,
+            g_ptr,
+            err_ptr,
+            states,
+            s_base,
+            lo,
+            hi,
+            rows,
+            emask_lo,
+            emask_hi,
+            bmask,
+            BLOCK,
+            EPC,
+            LOAD,
+            COMPENSATE,
+            WORDS,
+        )
         hp = _hparams(hp_tab, hp_idx, t, hp0, ONE_ROW)
-        g_abs = _update_tile(raw, p_ptr, err_ptr, states, lut, s_base, hp, lo, hi, rows, emask_lo, emask_hi, bmask,
-                             seed, t_base, BLOCK, EPC, DECODE, STORE, COMPENSATE, STOCHASTIC)
+        g_abs = _update_tile(
+            raw,
+            p_ptr,
+            err_ptr,
+            states,
+            lut,
+            s_base,
+            hp,
+            lo,
+            hi,
+            rows,
+            emask_lo,
+            emask_hi,
+            bmask,
+            seed,
+            t_base,
+            BLOCK,
+            EPC,
+            DECODE,
+            STORE,
+            COMPENSATE,
+            STOCHASTIC,
+        )
         seen = _nanmax(seen, g_abs)
     smax = tl.reduce(seen, None, _nanmax)
     if (smax > _G_MAX_TL) | (smax != smax):  # rare: a skipped gradient (see G_MAX) in this program's tiles
-        tl.atomic_add(nonfinite_ptr, _count_nonfinite(pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab,
-                                                      p0, g0, lo, hi, TILE, BLOCK, RUN, ALIGNED))
+        tl.atomic_add(
+            nonfinite_ptr,
+            _count_nonfinite(
+                pid, G, n_full, n_tail, cum_full, tail_tab, meta_tab, ptr_tab, p0, g0, lo, hi, TILE, BLOCK, RUN, ALIGNED
+            ),
+        )

@@ -89,21 +89,63 @@ def programs(device: torch.device, per_sm: int) -> int:
     return _SM_COUNT[device] * per_sm
 
 
-def kernel_args(b: Bucket, plan: Plan, nb: int, p0, g0, hp_t, idx_t, row0: list, one_row: bool, stochastic: bool,
-                nonfinite_count: torch.Tensor, seed: int) -> dict:
+def kernel_args(
+    b: Bucket,
+    plan: Plan,
+    nb: int,
+    p0,
+    g0,
+    hp_t,
+    idx_t,
+    row0: list,
+    one_row: bool,
+    stochastic: bool,
+    nonfinite_count: torch.Tensor,
+    seed: int,
+) -> dict:
     """``_adamw_kernel``'s arguments by name, in its signature's order (the direct relaunch passes the values
     positionally; tests/test_optimizers.py checks the order)."""
     fmt = b.fmt
     lr0, wd0, b10, b20, eps0, ss0, isb0, sign0 = row0
     return dict(
-        ptr_tab=plan.ptr_t, meta_tab=plan.meta, hp_tab=hp_t, hp_idx=idx_t,
-        lr0=lr0, wd0=wd0, b10=b10, b20=b20, eps0=eps0, ss0=ss0, isb0=isb0, sign0=sign0,
-        cum_full=plan.cum_full, n_full=plan.n_full, tail_tab=plan.tail, n_tail=plan.n_tail, p0=p0, g0=g0,
-        m_codes=b.m_codes, m_scale=b.m_scale, v_codes=b.v_codes, v_scale=b.v_scale, lut=b.lut, err_ptr=b.err,
-        nonfinite_ptr=nonfinite_count, seed=seed,
-        BLOCK=fmt.block_size, NB=nb, EPC=fmt.elems_per_code, RUN=RUN,
-        LOAD=fmt.triton_load, DECODE=fmt.triton_decode, STORE=fmt.triton_store,
-        COMPENSATE=b.compensate, STOCHASTIC=stochastic, ALIGNED=plan.aligned, ONE_ROW=one_row, WORDS=plan.words,
+        ptr_tab=plan.ptr_t,
+        meta_tab=plan.meta,
+        hp_tab=hp_t,
+        hp_idx=idx_t,
+        lr0=lr0,
+        wd0=wd0,
+        b10=b10,
+        b20=b20,
+        eps0=eps0,
+        ss0=ss0,
+        isb0=isb0,
+        sign0=sign0,
+        cum_full=plan.cum_full,
+        n_full=plan.n_full,
+        tail_tab=plan.tail,
+        n_tail=plan.n_tail,
+        p0=p0,
+        g0=g0,
+        m_codes=b.m_codes,
+        m_scale=b.m_scale,
+        v_codes=b.v_codes,
+        v_scale=b.v_scale,
+        lut=b.lut,
+        err_ptr=b.err,
+        nonfinite_ptr=nonfinite_count,
+        seed=seed,
+        BLOCK=fmt.block_size,
+        NB=nb,
+        EPC=fmt.elems_per_code,
+        RUN=RUN,
+        LOAD=fmt.triton_load,
+        DECODE=fmt.triton_decode,
+        STORE=fmt.triton_store,
+        COMPENSATE=b.compensate,
+        STOCHASTIC=stochastic,
+        ALIGNED=plan.aligned,
+        ONE_ROW=one_row,
+        WORDS=plan.words,
     )
 
 
@@ -122,7 +164,8 @@ class TritonPath:
         if self.backend == "triton" and not usable:
             raise RuntimeError(
                 f"backend='triton' cannot run on {device}: the Triton path needs CUDA tensors (or CPU tensors "
-                f"with TRITON_INTERPRET=1 set before import, for tests). Use backend='torch' or 'auto'.")
+                f"with TRITON_INTERPRET=1 set before import, for tests). Use backend='torch' or 'auto'."
+            )
         return usable if self.backend == "triton" else device.type == "cuda" and usable
 
     def _tile_blocks(self, b: Bucket) -> int:
@@ -140,8 +183,13 @@ class TritonPath:
         counts before any launch: ~0.4 ms on the H200's host, the GPU idle meanwhile. Needs all step counts equal
         (``b.uniform_t``, kept by every step and by load_state_dict) and one param group; returns False, having
         done nothing, where it does not apply."""
-        if (b.uniform_t is None or not b.one_group or b.total < self._SPLIT_MIN_NUMEL or len(b.params) < 2
-                or not self._use_triton(b.device)):
+        if (
+            b.uniform_t is None
+            or not b.one_group
+            or b.total < self._SPLIT_MIN_NUMEL
+            or len(b.params) < 2
+            or not self._use_triton(b.device)
+        ):
             return False
         plans = bucket_plans(b, b.all_active, self._tile_blocks(b), self._FIRST_SHARE)
         if len(plans) != 2:
@@ -181,18 +229,19 @@ class TritonPath:
         params = b.params if len(active) == len(b.params) else [b.params[i] for i in active]
         hp_t = None
         if idx is not None:
-            hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=b.device.type == "cuda").to(b.device,
-                                                                                              non_blocking=True)
+            hp_t = torch.tensor(rows, dtype=torch.float32, pin_memory=b.device.type == "cuda").to(
+                b.device, non_blocking=True
+            )
         whole = len(plans) == 1
         for j0, j1, plan in plans:
             if whole:
                 self._run_piece(b, plan, params, grads, rows, idx, hp_t)
             else:
-                self._run_piece(b, plan, params[j0:j1], grads[j0:j1], rows, None if idx is None else idx[j0:j1],
-                                hp_t)
+                self._run_piece(b, plan, params[j0:j1], grads[j0:j1], rows, None if idx is None else idx[j0:j1], hp_t)
 
-    def _run_piece(self, b: Bucket, plan: Plan, ps: list, gs: list, rows: list, idx: Optional[list],
-                   hp_t: Optional[torch.Tensor]) -> None:
+    def _run_piece(
+        self, b: Bucket, plan: Plan, ps: list, gs: list, rows: list, idx: Optional[list], hp_t: Optional[torch.Tensor]
+    ) -> None:
         """One launch over the tensors of ``plan`` (ps, gs: their params and grads; idx: their hyper-parameter
         rows, None for the one row ``rows[0]``; hp_t: ``rows`` on the device when idx is given)."""
         if plan.n_full + plan.n_tail == 0:  # every tensor of this launch has an empty shard on this rank
@@ -240,24 +289,32 @@ class TritonPath:
             idx_t = plan.idx_t
         self._launch(b, plan, self._tile_blocks(b), ps[0], gs[0], hp_t, idx_t, rows[0], idx is None)
 
-
     def _launch(self, b: Bucket, plan: Plan, nb: int, p0, g0, hp_t, idx_t, row0: list, one_row: bool) -> None:
         fmt, dev = b.fmt, b.device
         grid = max(1, min(max(plan.n_full, plan.n_tail), programs(dev, self.programs_per_sm or fmt.programs_per_sm)))
         stochastic = self.stochastic_round and p0.dtype == torch.bfloat16
-        args = kernel_args(b, plan, nb, p0, g0, hp_t, idx_t, row0, one_row, stochastic, self.nonfinite_count,
-                           self._seed)
+        args = kernel_args(
+            b, plan, nb, p0, g0, hp_t, idx_t, row0, one_row, stochastic, self.nonfinite_count, self._seed
+        )
         # Triton's launcher re-derives the kernel's specialization from every argument on every call (~0.15 ms of
         # host on the H200's CPU). The arguments that can change between this plan's launches are the flags and
         # the per-step tensors (their 16-byte alignment is all Triton specializes them on; the seed is not
         # specialized): when they repeat, the kernel compiled for the last launch is launched directly.
-        key = (stochastic, plan.aligned, plan.words, one_row, self.num_warps,
-               *(x.data_ptr() % 16 == 0 for x in (plan.ptr_t, hp_t, idx_t, p0, g0)))
+        key = (
+            stochastic,
+            plan.aligned,
+            plan.words,
+            one_row,
+            self.num_warps,
+            *(x.data_ptr() % 16 == 0 for x in (plan.ptr_t, hp_t, idx_t, p0, g0)),
+        )
         if plan.compiled is not None and plan.compiled[0] == key:
             plan.compiled[1][(grid, 1, 1)](*args.values())
             return
         kernel = _adamw_kernel[(grid,)](
-            **args, num_warps=self.num_warps or fmt.num_warps,
-            **({"maxnreg": fmt.max_registers} if fmt.max_registers and dev.type == "cuda" else {}))
+            **args,
+            num_warps=self.num_warps or fmt.num_warps,
+            **({"maxnreg": fmt.max_registers} if fmt.max_registers and dev.type == "cuda" else {}),
+        )
         # (the interpreter returns no compiled kernel: it takes this path every time)
         plan.compiled = (key, kernel) if dev.type == "cuda" and hasattr(kernel, "__getitem__") else None

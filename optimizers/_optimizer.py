@@ -96,8 +96,15 @@ class LowBitAdamW(TritonPath, Optimizer):
         self.tile_blocks = tile_blocks  # Triton tuning knobs (bench/optimizer_step.py sweeps them); None = default
         self.num_warps = num_warps
         self.programs_per_sm = programs_per_sm
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
-                        state_format=self.format.name)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=False,
+            maximize=maximize,
+            state_format=self.format.name,
+        )
         super().__init__(params, defaults)
         self._buckets: Optional[list[Bucket]] = None
         self._seed = 0
@@ -121,8 +128,10 @@ class LowBitAdamW(TritonPath, Optimizer):
         groups: dict = {}
         for p in params:
             if not local(p).is_contiguous():
-                raise ValueError(f"{type(self).__name__} needs contiguous parameters; got one of shape "
-                                 f"{tuple(p.shape)} with strides {local(p).stride()}")
+                raise ValueError(
+                    f"{type(self).__name__} needs contiguous parameters; got one of shape "
+                    f"{tuple(p.shape)} with strides {local(p).stride()}"
+                )
             fmt = self._param_format(p)
             key = (local(p).device, local(p).dtype, fmt.name)
             groups.setdefault(key, (fmt, []))[1].append(p)
@@ -160,8 +169,19 @@ class LowBitAdamW(TritonPath, Optimizer):
     # -- copies ------------------------------------------------------------------------------------------
 
     # Ours, beyond the defaults, state and param groups that torch.optim.Optimizer.__getstate__ keeps
-    _COPIED = ("format", "backend", "min_quant_numel", "stochastic_round", "compensate", "tile_blocks", "num_warps",
-               "programs_per_sm", "_buckets", "_seed", "nonfinite_count")
+    _COPIED = (
+        "format",
+        "backend",
+        "min_quant_numel",
+        "stochastic_round",
+        "compensate",
+        "tile_blocks",
+        "num_warps",
+        "programs_per_sm",
+        "_buckets",
+        "_seed",
+        "nonfinite_count",
+    )
 
     def __getstate__(self) -> dict:
         """For copy.deepcopy and pickle (torch.save(optimizer), multiprocessing): torch's state plus ours."""
@@ -231,9 +251,16 @@ class LowBitAdamW(TritonPath, Optimizer):
         g = self.param_groups[group_index]
         b1, b2 = (float(x) for x in g["betas"])
         lr = float(g["lr"])
-        return [lr, float(g["weight_decay"]), b1, b2, float(g["eps"]), lr / (1.0 - b1 ** t),
-                1.0 / math.sqrt(1.0 - b2 ** t), -1.0 if g["maximize"] else 1.0]
-
+        return [
+            lr,
+            float(g["weight_decay"]),
+            b1,
+            b2,
+            float(g["eps"]),
+            lr / (1.0 - b1**t),
+            1.0 / math.sqrt(1.0 - b2**t),
+            -1.0 if g["maximize"] else 1.0,
+        ]
 
     def _step_torch(self, b: Bucket, i: int, hp: list) -> None:
         """The reference path: same math as the kernel, one parameter at a time, in plain PyTorch."""
@@ -242,8 +269,9 @@ class LowBitAdamW(TritonPath, Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         # fp32 scalars, like the kernel's table, so that both paths round the same way
-        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = torch.tensor(hp, dtype=torch.float32,
-                                                                           device=p.device).unbind()
+        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = torch.tensor(
+            hp, dtype=torch.float32, device=p.device
+        ).unbind()
         fmt, B = b.fmt, b.fmt.block_size
         n = p.numel()
         nblk = -(-n // B)
@@ -304,18 +332,19 @@ class LowBitAdamW(TritonPath, Optimizer):
                 state_dict = result
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state has {len(saved_groups)} param groups, this optimizer has "
-                             f"{len(self.param_groups)}")
+            raise ValueError(
+                f"loaded state has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
+            )
         for sg, g in zip(saved_groups, self.param_groups):
             fmt = sg.get("state_format", "<none: not an optimizers.* state>")
             if fmt != self.format.name:
                 raise ValueError(
                     f"cannot load optimizer state of format {fmt!r} into {type(self).__name__} (format "
                     f"{self.format.name!r}); load it with the optimizer that saved it, or start the optimizer "
-                    f"state afresh")
+                    f"state afresh"
+                )
             if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"loaded param group has {len(sg['params'])} params, this one has "
-                                 f"{len(g['params'])}")
+                raise ValueError(f"loaded param group has {len(sg['params'])} params, this one has {len(g['params'])}")
         if self._buckets is None:
             self._init_state()
         params = [p for g in self.param_groups for p in g["params"]]
@@ -327,20 +356,26 @@ class LowBitAdamW(TritonPath, Optimizer):
             st = self.state[p]
             for key, val in saved.items():
                 if key not in st:
-                    raise ValueError(f"unexpected optimizer state entry {key!r} for a parameter of shape "
-                                     f"{tuple(p.shape)}; was it saved with other options (compensate=...)?")
+                    raise ValueError(
+                        f"unexpected optimizer state entry {key!r} for a parameter of shape "
+                        f"{tuple(p.shape)}; was it saved with other options (compensate=...)?"
+                    )
                 if key == "step":  # into the bucket's step tensor, of which st["step"] is a view
                     # a tensor or, as torch.optim.AdamW also takes, a number
                     step = val.detach().to("cpu", torch.float32) if isinstance(val, torch.Tensor) else float(val)
                     st["step"].copy_(torch.as_tensor(step).reshape(()))
                     continue
                 if not isinstance(val, torch.Tensor):
-                    raise ValueError(f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)} is a "
-                                     f"{type(val).__name__}, expected a tensor")
+                    raise ValueError(
+                        f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)} is a "
+                        f"{type(val).__name__}, expected a tensor"
+                    )
                 if val.shape != st[key].shape or val.dtype != st[key].dtype:
-                    raise ValueError(f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)}: saved "
-                                     f"{tuple(val.shape)} {val.dtype}, expected {tuple(st[key].shape)} "
-                                     f"{st[key].dtype}; it was saved with other options (min_quant_numel?)")
+                    raise ValueError(
+                        f"optimizer state {key!r} for a parameter of shape {tuple(p.shape)}: saved "
+                        f"{tuple(val.shape)} {val.dtype}, expected {tuple(st[key].shape)} "
+                        f"{st[key].dtype}; it was saved with other options (min_quant_numel?)"
+                    )
                 st[key].copy_(val)
         for sg, g in zip(saved_groups, self.param_groups):
             for k, v in sg.items():
@@ -354,7 +389,6 @@ class LowBitAdamW(TritonPath, Optimizer):
         self._seed = max((int(b.step_all.max()) for b in self._buckets), default=0)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
 
     def state_bytes(self) -> int:
         """Bytes held by the optimizer state on its devices (codes, scales, error buffers)."""

@@ -39,7 +39,8 @@ VARIANTS: dict = {}  # key -> Variant, in registration order
 def register(variant: Variant) -> Variant:
     """Add ``variant`` to ``VARIANTS`` (a ValueError if its key is taken) and return it."""
     if variant.key in VARIANTS:
-        raise ValueError(f"an optimizer variant is already registered as {variant.key!r}: "
-                         f"{VARIANTS[variant.key].component}")
+        raise ValueError(
+            f"an optimizer variant is already registered as {variant.key!r}: {VARIANTS[variant.key].component}"
+        )
     VARIANTS[variant.key] = variant
     return variant

@@ -20,10 +20,22 @@ def _make(dtype: torch.dtype, name: str) -> StateFormat:
     def dequantize(codes, scale, signed):
         return codes.float()
 
-    return StateFormat(name=name, block_size=BLOCK, code_dtype=dtype, elems_per_code=1, scaled=False,
-                       quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode,
-                       triton_store=_store, bytes_per_element=torch.finfo(dtype).bits / 8,
-                       tile_blocks=2, num_warps=1, programs_per_sm=16)
+    return StateFormat(
+        name=name,
+        block_size=BLOCK,
+        code_dtype=dtype,
+        elems_per_code=1,
+        scaled=False,
+        quantize=quantize,
+        dequantize=dequantize,
+        triton_load=_load,
+        triton_decode=_decode,
+        triton_store=_store,
+        bytes_per_element=torch.finfo(dtype).bits / 8,
+        tile_blocks=2,
+        num_warps=1,
+        programs_per_sm=16,
+    )
 
 
 @jit

@@ -23,17 +23,45 @@ class AdamW(LowBitAdamW):
 
     FORMAT = FORMAT_BF16
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, state_dtype=torch.bfloat16, backend="auto", stochastic_round=None,
-                 compensate=False, tile_blocks=None, num_warps=None, programs_per_sm=None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        state_dtype=torch.bfloat16,
+        backend="auto",
+        stochastic_round=None,
+        compensate=False,
+        tile_blocks=None,
+        num_warps=None,
+        programs_per_sm=None,
+    ):
         # Spelled out (no **kwargs) so that inspect.signature shows exactly what this class accepts: the
         # recipe uses it to drop torch-only flags such as fused=True when the optimizer is swapped.
         names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
         dtype = names.get(state_dtype, state_dtype) if isinstance(state_dtype, str) else state_dtype
         if dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"state_dtype must be torch.bfloat16 or torch.float32 ('bf16'/'fp32'), "
-                             f"got {state_dtype!r}")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, backend=backend,
-                         stochastic_round=stochastic_round, compensate=compensate, tile_blocks=tile_blocks,
-                         num_warps=num_warps, programs_per_sm=programs_per_sm,
-                         _format=FORMAT_BF16 if dtype == torch.bfloat16 else FORMAT_FP32)
+            raise ValueError(
+                f"state_dtype must be torch.bfloat16 or torch.float32 ('bf16'/'fp32'), got {state_dtype!r}"
+            )
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            backend=backend,
+            stochastic_round=stochastic_round,
+            compensate=compensate,
+            tile_blocks=tile_blocks,
+            num_warps=num_warps,
+            programs_per_sm=programs_per_sm,
+            _format=FORMAT_BF16 if dtype == torch.bfloat16 else FORMAT_FP32,
+        )

@@ -38,7 +38,7 @@ _HALF = tl.constexpr(BLOCK // 2)  # Triton reads only constexpr globals
 _M_LEVELS = (2.0 ** torch.arange(8, dtype=torch.float32) - 1.0) / 127.0
 _QMAP_SIGNED = torch.cat([_M_LEVELS, -_M_LEVELS])
 # |m| / absmax * M_SCALE + 1 < 128 even for the block max (1/absmax is rounded, maybe up): E <= 7 after any dither
-M_SCALE = float(torch.tensor(127.0 * (1.0 - 2.0 ** -20), dtype=torch.float32))
+M_SCALE = float(torch.tensor(127.0 * (1.0 - 2.0**-20), dtype=torch.float32))
 _M_SCALE = tl.constexpr(M_SCALE)
 _M_TABLE = _QMAP_SIGNED.view(torch.int32).clone()  # the decoder's 16 values, as fp32 bits (the kernel's lut)
 # Second moment's code: u = sqrt(v) as 2^(e-7) (1 + f/2) of umax / 1.5 (e = 0..7, f = 0, 1); no zero
@@ -129,8 +129,12 @@ def _gather(lut, idx):
         a = lut.to(tl.int64)
         return tl.inline_asm_elementwise(
             "{ .reg .b32 lo; .reg .b64 a; mad.lo.u32 lo, $1, 4, $2; mov.b64 a, {lo, $3}; ld.global.nc.b32 $0, [a]; }",
-            "=r,r,r,r", [idx, (a & 0xFFFFFFFF).to(tl.int32), (a >> 32).to(tl.int32)],
-            dtype=tl.int32, is_pure=True, pack=1)
+            "=r,r,r,r",
+            [idx, (a & 0xFFFFFFFF).to(tl.int32), (a >> 32).to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
 
 
 @jit
@@ -209,13 +213,26 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, 
 
 
 FORMAT = StateFormat(
-    name="4bit.v4", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=2, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=_load, triton_decode=_decode, triton_store=_store,
-    bytes_per_element=0.5 + 4 / BLOCK, table=_M_TABLE, dithered_m=True,
+    name="4bit.v4",
+    block_size=BLOCK,
+    code_dtype=torch.uint8,
+    elems_per_code=2,
+    scaled=True,
+    quantize=quantize,
+    dequantize=dequantize,
+    triton_load=_load,
+    triton_decode=_decode,
+    triton_store=_store,
+    bytes_per_element=0.5 + 4 / BLOCK,
+    table=_M_TABLE,
+    dithered_m=True,
     # More registers unconstrained; capped at 160, 12 programs fit per SM. Measured on the H200
     # (bench/results/optimizer_sweep_h200.log), device ms per 7B step: 160 / 12: 15.8; 168 / 12: 16.0;
     # 160 / 11: 16.4; 128 / 16: 18.1; uncapped / 12: 19.4. With stochastic rounding of the weights, 160 / 12: 17.7.
-    tile_blocks=4, num_warps=1, programs_per_sm=12, max_registers=160,
+    tile_blocks=4,
+    num_warps=1,
+    programs_per_sm=12,
+    max_registers=160,
 )
 
 

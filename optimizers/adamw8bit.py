@@ -17,8 +17,16 @@ magnitude, u 4 (<= 1/32 on the step's denominator) over 16 octaves. docs/optimiz
 
 import torch
 
-from ._codes import decode_e4m3, decode_e4m3_words, encode_e4m3, encode_e4m3_tl, interleave4, inv_absmax, \
-    inv_absmax_tl, load_words
+from ._codes import (
+    decode_e4m3,
+    decode_e4m3_words,
+    encode_e4m3,
+    encode_e4m3_tl,
+    interleave4,
+    inv_absmax,
+    inv_absmax_tl,
+    load_words,
+)
 from ._format import StateFormat, st_scale, stb
 from ._optimizer import LowBitAdamW
 from ._triton import jit, tl
@@ -102,9 +110,20 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, 
 
 
 FORMAT = StateFormat(
-    name="8bit.v3", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=load_words, triton_decode=_decode, triton_store=_store,
-    bytes_per_element=1.0 + 4 / BLOCK, tile_blocks=1, num_warps=1, programs_per_sm=16,
+    name="8bit.v3",
+    block_size=BLOCK,
+    code_dtype=torch.uint8,
+    elems_per_code=1,
+    scaled=True,
+    quantize=quantize,
+    dequantize=dequantize,
+    triton_load=load_words,
+    triton_decode=_decode,
+    triton_store=_store,
+    bytes_per_element=1.0 + 4 / BLOCK,
+    tile_blocks=1,
+    num_warps=1,
+    programs_per_sm=16,
 )
 
 

@@ -9,8 +9,18 @@ the update up); a block of zeros still decodes to zeros, its scale being 0. The 
 
 import torch
 
-from ._codes import (FP8_MAX, _FP8_MAX, decode_e4m3, decode_e4m3_words, e4m3_tl, encode_e4m3, encode_e4m3_tl,
-                     inv_absmax, inv_absmax_tl, load_words)
+from ._codes import (
+    _FP8_MAX,
+    FP8_MAX,
+    decode_e4m3,
+    decode_e4m3_words,
+    e4m3_tl,
+    encode_e4m3,
+    encode_e4m3_tl,
+    inv_absmax,
+    inv_absmax_tl,
+    load_words,
+)
 from ._format import StateFormat, st_scale, stb
 from ._optimizer import LowBitAdamW
 from ._triton import jit, tl
@@ -18,7 +28,7 @@ from ._triton import jit, tl
 BLOCK = 256
 _BLOCK = tl.constexpr(BLOCK)  # Triton reads only constexpr globals
 # Smallest positive e4m3 value (a subnormal): the floor of second moments (see above).
-FP8_MIN = 2.0 ** -9
+FP8_MIN = 2.0**-9
 _FP8_MIN = tl.constexpr(FP8_MIN)
 
 
@@ -56,9 +66,20 @@ def _store(codes, scale, lo, hi, rows, bmask, val_lo, val_hi, root_lo, root_hi, 
 
 
 FORMAT = StateFormat(
-    name="fp8", block_size=BLOCK, code_dtype=torch.uint8, elems_per_code=1, scaled=True,
-    quantize=quantize, dequantize=dequantize, triton_load=load_words, triton_decode=_decode, triton_store=_store,
-    bytes_per_element=1.0 + 4 / BLOCK, tile_blocks=1, num_warps=1, programs_per_sm=16,
+    name="fp8",
+    block_size=BLOCK,
+    code_dtype=torch.uint8,
+    elems_per_code=1,
+    scaled=True,
+    quantize=quantize,
+    dequantize=dequantize,
+    triton_load=load_words,
+    triton_decode=_decode,
+    triton_store=_store,
+    bytes_per_element=1.0 + 4 / BLOCK,
+    tile_blocks=1,
+    num_warps=1,
+    programs_per_sm=16,
 )
 
 

@@ -53,8 +53,21 @@ from eval.errors import EvalInputError  # noqa: E402
 from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
 from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
 
-CONFIG_KEYS = ("checkpoint_dir", "tokenizer_path", "data_source", "data_dir", "tasks", "add_bos", "device", "dtype",
-               "batch_size", "limit", "output_dir", "wandb_project", "training_run")
+CONFIG_KEYS = (
+    "checkpoint_dir",
+    "tokenizer_path",
+    "data_source",
+    "data_dir",
+    "tasks",
+    "add_bos",
+    "device",
+    "dtype",
+    "batch_size",
+    "limit",
+    "output_dir",
+    "wandb_project",
+    "training_run",
+)
 
 
 class EvalRecipe:
@@ -71,9 +84,13 @@ class EvalRecipe:
         self.wandb_project = cfg.get("wandb_project", None)
         self.training_run = cfg.get("training_run", True)
         if self.training_run not in (True, False):
-            raise EvalInputError(f"training_run={self.training_run!r} must be True (add the scores to the run that "
-                                 "trained the checkpoint) or False")
-        self.checkpoint_dir, self.tokenizer_path = check_checkpoint(cfg.get("checkpoint_dir"), cfg.get("tokenizer_path"))
+            raise EvalInputError(
+                f"training_run={self.training_run!r} must be True (add the scores to the run that "
+                "trained the checkpoint) or False"
+            )
+        self.checkpoint_dir, self.tokenizer_path = check_checkpoint(
+            cfg.get("checkpoint_dir"), cfg.get("tokenizer_path")
+        )
         default_output = self.checkpoint_dir.resolve().parent / "eval" / self.checkpoint_dir.resolve().name
         self.output_dir = Path(cfg.get("output_dir") or default_output)
         self.task = task_spec(self.data_source, self.data_dir)
@@ -81,18 +98,27 @@ class EvalRecipe:
     def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.tokenizer_path, add_bos=self.add_bos)
         self.model = load_model(self.checkpoint_dir, self.device, self.dtype)
-        print(f"Evaluating {self.checkpoint_dir} on {self.tasks} ({self.data_source} data, {self.device}, {self.dtype}, BOS {'on' if self.add_bos else 'off'})")
+        print(
+            f"Evaluating {self.checkpoint_dir} on {self.tasks} ({self.data_source} data, {self.device}, {self.dtype}, BOS {'on' if self.add_bos else 'off'})"
+        )
 
     def evaluate(self) -> dict:
         start = time.perf_counter()
         try:
             results = harness.evaluate(
-                self.model, self.tokenizer, self.task, add_bos=self.add_bos, batch_size=self.batch_size, limit=self.limit
+                self.model,
+                self.tokenizer,
+                self.task,
+                add_bos=self.add_bos,
+                batch_size=self.batch_size,
+                limit=self.limit,
             )
         except ConnectionError as e:  # `datasets` could not fetch lm-eval's dataset
             if self.data_source != "hub":
                 raise
-            raise EvalInputError(f"data_source=hub but the hub is out of reach ({e}): use data_source=local, which reads {self.data_dir / DATA_FILE}")
+            raise EvalInputError(
+                f"data_source=hub but the hub is out of reach ({e}): use data_source=local, which reads {self.data_dir / DATA_FILE}"
+            )
         seconds = time.perf_counter() - start
         results["total_evaluation_time_seconds"] = str(seconds)  # the key (and string type) lm-eval's CLI writes
         results["recipe"] = {
@@ -111,8 +137,10 @@ class EvalRecipe:
         score = results["results"][TASK_NAME]["acc,none"]
         n = results["n-samples"][TASK_NAME]["effective"]
         if not math.isfinite(score):  # (finite weights can still overflow, e.g. in bf16)
-            raise EvalInputError(f"{TASK_NAME} of {self.checkpoint_dir} is {score} (the model's log-likelihoods are "
-                                 f"not finite; results kept in {path}): evaluate with dtype=fp32, or an earlier checkpoint")
+            raise EvalInputError(
+                f"{TASK_NAME} of {self.checkpoint_dir} is {score} (the model's log-likelihoods are "
+                f"not finite; results kept in {path}): evaluate with dtype=fp32, or an earlier checkpoint"
+            )
         print(f"{TASK_NAME}: {score:.4f} on {n} questions in {seconds:.1f} s; results: {path}")
         self.report(results, path)
         return results
@@ -127,18 +155,30 @@ class EvalRecipe:
         if wandb_run and wandb_run.get("id"):
             summary = read_json(folder / SUMMARY_FILE) if folder else None
             where = harness.log_to_training_run(
-                values, wandb_run, global_step=run.get("global_step"),
+                values,
+                wandb_run,
+                global_step=run.get("global_step"),
                 next_step=int((summary or {}).get("wandb_next_step") or 0),
-                fallback_dir=folder or self.output_dir)
-            print(f"wandb: the scores are in the training run {run.get('name')} (id {where['wandb_run_id']}), "
-                  f"{where['wandb_dir']}")
+                fallback_dir=folder or self.output_dir,
+            )
+            print(
+                f"wandb: the scores are in the training run {run.get('name')} (id {where['wandb_run_id']}), "
+                f"{where['wandb_dir']}"
+            )
         elif self.wandb_project:
-            harness.log_to_wandb(results, project=self.wandb_project,
-                                 run_name=f"eval-{self.checkpoint_dir.resolve().name}", values=values,
-                                 folder=self.output_dir)
+            harness.log_to_wandb(
+                results,
+                project=self.wandb_project,
+                run_name=f"eval-{self.checkpoint_dir.resolve().name}",
+                values=values,
+                folder=self.output_dir,
+            )
         if folder is not None:
-            extra = {"eval/checkpoint": self.checkpoint_dir.resolve().name, "eval/limit": self.limit,
-                     "eval/results_file": str(results_file.resolve())}
+            extra = {
+                "eval/checkpoint": self.checkpoint_dir.resolve().name,
+                "eval/limit": self.limit,
+                "eval/results_file": str(results_file.resolve()),
+            }
             if run and run.get("global_step") is not None:
                 extra["eval/global_step"] = run["global_step"]
             if "wandb_next_step" in where:

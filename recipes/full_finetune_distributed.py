@@ -55,7 +55,12 @@ from finetune.data.loading import skip_to  # noqa: E402
 from finetune.data.tokenizer import check_fits_model  # noqa: E402
 from finetune.launch import follow_launcher  # noqa: E402
 from finetune.model.attention import use_varlen_attention  # noqa: E402
-from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
+from finetune.model.prepare import (  # noqa: E402
+    apply_activation_checkpointing,
+    convert_to_fp8,
+    prepare_device,
+    wire_loss,
+)
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
@@ -146,17 +151,26 @@ class FullFinetuneRecipeDistributed:
             warn_round_to_nearest(s.optimizer.path, self._dtype)
         self._lr_scheduler = None
         if s.lr_scheduler is not None:  # (None: constant lr)
-            self._lr_scheduler = config.instantiate(s.lr_scheduler, self._optimizer,
-                                                    num_training_steps=s.epochs * self._steps_per_epoch)
+            self._lr_scheduler = config.instantiate(
+                s.lr_scheduler, self._optimizer, num_training_steps=s.epochs * self._steps_per_epoch
+            )
 
         check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
         resume_rng = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         # The checkpointer (every rank writes its part), profiler, and on rank 0 the metric logger (wandb),
         # metrics.jsonl and the summary the run ends with.
-        report = build_reporting(cfg, s, self._folder, self._family, self._hf_config, log=log,
-                                 resume_step=None if s.resume_dir is None else self.global_step,
-                                 nothing_left=self._nothing_left, ranks=self._ranks)
+        report = build_reporting(
+            cfg,
+            s,
+            self._folder,
+            self._family,
+            self._hf_config,
+            log=log,
+            resume_step=None if s.resume_dir is None else self.global_step,
+            nothing_left=self._nothing_left,
+            ranks=self._ranks,
+        )
         self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
         self._logger, self._metrics, self._summary = report.logger, report.metrics, report.summary
         dist.barrier()
@@ -177,11 +191,15 @@ class FullFinetuneRecipeDistributed:
         meta_sd = model.state_dict()
 
         if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
-            utils.log_rank_zero(log, f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls "
-                                     "in FP8")
+            utils.log_rank_zero(
+                log, f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8"
+            )
         if s.packed_attention == "varlen":
-            utils.log_rank_zero(log, f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use "
-                                     "FlashAttention's variable-length kernel")
+            utils.log_rank_zero(
+                log,
+                f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use "
+                "FlashAttention's variable-length kernel",
+            )
         if s.ac_every is not None:
             apply_activation_checkpointing(model, every_n=s.ac_every)
         self._activations_ctx = contextlib.nullcontext()
@@ -204,8 +222,11 @@ class FullFinetuneRecipeDistributed:
         wire_loss(model, self._loss_fn, s, verbose=self._rank0)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         n_params = sum(p.numel() for p in model.parameters())
-        utils.log_rank_zero(log, f"Model: {n_params / 1e6:.1f}M parameters in {self._dtype}, sharded over "
-                                 f"{self._world} x {self._device.type} ({dist.get_backend()})")
+        utils.log_rank_zero(
+            log,
+            f"Model: {n_params / 1e6:.1f}M parameters in {self._dtype}, sharded over "
+            f"{self._world} x {self._device.type} ({dist.get_backend()})",
+        )
         return model
 
     def _full_state_dict(self, cfg: DictConfig, meta_sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -266,8 +287,7 @@ class FullFinetuneRecipeDistributed:
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True,
-                                        log=log if self._rank0 else None)
+        state = resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True, log=log if self._rank0 else None)
         saved_world = state["config"].get("world_size", 1)
         layout = state.get("optimizer_layout", "full")  # (per_rank: read_resume refused another rank count)
         # Every rank reads its own file and loads its own shard; any rank's failure stops all of them together.
@@ -277,22 +297,29 @@ class FullFinetuneRecipeDistributed:
             if layout == "per_rank":
                 self._optimizer.load_state_dict(rank_state["optimizer"])
             else:
-                training.load_from_full_optimizer_state_dict(self._model, self._optimizer, state["optimizer"],
-                                                             self._device)
+                training.load_from_full_optimizer_state_dict(
+                    self._model, self._optimizer, state["optimizer"], self._device
+                )
         except (ValueError, KeyError, RuntimeError) as e:
-            error = (f"the optimizer state in {s.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
-                     "resume with the config that wrote it")
+            error = (
+                f"the optimizer state in {s.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
+                "resume with the config that wrote it"
+            )
         self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._skips.restore(state)
-        utils.log_rank_zero(log, f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
-                                 f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
-                                 f"in epoch_{state['epoch']}")
+        utils.log_rank_zero(
+            log,
+            f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
+            f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
+            f"in epoch_{state['epoch']}",
+        )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs and self._rank0:
-            self._nothing_left = resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
-                                                          s.max_steps_per_epoch, log)
+            self._nothing_left = resume.nothing_left(
+                s.resume_dir, self.global_step, s.epochs, s.max_steps_per_epoch, log
+            )
         return rank_state.get("rng") if saved_world == self._world else None
 
     # ----------------------------------------------------------------------------------------
@@ -315,13 +342,35 @@ class FullFinetuneRecipeDistributed:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
-    def _reduced_record(self, step: int, epoch: int, loss: float, lr: float, num_tokens: int, elapsed: float,
-                        opt_ms: Optional[float], grad_norm: Optional[float]) -> Dict[str, Any]:
+    def _reduced_record(
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        num_tokens: int,
+        elapsed: float,
+        opt_ms: Optional[float],
+        grad_norm: Optional[float],
+    ) -> Dict[str, Any]:
         """One metrics record with every rank's numbers (called on all ranks: it gathers)."""
-        mine = {"elapsed": elapsed, "opt_ms": opt_ms, "state_bytes": console.optimizer_state_bytes(self._optimizers),
-                **console.memory_metrics(self._device)}
-        return step_record(step=step, epoch=epoch, loss=loss, lr=lr, tokens=num_tokens, ranks=self._ranks.gather(mine),
-                           grad_norm=grad_norm, skipped=self._skips.skipped, world=self._world)
+        mine = {
+            "elapsed": elapsed,
+            "opt_ms": opt_ms,
+            "state_bytes": console.optimizer_state_bytes(self._optimizers),
+            **console.memory_metrics(self._device),
+        }
+        return step_record(
+            step=step,
+            epoch=epoch,
+            loss=loss,
+            lr=lr,
+            tokens=num_tokens,
+            ranks=self._ranks.gather(mine),
+            grad_norm=grad_norm,
+            skipped=self._skips.skipped,
+            world=self._world,
+        )
 
     def train(self) -> None:
         """The training loop. A stop signal on any rank ends it on every rank at one step boundary, after a
@@ -346,8 +395,13 @@ class FullFinetuneRecipeDistributed:
             start = self.steps_in_epoch if epoch == self.epoch else 0
             skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
             step_in_epoch = start
-            pbar = tqdm(total=self._steps_per_epoch, initial=start, desc=console.epoch_label(epoch, s.epochs),
-                        dynamic_ncols=True, disable=not self._rank0)
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=start,
+                desc=console.epoch_label(epoch, s.epochs),
+                dynamic_ncols=True,
+                disable=not self._rank0,
+            )
             running_loss, num_tokens, micro = 0.0, 0, 0
             t0 = time.perf_counter()
             for batch in self._dataloader:
@@ -372,10 +426,15 @@ class FullFinetuneRecipeDistributed:
                 # (torch.full fills on the device from a kernel argument: no host-to-device copy)
                 # (So do the ranks still writing a checkpoint in the background: published once none is.)
                 f64 = dict(dtype=torch.float64, device=self._device)
-                totals = torch.stack([torch.as_tensor(running_loss, **f64), torch.as_tensor(num_tokens, **f64),
-                                      torch.full((), float(self._stop.received), **f64),
-                                      torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64),
-                                      torch.full((), float(self._checkpointer.writing), **f64)])
+                totals = torch.stack(
+                    [
+                        torch.as_tensor(running_loss, **f64),
+                        torch.as_tensor(num_tokens, **f64),
+                        torch.full((), float(self._stop.received), **f64),
+                        torch.full((), 0.0, **f64) if raw_norm is None else raw_norm.to(**f64),
+                        torch.full((), float(self._checkpointer.writing), **f64),
+                    ]
+                )
                 dist.all_reduce(totals)
                 total_loss, total_tokens, stop, norm_sum, writing = totals.tolist()
                 # Every rank decides from the reduced flag, never from its own: a signal that lands on one rank after
@@ -402,8 +461,13 @@ class FullFinetuneRecipeDistributed:
                     self._sync()
                     opt_ms = (time.perf_counter() - t_opt) * 1000
                 self._optimizer.zero_grad(set_to_none=True)
-                self._skips.count(skipped, self.global_step + 1, total_loss / max(total_tokens, 1), grad_norm,
-                                  tokens=int(total_tokens))
+                self._skips.count(
+                    skipped,
+                    self.global_step + 1,
+                    total_loss / max(total_tokens, 1),
+                    grad_norm,
+                    tokens=int(total_tokens),
+                )
                 lr = float(self._optimizer.param_groups[0]["lr"])
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
@@ -416,8 +480,15 @@ class FullFinetuneRecipeDistributed:
                 self._summary.step(self.global_step, loss_value)
                 # Every step is recorded by rank 0 (the terminal gets a line every log_every_n_steps: MetricsLog).
                 record = self._reduced_record(
-                    self.global_step, epoch, loss_value, lr, int(total_tokens), time.perf_counter() - t0, opt_ms,
-                    grad_norm)
+                    self.global_step,
+                    epoch,
+                    loss_value,
+                    lr,
+                    int(total_tokens),
+                    time.perf_counter() - t0,
+                    opt_ms,
+                    grad_norm,
+                )
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 if self._rank0:
@@ -433,8 +504,11 @@ class FullFinetuneRecipeDistributed:
                 if stop_now:
                     self.save_checkpoint(f"step_{self.global_step}", epoch, step_in_epoch)
                     pbar.close()
-                    utils.log_rank_zero(log, f"Stopped by a signal after step {self.global_step}; continue with "
-                                             f"resume_from_checkpoint={s.output_dir / f'step_{self.global_step}'}")
+                    utils.log_rank_zero(
+                        log,
+                        f"Stopped by a signal after step {self.global_step}; continue with "
+                        f"resume_from_checkpoint={s.output_dir / f'step_{self.global_step}'}",
+                    )
                     self._summary.stop = self._stop.name or "SIGTERM"  # (it may have reached another rank only)
                     return
                 if s.save_every and self.global_step % s.save_every == 0:
@@ -460,20 +534,24 @@ class FullFinetuneRecipeDistributed:
         async_checkpoint, from copies taken now, written while training goes on)."""
         started, final = time.perf_counter(), self.settings.output_dir / name
         local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self._model.state_dict().items()}
-        bad = torch.tensor(float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())),
-                           device=self._device)
+        bad = torch.tensor(
+            float(not all(torch.isfinite(v).all() for v in local.values() if v.numel())), device=self._device
+        )
         dist.all_reduce(bad)  # every rank refuses together
         if bad.item():
-            raise NonFiniteStop(f"the weights at step {self.global_step} are not finite: refused to write {final}; "
-                                "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0")
+            raise NonFiniteStop(
+                f"the weights at step {self.global_step} are not finite: refused to write {final}; "
+                "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+            )
 
         def need_bytes() -> int:
             # rank 0: the full weights and (torch's layout) the gathered optimizer state; the others their shard
             opt = console.optimizer_state_bytes(self._optimizers)
             return console.checkpoint_bytes(self._model.state_dict(), []) + opt * self._world if self._rank0 else opt
 
-        self._checkpointer.save(name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes,
-                                started=started)
+        self._checkpointer.save(
+            name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes, started=started
+        )
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
         """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them
@@ -483,8 +561,9 @@ class FullFinetuneRecipeDistributed:
         layout = optimizer_state_layout(self._optimizer)
         full_optimizer = None
         if layout == "full" and gather_optimizer:
-            full_optimizer = training.get_full_optimizer_state_dict(self._model, self._optimizer, self._rank0,
-                                                                   self._device)
+            full_optimizer = training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._rank0, self._device
+            )
         recipe_state = None
         if self._rank0:
             recipe_state = {
@@ -498,8 +577,10 @@ class FullFinetuneRecipeDistributed:
                 "rng": rng_state(self._device),
                 "config": self._run_settings(),
             }
-        rank_state = {"optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
-                      "rng": rng_state(self._device)}
+        rank_state = {
+            "optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
+            "rng": rng_state(self._device),
+        }
         weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
         return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 
@@ -548,8 +629,12 @@ def recipe_main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.
         if rank == 0:
-            tqdm.write("\n" + interrupted(getattr(recipe, "_summary", None),
-                                                      recipe.settings.output_dir if recipe is not None else None))
+            tqdm.write(
+                "\n"
+                + interrupted(
+                    getattr(recipe, "_summary", None), recipe.settings.output_dir if recipe is not None else None
+                )
+            )
         sys.exit(130)
     finally:
         if recipe is not None:

@@ -60,14 +60,24 @@ from tqdm import tqdm  # noqa: E402
 
 from finetune.base import BadInput  # noqa: E402
 from finetune.checkpoint import hf_format, resume  # noqa: E402
-from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE, NonFiniteStop, check_finite_weights  # noqa: E402
-from finetune.checkpoint.checkpointer import rng_state, set_rng_state  # noqa: E402
+from finetune.checkpoint.checkpointer import (  # noqa: E402  # noqa: E402
+    RECIPE_STATE_FILE,
+    NonFiniteStop,
+    check_finite_weights,
+    rng_state,
+    set_rng_state,
+)
 from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
 from finetune.data.loading import skip_to  # noqa: E402
 from finetune.data.packing import count_trained_tokens  # noqa: E402
 from finetune.data.tokenizer import check_fits_model  # noqa: E402
 from finetune.model.attention import use_varlen_attention  # noqa: E402
-from finetune.model.prepare import apply_activation_checkpointing, convert_to_fp8, prepare_device, wire_loss  # noqa: E402
+from finetune.model.prepare import (  # noqa: E402
+    apply_activation_checkpointing,
+    convert_to_fp8,
+    prepare_device,
+    wire_loss,
+)
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
 from finetune.reporting.console import StepTimer  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
@@ -116,9 +126,16 @@ class FullFinetuneRecipeSingleDevice:
         resume_state = self._load_resume_state() if s.resume_dir is not None else None
         self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
         # The checkpointer, profiler, metric logger (wandb), metrics.jsonl and the summary the run ends with.
-        report = build_reporting(cfg, s, self._folder, self._family, self._hf_config, log=log,
-                                 resume_step=None if resume_state is None else self.global_step,
-                                 nothing_left=self._nothing_left)
+        report = build_reporting(
+            cfg,
+            s,
+            self._folder,
+            self._family,
+            self._hf_config,
+            log=log,
+            resume_step=None if resume_state is None else self.global_step,
+            nothing_left=self._nothing_left,
+        )
         self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
         self._logger, self._metrics, self._summary = report.logger, report.metrics, report.summary
         if resume_state is not None:
@@ -145,13 +162,17 @@ class FullFinetuneRecipeSingleDevice:
         if s.fp8 is not None:
             log.info(f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8")
         if s.packed_attention == "varlen":
-            log.info(f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use FlashAttention's "
-                     "variable-length kernel")
+            log.info(
+                f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use FlashAttention's "
+                "variable-length kernel"
+            )
         if s.ac_every is not None:
             apply_activation_checkpointing(model, every_n=s.ac_every)
         elif s.offload_activations:
-            log.warning("enable_activation_offloading=True without activation checkpointing copies every activation "
-                        "to the CPU and back: usually slower than enable_activation_checkpointing=True")
+            log.warning(
+                "enable_activation_offloading=True without activation checkpointing copies every activation "
+                "to the CPU and back: usually slower than enable_activation_checkpointing=True"
+            )
         self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.offload_activations)
         if s.compile:
             training.compile_model(model)
@@ -173,15 +194,19 @@ class FullFinetuneRecipeSingleDevice:
         else:
             self._optimizer = spec.build(self._model.parameters())
             self._optimizers = [self._optimizer]
-        log.info(f"Optimizer: {spec.path}" + (" (in backward, one per parameter)" if self.settings.optimizer_in_bwd
-                                              else ""))
+        log.info(
+            f"Optimizer: {spec.path}" + (" (in backward, one per parameter)" if self.settings.optimizer_in_bwd else "")
+        )
         warn_round_to_nearest(spec.path, self._dtype)
 
     def _setup_lr_scheduler(self, cfg: DictConfig):
         if self.settings.lr_scheduler is None:  # constant lr
             return None
-        scheduler = config.instantiate(self.settings.lr_scheduler, self._optimizers[0],
-                                       num_training_steps=self.settings.epochs * self._steps_per_epoch)
+        scheduler = config.instantiate(
+            self.settings.lr_scheduler,
+            self._optimizers[0],
+            num_training_steps=self.settings.epochs * self._steps_per_epoch,
+        )
         if self.settings.optimizer_in_bwd:
             # The scheduler drives the first per-parameter optimizer; the wrapper copies its lr to all the others
             # after each step. The scheduler already set the first step's lr (0 at the start of a warmup) on that one
@@ -203,17 +228,22 @@ class FullFinetuneRecipeSingleDevice:
         try:
             (self._optim_wrapper if s.optimizer_in_bwd else self._optimizer).load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise BadInput(f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "
-                           f"model and optimizer ({first_line(e)}); resume with the config that wrote it") from None
+            raise BadInput(
+                f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "
+                f"model and optimizer ({first_line(e)}); resume with the config that wrote it"
+            ) from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._skips.restore(state)
-        log.info(f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
-                 f"of {self._steps_per_epoch} in epoch_{state['epoch']}")
+        log.info(
+            f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
+            f"of {self._steps_per_epoch} in epoch_{state['epoch']}"
+        )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.epochs:
-            self._nothing_left = resume.nothing_left(s.resume_dir, self.global_step, s.epochs,
-                                                          s.max_steps_per_epoch, log)
+            self._nothing_left = resume.nothing_left(
+                s.resume_dir, self.global_step, s.epochs, s.max_steps_per_epoch, log
+            )
         return state
 
     # ----------------------------------------------------------------------------------------
@@ -258,8 +288,12 @@ class FullFinetuneRecipeSingleDevice:
             start = self.steps_in_epoch if epoch == self.epoch else 0
             skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
             step_in_epoch = start
-            pbar = tqdm(total=self._steps_per_epoch, initial=start, dynamic_ncols=True,
-                        desc=console.epoch_label(epoch, s.epochs))
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=start,
+                dynamic_ncols=True,
+                desc=console.epoch_label(epoch, s.epochs),
+            )
             running_loss = 0.0
             t0 = time.perf_counter()
             batches = iter(self._dataloader)
@@ -305,7 +339,8 @@ class FullFinetuneRecipeSingleDevice:
                             f"loss is {loss_value} at step {self.global_step + 1} with optimizer_in_bwd=True: the "
                             "update was applied during backward and cannot be skipped; resume from the last "
                             "checkpoint with a lower optimizer.lr, or with optimizer_in_bwd=False (non-finite steps "
-                            "are then skipped)")
+                            "are then skipped)"
+                        )
                 lr = self._current_lr()  # the lr this step used
                 if self._lr_scheduler is not None:
                     self._lr_scheduler.step()
@@ -321,11 +356,22 @@ class FullFinetuneRecipeSingleDevice:
                 # log_every_n_steps (MetricsLog), the bar the loss and tokens/s.
                 opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
                 elapsed = time.perf_counter() - t0
-                mine = {"elapsed": elapsed, "opt_ms": opt_ms, **console.memory_metrics(self._device),
-                        "state_bytes": console.optimizer_state_bytes(self._optimizers)}
-                record = step_record(step=self.global_step, epoch=epoch, loss=loss_value, lr=lr, tokens=num_tokens,
-                                     ranks=[mine], grad_norm=None if grad_norm is None else float(grad_norm),
-                                     skipped=self._skips.skipped)
+                mine = {
+                    "elapsed": elapsed,
+                    "opt_ms": opt_ms,
+                    **console.memory_metrics(self._device),
+                    "state_bytes": console.optimizer_state_bytes(self._optimizers),
+                }
+                record = step_record(
+                    step=self.global_step,
+                    epoch=epoch,
+                    loss=loss_value,
+                    lr=lr,
+                    tokens=num_tokens,
+                    ranks=[mine],
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    skipped=self._skips.skipped,
+                )
                 nonfinite = console.nonfinite_elements(self._optimizers)
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
@@ -351,8 +397,10 @@ class FullFinetuneRecipeSingleDevice:
                 if self._stop.received:
                     self.save_checkpoint(f"step_{self.global_step}", epoch, step_in_epoch)
                     pbar.close()
-                    log.info(f"Stopped by {self._stop.name} after step {self.global_step}; continue with "
-                             f"resume_from_checkpoint={s.output_dir / f'step_{self.global_step}'}")
+                    log.info(
+                        f"Stopped by {self._stop.name} after step {self.global_step}; continue with "
+                        f"resume_from_checkpoint={s.output_dir / f'step_{self.global_step}'}"
+                    )
                     return
                 # A periodic checkpoint that falls on an epoch's last step is skipped: the epoch checkpoint written
                 # just after holds the same state.
@@ -373,8 +421,8 @@ class FullFinetuneRecipeSingleDevice:
         model_sd = parts["weights"]
         check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step)
         self._checkpointer.save(
-            name, **parts, started=started,
-            need_bytes=lambda: console.checkpoint_bytes(model_sd, self._optimizers))
+            name, **parts, started=started, need_bytes=lambda: console.checkpoint_bytes(model_sd, self._optimizers)
+        )
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int) -> Dict[str, Any]:
         """What a checkpoint holds, as live references: the weights and the recipe state."""
@@ -385,8 +433,9 @@ class FullFinetuneRecipeSingleDevice:
             **self._skips.state(),  # skipped steps, in total and in a row
             "optimizer": (self._optim_wrapper if self.settings.optimizer_in_bwd else self._optimizer).state_dict(),
             # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
-            "lr_scheduler": None if self._lr_scheduler is None else {
-                k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)},
+            "lr_scheduler": None
+            if self._lr_scheduler is None
+            else {k: v for k, v in self._lr_scheduler.state_dict().items() if not callable(v)},
             "rng": rng_state(self._device, all_cuda=True),
             "config": self._run_settings(),
         }
@@ -436,8 +485,10 @@ def recipe_main(cfg: DictConfig) -> None:
                 checkpointer.settle()
             except KeyboardInterrupt:
                 pass
-        tqdm.write("\n" + interrupted(getattr(recipe, "_summary", None),
-                                                  recipe.settings.output_dir if recipe is not None else None))
+        tqdm.write(
+            "\n"
+            + interrupted(getattr(recipe, "_summary", None), recipe.settings.output_dir if recipe is not None else None)
+        )
         sys.exit(130)
     finally:
         if recipe is not None:

@@ -56,6 +56,7 @@ def run_command(recipe: str) -> List[str]:
     where there is none (a GPU machine whose image lacks torchtune's script), the recipe file by this Python."""
     return [TUNE, "run", recipe] if Path(TUNE).is_file() else [sys.executable, recipe]
 
+
 # The tiny config made smaller still, so a test run takes seconds: 1 layer of width 64,
 # 64-token samples, 2 per batch, 6 optimizer steps at lr 1e-2 (large, so optimizers differ visibly) on a cosine with no warmup,
 # and no wandb (ask for it with run_recipe(..., wandb=True)).
@@ -73,8 +74,14 @@ FAST = [
 
 # FAST's losses with torch.optim.AdamW (6 steps, lr 1e-2, clip 1.0, fp32), recorded from a trusted run on the 2-core
 # CPU machine (torch 2.13.0+cpu, OMP_NUM_THREADS=2): the reference the recipe tests and the loss tests compare with.
-TORCH_ADAMW_LOSSES = [10.581151008605957, 9.888405799865723, 9.055519104003906, 8.488167762756348,
-                      8.539437294006348, 7.893115043640137]
+TORCH_ADAMW_LOSSES = [
+    10.581151008605957,
+    9.888405799865723,
+    9.055519104003906,
+    8.488167762756348,
+    8.539437294006348,
+    7.893115043640137,
+]
 
 
 @dataclass
@@ -103,14 +110,14 @@ class RecipeRun:
 
 # A process holding an output folder's lock as a live run of the recipes does: ``python -c LOCK_HOLDER LOCK TEXT``
 # takes the fcntl lock on LOCK, writes TEXT (the owner record) into it, says "holding" and keeps it for two minutes.
-LOCK_HOLDER = r'''
+LOCK_HOLDER = r"""
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
 fcntl.lockf(fd, fcntl.LOCK_EX)
 os.write(fd, sys.argv[2].encode())
 print("holding", flush=True)
 time.sleep(120)
-'''
+"""
 
 
 # Ctrl-C as a terminal's foreground job has it. A test run started as a shell's background job (`cmd &`) ignores
@@ -158,7 +165,9 @@ def recipe_env(**extra: str) -> Dict[str, str]:
     # free or corruption". Pinned runs compile into a folder named by the pin; unpinned runs keep torch's default.
     # (Always a folder of its own: torch writes TORCHINDUCTOR_CACHE_DIR into this process's environment once Inductor
     # is imported, so the variable being set says nothing about the user.)
-    env["TORCHINDUCTOR_CACHE_DIR"] = pinned_inductor_cache(env["ATEN_CPU_CAPABILITY"], env.get("TORCHINDUCTOR_CACHE_DIR"))
+    env["TORCHINDUCTOR_CACHE_DIR"] = pinned_inductor_cache(
+        env["ATEN_CPU_CAPABILITY"], env.get("TORCHINDUCTOR_CACHE_DIR")
+    )
     if _SET_TRITON_INTERPRET:
         # Set above for the in-process kernel tests only; a recipe run takes its normal path
         # (pass TRITON_INTERPRET="1" here to run Triton kernels interpreted inside the recipe).
@@ -170,8 +179,9 @@ def recipe_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def recipe_command(output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fast: bool = True,
-                   wandb: bool = False) -> List[str]:
+def recipe_command(
+    output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fast: bool = True, wandb: bool = False
+) -> List[str]:
     args = [*run_command(RECIPE), "--config", config, f"data_dir={DATA_DIR}", f"output_dir={output_dir}"]
     if fast:
         args += FAST
@@ -180,15 +190,26 @@ def recipe_command(output_dir: Path, *overrides: str, config: str = TINY_CONFIG,
     return args + list(overrides)
 
 
-def run_recipe(output_dir: Path, *overrides: str, config: str = TINY_CONFIG, fast: bool = True,
-               wandb: bool = False, timeout: float = 600, env: Optional[Dict[str, str]] = None) -> RecipeRun:
+def run_recipe(
+    output_dir: Path,
+    *overrides: str,
+    config: str = TINY_CONFIG,
+    fast: bool = True,
+    wandb: bool = False,
+    timeout: float = 600,
+    env: Optional[Dict[str, str]] = None,
+) -> RecipeRun:
     """Run ``tune run recipes/full_finetune_single_device.py`` from the repo root and wait.
 
     ``overrides`` are key=value strings placed after the defaults, so they win.
     """
     proc = subprocess.run(
         recipe_command(output_dir, *overrides, config=config, fast=fast, wandb=wandb),
-        cwd=REPO_ROOT, env=env or recipe_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO_ROOT,
+        env=env or recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
@@ -197,8 +218,17 @@ def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
     """recipe_main in this process, as `tune run` would call it (FAST tiny, no metric logger, no pack cache)."""
     from recipes.full_finetune_single_device import recipe_main
 
-    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
-            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    argv = [
+        RECIPE,
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={output_dir}",
+        *FAST,
+        "metric_logger=null",
+        "pack_cache_dir=off",
+        *overrides,
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.chdir(REPO_ROOT)
     capsys.readouterr()
@@ -211,15 +241,33 @@ def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
     return RecipeRun(code, captured.out, captured.err, Path(output_dir), read_metrics(output_dir))
 
 
-def run_distributed(output_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 300,
-                    env: Optional[Dict[str, str]] = None) -> RecipeRun:
+def run_distributed(
+    output_dir: Path, *overrides: str, nproc: int = 2, timeout: float = 300, env: Optional[Dict[str, str]] = None
+) -> RecipeRun:
     """``tune run --nproc_per_node N recipes/full_finetune_distributed.py`` on FAST tiny; nproc=0: no torchrun."""
     launch = ["--nproc_per_node", str(nproc), "--standalone"] if nproc else []
-    args = [TUNE, "run", *launch, DISTRIBUTED_RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}",
-            f"output_dir={output_dir}", *FAST, "metric_logger=null", *overrides]
+    args = [
+        TUNE,
+        "run",
+        *launch,
+        DISTRIBUTED_RECIPE,
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={output_dir}",
+        *FAST,
+        "metric_logger=null",
+        *overrides,
+    ]
     # One thread per rank: 2 ranks on 2 cores.
-    proc = subprocess.run(args, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1", **(env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        args,
+        cwd=REPO_ROOT,
+        env=recipe_env(OMP_NUM_THREADS="1", **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
 
@@ -234,8 +282,13 @@ def eval_recipe_module():
 
 def kill_once_saved(output_dir: Path, checkpoint: str, *overrides: str) -> None:
     """Run the recipe and SIGKILL it as soon as ``{output_dir}/{checkpoint}`` exists (a crash right after a save)."""
-    proc = subprocess.Popen(recipe_command(output_dir, *overrides), cwd=REPO_ROOT, env=recipe_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        recipe_command(output_dir, *overrides),
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not (Path(output_dir) / checkpoint).exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -262,8 +315,8 @@ def wandb_history(run_dir: Path) -> List[Dict]:
             if left < 7:  # block trailer padding
                 pos += left
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            chunk = data[pos + 7:pos + 7 + length]
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk = data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind == 1:
                 yield chunk
@@ -296,8 +349,9 @@ class ThrowawayAdamW(optimizers.AdamW8bit):
 @pytest.fixture
 def throwaway():
     """ThrowawayAdamW registered in optimizers.VARIANTS for the test (removed after)."""
-    v = optimizers.register(optimizers.Variant(THROWAWAY_KEY, THROWAWAY_COMPONENT, ThrowawayAdamW, 2.03125, "as ours8",
-                                               tol_contract=0.05))
+    v = optimizers.register(
+        optimizers.Variant(THROWAWAY_KEY, THROWAWAY_COMPONENT, ThrowawayAdamW, 2.03125, "as ours8", tol_contract=0.05)
+    )
     try:
         yield v
     finally:

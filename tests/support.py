@@ -20,8 +20,18 @@ from typing import Any, Dict, List, Optional
 
 # The special tokens of the stand-in tokenizers: those the family's chat format uses and those torchtune's own
 # tokenizer for the family looks up.
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                   "<|eom_id|>", "<|python_tag|>", "<|image|>", "<|step_id|>", "<|finetune_right_pad_id|>"]
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+    "<|step_id|>",
+    "<|finetune_right_pad_id|>",
+]
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
@@ -30,29 +40,49 @@ MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 # its rendering of a conversation not a prefix of the rendering of a longer one; Mistral's [INST], refusing roles it
 # does not know).
 TEMPLATES = {
-    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
-               " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-               "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
-    "qwen2": ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
-              "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "qwen3": ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
-              "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
-              " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
-              "{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
-                "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
-                "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+        " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    "qwen2": (
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
+        "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "qwen3": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
+        "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
+        " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+        "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    ),
 }
 
 # Every toy: 2 layers of width 64, 4 query heads of 16 in 2 key/value groups, a 1,024-token vocabulary, positions
 # up to 16,384; the rest (RoPE and its scaling, tying, norms, biases, windows) is the family's real config.json.
-TOY_SIZES = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=16384)
+TOY_SIZES = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16384,
+)
 TOY_SCALE = 0.1  # the random values: +-0.1 (real models: +-0.02), so that a toy's attention is not uniform
 TOY_BPE_SIZE = 1008  # the stand-in BPE's tokens; with a family's special tokens (at most 10) within the 1,024
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -74,32 +104,100 @@ class Toy:
         return TEMPLATES[self.family]
 
 
-TOYS: Dict[str, Toy] = {t.key: t for t in [
-    Toy("llama3_1_8b", "llama3", "LlamaConfig",
-        dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False),
-        "torchtune.models.llama3_1.llama3_1", LLAMA3_SPECIALS, "<|begin_of_text|>", "<|end_of_text|>",
-        {"scale_factor": 8}),
-    Toy("llama3_2_3b", "llama3", "LlamaConfig",
-        dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
-             tie_word_embeddings=True),
-        "torchtune.models.llama3_2.llama3_2", LLAMA3_SPECIALS, "<|begin_of_text|>", "<|end_of_text|>",
-        {"scale_factor": 32, "tie_word_embeddings": True}),
-    Toy("qwen2_5_7b", "qwen2", "Qwen2Config",
-        dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
-             sliding_window=16384, max_window_layers=2),
-        "torchtune.models.qwen2.qwen2", QWEN_SPECIALS, None, "<|endoftext|>"),
-    Toy("qwen2_5_3b", "qwen2", "Qwen2Config",
-        dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
-             sliding_window=16384, max_window_layers=2),
-        "torchtune.models.qwen2.qwen2", QWEN_SPECIALS, None, "<|endoftext|>", {"tie_word_embeddings": True}),
-    # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
-    Toy("qwen3_8b", "qwen3", "Qwen3Config",
-        dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, head_dim=32),
-        "finetune.model.builders.qwen3", QWEN_SPECIALS, None, "<|endoftext|>", {"head_dim": 32}),
-    Toy("mistral_7b", "mistral", "MistralConfig",
-        dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
-        "torchtune.models.mistral.mistral", MISTRAL_SPECIALS, "<s>", "</s>"),
-]}
+TOYS: Dict[str, Toy] = {
+    t.key: t
+    for t in [
+        Toy(
+            "llama3_1_8b",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                TOY_SIZES, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False
+            ),
+            "torchtune.models.llama3_1.llama3_1",
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            {"scale_factor": 8},
+        ),
+        Toy(
+            "llama3_2_3b",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                TOY_SIZES,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
+                tie_word_embeddings=True,
+            ),
+            "torchtune.models.llama3_2.llama3_2",
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            {"scale_factor": 32, "tie_word_embeddings": True},
+        ),
+        Toy(
+            "qwen2_5_7b",
+            "qwen2",
+            "Qwen2Config",
+            dict(
+                TOY_SIZES,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=False,
+                use_sliding_window=False,
+                sliding_window=16384,
+                max_window_layers=2,
+            ),
+            "torchtune.models.qwen2.qwen2",
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+        ),
+        Toy(
+            "qwen2_5_3b",
+            "qwen2",
+            "Qwen2Config",
+            dict(
+                TOY_SIZES,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                sliding_window=16384,
+                max_window_layers=2,
+            ),
+            "torchtune.models.qwen2.qwen2",
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+            {"tie_word_embeddings": True},
+        ),
+        # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
+        Toy(
+            "qwen3_8b",
+            "qwen3",
+            "Qwen3Config",
+            dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, head_dim=32),
+            "finetune.model.builders.qwen3",
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+            {"head_dim": 32},
+        ),
+        Toy(
+            "mistral_7b",
+            "mistral",
+            "MistralConfig",
+            dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
+            "torchtune.models.mistral.mistral",
+            MISTRAL_SPECIALS,
+            "<s>",
+            "</s>",
+        ),
+    ]
+}
 
 
 def rope_theta(hf: Dict[str, Any]) -> float:
@@ -109,14 +207,23 @@ def rope_theta(hf: Dict[str, Any]) -> float:
 
 def model_overrides(toy: Toy, hf: Dict[str, Any]) -> List[str]:
     """Recipe overrides that build the model of config.json ``hf`` with the toy's sizes builder."""
-    args = dict(vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                num_kv_heads=hf["num_key_value_heads"], embed_dim=hf["hidden_size"],
-                intermediate_dim=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
-                norm_eps=hf["rms_norm_eps"], rope_base=rope_theta(hf), **toy.builder_extra)
+    args = dict(
+        vocab_size=hf["vocab_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"],
+        embed_dim=hf["hidden_size"],
+        intermediate_dim=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_base=rope_theta(hf),
+        **toy.builder_extra,
+    )
     return [f"model._component_={toy.sizes_builder}"] + [f"model.{k}={v}" for k, v in args.items()]
 
 
 # -- the stand-in tokenizer -----------------------------------------------------------------------------------------
+
 
 def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
     """The first ``limit`` Alpaca records as plain text (instruction, input, output)."""
@@ -126,8 +233,10 @@ def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
 
 # Qwen's pre-tokenizer (Llama 3's differs only in taking digits three at a time): words, single digits, punctuation
 # runs, newlines and spaces, split before the byte-level BPE.
-PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRETOKENIZE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def train_bpe(texts: List[str], vocab_size: int):
@@ -136,12 +245,16 @@ def train_bpe(texts: List[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -156,17 +269,24 @@ def write_tokenizer(folder: Path, toy: Toy, bpe) -> Dict[str, Optional[int]]:
     tok = Tokenizer.from_str(bpe.to_str())
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in toy.specials])
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=toy.bos, eos_token=toy.eos,
-        pad_token=toy.eos if toy.family != "llama3" else "<|finetune_right_pad_id|>", model_max_length=131072)
+        tokenizer_object=tok,
+        bos_token=toy.bos,
+        eos_token=toy.eos,
+        pad_token=toy.eos if toy.family != "llama3" else "<|finetune_right_pad_id|>",
+        model_max_length=131072,
+    )
     hf_tok.chat_template = toy.template
     # The template inside tokenizer_config.json, where finetune.data.HFTokenizer reads it (transformers 5 writes it
     # into a chat_template.jinja of its own by default).
     hf_tok.save_pretrained(folder, save_jinja_files=False)
-    return {"bos_token_id": None if toy.bos is None else tok.token_to_id(toy.bos),
-            "eos_token_id": tok.token_to_id(toy.eos)}
+    return {
+        "bos_token_id": None if toy.bos is None else tok.token_to_id(toy.bos),
+        "eos_token_id": tok.token_to_id(toy.eos),
+    }
 
 
 # -- the toy checkpoint ---------------------------------------------------------------------------------------------
+
 
 def make_checkpoint(folder: Path, toy: Toy, bpe, *, seed: int = 0, scale: float = TOY_SCALE) -> Dict[str, Any]:
     """An HF folder as transformers saves one: the family's model for the toy's config.json with uniform random
@@ -196,8 +316,15 @@ def make_tiny_llama(folder: Path, tokenizer_model: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     shutil.copy(tokenizer_model, Path(folder) / "tokenizer.model")
     return Path(folder)
@@ -210,44 +337,149 @@ def make_tiny_llama(folder: Path, tokenizer_model: Path) -> Path:
 # Per family, a config.json unlike the shipped config's model on every field the builder would otherwise fix: width 48
 # with head_dim 16 (not 48 / 4) where the family has head_dim, 3 layers, RoPE bases and norm eps no release has, the
 # Llama 3.1 scaling's every number changed, tying flipped against the config's model, (key, shipped 80 GB config).
-_ODD = dict(hidden_size=48, head_dim=16, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096)
+_ODD = dict(
+    hidden_size=48,
+    head_dim=16,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 ANY_FOLDERS: Dict[str, tuple] = {
-    "llama2": (Toy("llama2_odd", "llama2", "LlamaConfig",
-                   dict(_ODD, vocab_size=32000, rms_norm_eps=3e-6, rope_theta=20000.0, tie_word_embeddings=False),
-                   "", [], "<s>", "</s>"), "configs/llama2/7B_full_80gb.yaml"),
-    "llama3_1": (Toy("llama3_1_odd", "llama3", "LlamaConfig",
-                     dict(_ODD, vocab_size=1024, rms_norm_eps=2e-5, rope_theta=250000.0, tie_word_embeddings=False,
-                          rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 2.0,
-                                        "high_freq_factor": 8.0, "original_max_position_embeddings": 1024}),
-                     "", LLAMA3_SPECIALS, "<|begin_of_text|>", "<|end_of_text|>"),
-                 "configs/llama3_1/8B_full_80gb.yaml"),
-    "llama3_2": (Toy("llama3_2_odd", "llama3", "LlamaConfig",
-                     dict(_ODD, vocab_size=1024, rms_norm_eps=4e-6, rope_theta=300000.0, tie_word_embeddings=True,
-                          rope_scaling=dict(_LLAMA31_ROPE, factor=4.0, original_max_position_embeddings=2048)),
-                     "", LLAMA3_SPECIALS, "<|begin_of_text|>", "<|end_of_text|>"),
-                 "configs/llama3_2/3B_full_80gb.yaml"),
+    "llama2": (
+        Toy(
+            "llama2_odd",
+            "llama2",
+            "LlamaConfig",
+            dict(_ODD, vocab_size=32000, rms_norm_eps=3e-6, rope_theta=20000.0, tie_word_embeddings=False),
+            "",
+            [],
+            "<s>",
+            "</s>",
+        ),
+        "configs/llama2/7B_full_80gb.yaml",
+    ),
+    "llama3_1": (
+        Toy(
+            "llama3_1_odd",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                _ODD,
+                vocab_size=1024,
+                rms_norm_eps=2e-5,
+                rope_theta=250000.0,
+                tie_word_embeddings=False,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 16.0,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 8.0,
+                    "original_max_position_embeddings": 1024,
+                },
+            ),
+            "",
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+        ),
+        "configs/llama3_1/8B_full_80gb.yaml",
+    ),
+    "llama3_2": (
+        Toy(
+            "llama3_2_odd",
+            "llama3",
+            "LlamaConfig",
+            dict(
+                _ODD,
+                vocab_size=1024,
+                rms_norm_eps=4e-6,
+                rope_theta=300000.0,
+                tie_word_embeddings=True,
+                rope_scaling=dict(_LLAMA31_ROPE, factor=4.0, original_max_position_embeddings=2048),
+            ),
+            "",
+            LLAMA3_SPECIALS,
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+        ),
+        "configs/llama3_2/3B_full_80gb.yaml",
+    ),
     # (Qwen2's config.json has no head_dim: the width's share. RoPE base 1e4 and eps 1e-6: what a 7B builder used to
     # replace silently.)
-    "qwen2_5": (Toy("qwen2_5_odd", "qwen2", "Qwen2Config",
-                    dict({k: v for k, v in _ODD.items() if k != "head_dim"}, hidden_size=64, vocab_size=1024,
-                         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, use_sliding_window=False),
-                    "", QWEN_SPECIALS, None, "<|endoftext|>"), "configs/qwen2_5/7B_full_80gb.yaml"),
-    "qwen3": (Toy("qwen3_odd", "qwen3", "Qwen3Config",
-                  dict(_ODD, vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True),
-                  "", QWEN_SPECIALS, None, "<|endoftext|>"), "configs/qwen3/8B_full_80gb.yaml"),
-    "mistral": (Toy("mistral_odd", "mistral", "MistralConfig",
-                    dict(_ODD, vocab_size=1024, rms_norm_eps=2e-6, rope_theta=30000.0, sliding_window=None,
-                         tie_word_embeddings=False),
-                    "", MISTRAL_SPECIALS, "<s>", "</s>"), "configs/mistral/7B_full_80gb.yaml"),
+    "qwen2_5": (
+        Toy(
+            "qwen2_5_odd",
+            "qwen2",
+            "Qwen2Config",
+            dict(
+                {k: v for k, v in _ODD.items() if k != "head_dim"},
+                hidden_size=64,
+                vocab_size=1024,
+                rms_norm_eps=1e-6,
+                rope_theta=10000.0,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+            ),
+            "",
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+        ),
+        "configs/qwen2_5/7B_full_80gb.yaml",
+    ),
+    "qwen3": (
+        Toy(
+            "qwen3_odd",
+            "qwen3",
+            "Qwen3Config",
+            dict(_ODD, vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True),
+            "",
+            QWEN_SPECIALS,
+            None,
+            "<|endoftext|>",
+        ),
+        "configs/qwen3/8B_full_80gb.yaml",
+    ),
+    "mistral": (
+        Toy(
+            "mistral_odd",
+            "mistral",
+            "MistralConfig",
+            dict(
+                _ODD,
+                vocab_size=1024,
+                rms_norm_eps=2e-6,
+                rope_theta=30000.0,
+                sliding_window=None,
+                tie_word_embeddings=False,
+            ),
+            "",
+            MISTRAL_SPECIALS,
+            "<s>",
+            "</s>",
+        ),
+        "configs/mistral/7B_full_80gb.yaml",
+    ),
 }
 
 # What a shipped 80 GB config needs on this CPU besides checkpoint_dir (its GPU settings off, a few short steps on a
 # slice of Alpaca): nothing of the model.
-CPU_OVERRIDES = ["device=cpu", "dtype=fp32", "compile=False", "optimizer._component_=torch.optim.AdamW",
-                 "optimizer_in_bwd=False", "packed_attention=flex", "metric_logger=null", "batch_size=2",
-                 "max_steps_per_epoch=2", "tokenizer.max_seq_len=64", "lr_scheduler.num_warmup_steps=0",
-                 "optimizer.lr=1e-3"]
+CPU_OVERRIDES = [
+    "device=cpu",
+    "dtype=fp32",
+    "compile=False",
+    "optimizer._component_=torch.optim.AdamW",
+    "optimizer_in_bwd=False",
+    "packed_attention=flex",
+    "metric_logger=null",
+    "batch_size=2",
+    "max_steps_per_epoch=2",
+    "tokenizer.max_seq_len=64",
+    "lr_scheduler.num_warmup_steps=0",
+    "optimizer.lr=1e-3",
+]
 
 
 def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **fields: Any) -> Dict[str, Any]:
@@ -278,6 +510,7 @@ def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **field
 
 # -- offline wandb runs, read back --------------------------------------------------------------------------------
 
+
 def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
     """Every wandb run under ``path`` (a wandb folder, or a run folder holding ``wandb/``) by id, read with wandb's
     own reader (``wandb leet inspect --json``), never by the code that wrote them: name, group, tags, config, the
@@ -287,8 +520,12 @@ def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
     wandb_cli = Path(sys.executable).with_name("wandb")  # (the one beside this Python: no activated venv needed)
     pieces = []
     for f in sorted(root.glob("*run-*/run-*.wandb")):
-        done = subprocess.run([str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(f), "--json"],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(f), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, f"wandb could not read {f}: {done.stderr[-2000:]}"
         records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         run = next((r["run"] for r in records if r.get("type") == "run"), {})
@@ -316,6 +553,7 @@ def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
 
 
 # -- a batch of fine-tunes in one process -------------------------------------------------------------------------
+
 
 def run_batch(path: str) -> None:
     """Run several fine-tunes one after another in this process: ``python tests/support.py RUNS.json``.

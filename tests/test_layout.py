@@ -28,9 +28,21 @@ DOCSTRING_INDEX_LIMIT = 45  # the recipe docstring is an index of keys; the manu
 # what eval/ shares; settings reads every concern's keys; the concerns sit between.
 LAYERS = [
     {"finetune.base", "finetune.run_files", "finetune.tune_run"},
-    {"finetune.checkpoint.lock", "finetune.model.builders", "finetune.model.from_hf_config", "finetune.model.loss", "finetune.model.attention",
-     "finetune.data.tokenizer", "finetune.data.packing", "finetune.reporting.wandb_run", "finetune.reporting.console",
-     "finetune.reporting.profiler", "finetune.optimizer", "finetune.checkpoint.async_save", "finetune.launch"},
+    {
+        "finetune.checkpoint.lock",
+        "finetune.model.builders",
+        "finetune.model.from_hf_config",
+        "finetune.model.loss",
+        "finetune.model.attention",
+        "finetune.data.tokenizer",
+        "finetune.data.packing",
+        "finetune.reporting.wandb_run",
+        "finetune.reporting.console",
+        "finetune.reporting.profiler",
+        "finetune.optimizer",
+        "finetune.checkpoint.async_save",
+        "finetune.launch",
+    },
     {"finetune.checkpoint.run_folder", "finetune.checkpoint.hf_format"},
     {"finetune.reporting.metrics", "finetune.checkpoint.checkpointer"},
     {"finetune.checkpoint.resume", "finetune.stops"},
@@ -110,11 +122,15 @@ def test_the_library_imports_down_only(path):
 def test_eval_and_the_optimizers_import_nothing_above_them():
     for path in (REPO_ROOT / "eval").glob("*.py"):
         assert not [m for m in imported_modules(path) if m.split(".")[0] == "recipes"], path
-        assert not [m for m in imported_modules(path) if m.startswith("finetune.") and
-                    m.split(".")[1] not in ("base", "run_files")], path
+        assert not [
+            m
+            for m in imported_modules(path)
+            if m.startswith("finetune.") and m.split(".")[1] not in ("base", "run_files")
+        ], path
     for path in (REPO_ROOT / "optimizers").glob("*.py"):
-        assert not [m for m in imported_modules(path) if m.split(".")[0] in ("recipes", "eval", "finetune",
-                                                                              "torchtune")], path
+        assert not [
+            m for m in imported_modules(path) if m.split(".")[0] in ("recipes", "eval", "finetune", "torchtune")
+        ], path
 
 
 def test_configs_name_no_private_module():
@@ -166,8 +182,11 @@ def test_only_the_bench_tests_reach_into_bench(path):
     scripts = {p.stem for p in BENCH.glob("*.py")}
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                ast.unparse(node.func.value) == "sys.path":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and ast.unparse(node.func.value) == "sys.path"
+        ):
             assert "bench" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
     imported = {name.split(".")[0] for name in imported_modules(path)}
     assert not imported & scripts, f"{path.name} imports bench/'s {sorted(imported & scripts)}"

@@ -199,8 +199,9 @@ class Staging:
     """The staging buffers of one run's snapshots: ``plan`` where a checkpoint goes, ``allocate`` the host buffer
     (reused while the plan stays the same), ``snapshot`` copy a checkpoint into them."""
 
-    def __init__(self, device: torch.device, memory_limit_gib: Optional[float] = None,
-                 gpu_budget: Optional[int] = None):
+    def __init__(
+        self, device: torch.device, memory_limit_gib: Optional[float] = None, gpu_budget: Optional[int] = None
+    ):
         self.device = torch.device(device)
         self._limit = memory_limit_gib
         # GPU bytes a snapshot may hold; None: decided at the first plan, from the training's own peak (later plans
@@ -270,9 +271,12 @@ class Staging:
             host = torch.empty(layout.host_bytes, dtype=torch.uint8)
             host.zero_()  # first touch now (in parallel), not page by page inside the copies
             array = host.numpy()
-            regions = [None if o is None else
-                       (torch.frombuffer(array[o:o + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8))
-                       for n, o in zip(layout.sizes, layout.offsets)]
+            regions = [
+                None
+                if o is None
+                else (torch.frombuffer(array[o : o + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8))
+                for n, o in zip(layout.sizes, layout.offsets)
+            ]
             self._host = host
             self._pin(layout)
         else:
@@ -334,7 +338,8 @@ class Staging:
                 dst = target(index[id(x)], full.device)
                 dst.copy_(full.reshape(-1).view(torch.uint8), non_blocking=True)
                 return torch.empty(0, dtype=full.dtype, device=dst.device).set_(
-                    dst.untyped_storage(), 0, full.size(), full.stride())
+                    dst.untyped_storage(), 0, full.size(), full.stride()
+                )
             s = x.untyped_storage()
             i = index[s._cdata]
             if staged[i] is None:
@@ -342,7 +347,8 @@ class Staging:
                 dst.copy_(_bytes_of(s), non_blocking=True)
                 staged[i] = dst.untyped_storage()
             out = torch.empty(0, dtype=x.dtype, device=staged[i].device).set_(
-                staged[i], x.storage_offset(), x.size(), x.stride())
+                staged[i], x.storage_offset(), x.size(), x.stride()
+            )
             return out.requires_grad_() if x.requires_grad else out
 
         snap = _rebuild(obj, leaf, {})
@@ -367,14 +373,19 @@ def _safetensors_dtypes(dtypes: Tuple[torch.dtype, ...]) -> Tuple[Dict[torch.dty
     from safetensors.torch import save
 
     blob = save({str(i): torch.zeros(1, dtype=d) for i, d in enumerate(dtypes)})
-    header = json.loads(blob[8:8 + struct.unpack("<Q", blob[:8])[0]])
+    header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
     header.pop("__metadata__", None)
     order = [int(k) for k in header]
     return {dtypes[i]: header[str(i)]["dtype"] for i in order}, {dtypes[i]: r for r, i in enumerate(order)}
 
 
-def write_safetensors(path: Path, tensors: Dict[str, torch.Tensor], convert: Callable[[dict], dict],
-                      metadata: Dict[str, str], bounce: Optional[torch.Tensor] = None) -> None:
+def write_safetensors(
+    path: Path,
+    tensors: Dict[str, torch.Tensor],
+    convert: Callable[[dict], dict],
+    metadata: Dict[str, str],
+    bounce: Optional[torch.Tensor] = None,
+) -> None:
     """``convert(tensors)`` as safetensors.torch.save_file would write it (the same bytes), converting and writing
     one tensor at a time, so a snapshot held on the GPU needs no host copy of itself: each GPU tensor goes to the
     file through ``bounce`` (pinned uint8), a piece at a time. ``convert`` maps a dict of some tensors to the
@@ -391,8 +402,11 @@ def write_safetensors(path: Path, tensors: Dict[str, torch.Tensor], convert: Cal
     entries, offset = {}, 0
     for n in order:
         size = specs[n].numel() * specs[n].element_size()
-        entries[n] = {"dtype": names[specs[n].dtype], "shape": list(specs[n].shape),
-                      "data_offsets": [offset, offset + size]}
+        entries[n] = {
+            "dtype": names[specs[n].dtype],
+            "shape": list(specs[n].shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":"), ensure_ascii=False).encode()
     header += b" " * (-len(header) % 8)
@@ -408,8 +422,8 @@ def write_safetensors(path: Path, tensors: Dict[str, torch.Tensor], convert: Cal
                 f.write(flat.numpy())
                 continue
             for i in range(0, flat.numel(), bounce.numel()):
-                piece = bounce[:min(bounce.numel(), flat.numel() - i)]
-                piece.copy_(flat[i:i + piece.numel()], non_blocking=True)
+                piece = bounce[: min(bounce.numel(), flat.numel() - i)]
+                piece.copy_(flat[i : i + piece.numel()], non_blocking=True)
                 torch.cuda.current_stream(flat.device).synchronize()
                 f.write(piece.numpy())
         f.flush()

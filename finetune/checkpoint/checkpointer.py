@@ -30,14 +30,14 @@ import numpy as np
 import torch
 
 from finetune.base import BadInput
-from finetune.run_files import RUN_FILE
-from finetune.checkpoint import async_save
-from finetune.checkpoint import hf_format
-from finetune.reporting.console import announce_saved
+from finetune.checkpoint import async_save, hf_format
 from finetune.checkpoint.run_folder import RunFolder, ctrl_c_after, fsync_path
+from finetune.reporting.console import announce_saved
+from finetune.run_files import RUN_FILE
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
+
 
 class NonFiniteStop(BadInput):
     """Training cannot go on: too many non-finite steps in a row, or one that was already applied."""
@@ -45,11 +45,16 @@ class NonFiniteStop(BadInput):
 
 def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int) -> None:
     """Refuse to write a checkpoint whose weights hold a NaN or inf (one device-side reduction, one sync)."""
-    bad = [k for k, ok in zip(state, torch.stack([torch.isfinite(v).all() for v in state.values()]).tolist())
-           if not ok] if state else []
+    bad = (
+        [k for k, ok in zip(state, torch.stack([torch.isfinite(v).all() for v in state.values()]).tolist()) if not ok]
+        if state
+        else []
+    )
     if bad:
-        raise NonFiniteStop(f"the weights at step {step} are not finite ({', '.join(bad[:3])}): refused to write "
-                            f"{final}; resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0")
+        raise NonFiniteStop(
+            f"the weights at step {step} are not finite ({', '.join(bad[:3])}): refused to write "
+            f"{final}; resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+        )
 
 
 def rng_state(cuda_device: Optional[torch.device] = None, all_cuda: bool = False) -> Dict[str, Any]:
@@ -77,8 +82,10 @@ def set_rng_state(rng: Dict[str, Any]) -> None:
 def _split(parts: dict, now: tuple) -> tuple:
     """``parts`` as (what the snapshot copies, what is written before training goes on): the names in ``now`` go to
     the second, the rest to the first; each leaves None where the other has a part."""
-    return ({k: None if k in now else v for k, v in parts.items()},
-            {k: v if k in now else None for k, v in parts.items()})
+    return (
+        {k: None if k in now else v for k, v in parts.items()},
+        {k: v if k in now else None for k, v in parts.items()},
+    )
 
 
 class _InFlight:
@@ -106,9 +113,19 @@ class Checkpointer:
     most one save is in flight. Both produce the same files.
     """
 
-    def __init__(self, folder: RunFolder, family: hf_format.Family, hf: dict, tokenizer_path: Path, *,
-                 background: bool = False, device: Any = "cpu", memory_limit_gib: Optional[float] = None,
-                 on_saved: Optional[Callable[[Path], None]] = None, log=None):
+    def __init__(
+        self,
+        folder: RunFolder,
+        family: hf_format.Family,
+        hf: dict,
+        tokenizer_path: Path,
+        *,
+        background: bool = False,
+        device: Any = "cpu",
+        memory_limit_gib: Optional[float] = None,
+        on_saved: Optional[Callable[[Path], None]] = None,
+        log=None,
+    ):
         self.folder, self.family, self.hf, self.tokenizer_path = folder, family, hf, Path(tokenizer_path)
         # The run that writes the checkpoints (its identity and wandb run: finetune.run_files), written into
         # each as run.json with the checkpoint's global step, so the eval can add its scores to that run.
@@ -127,9 +144,16 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------------
 
-    def save(self, name: str, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
-             need_bytes: Callable[[], int], rank_state: Optional[dict] = None,
-             started: Optional[float] = None) -> None:
+    def save(
+        self,
+        name: str,
+        *,
+        weights: Optional[Dict[str, Any]],
+        recipe_state: Optional[dict],
+        need_bytes: Callable[[], int],
+        rank_state: Optional[dict] = None,
+        started: Optional[float] = None,
+    ) -> None:
         """``{output_dir}/{name}/``: rank 0 writes the HF folder from ``weights`` (full, torchtune names) and
         ``recipe_state``; with ``rank_state`` every rank also writes ``recipe_state_rank{r}.pt``. The parts may hold
         ``async_save.Gather`` (a weight gathered from the ranks' shards) and ``async_save.Owned`` (a private copy)
@@ -187,12 +211,20 @@ class Checkpointer:
             self._log.warning(
                 "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while it is "
                 "written (it would pin the part that does not fit in spare GPU memory), so checkpoints are written "
-                "synchronously and training waits for each; free host memory, or set async_checkpoint=False")
+                "synchronously and training waits for each; free host memory, or set async_checkpoint=False"
+            )
             self._told = True
         return None, ()
 
-    def _start(self, name: str, parts: dict, layout: "async_save.Layout", need_bytes: Callable[[], int],
-               started: float, now: tuple = ()) -> bool:
+    def _start(
+        self,
+        name: str,
+        parts: dict,
+        layout: "async_save.Layout",
+        need_bytes: Callable[[], int],
+        started: float,
+        now: tuple = (),
+    ) -> bool:
         """Take the snapshot and start its writer; False where the GPU had not the memory after all (one process:
         the save is then synchronous, and later ones keep their snapshots in host memory). ``now``: the parts left
         out of the snapshot, written here first (training waits for them)."""
@@ -217,24 +249,37 @@ class Checkpointer:
         self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
         self._job = async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
         self._writes = self._writes[-3:] + [self._job]  # (ranks that never log keep only the last few)
-        self._note(checkpoint_blocked_s=blocked, checkpoint_staged_gpu_gib=layout.gpu_bytes / 2**30,
-                   checkpoint_staged_host_gib=layout.host_bytes / 2**30,
-                   host_pinned_gib=self._staging.pinned_bytes / 2**30)
+        self._note(
+            checkpoint_blocked_s=blocked,
+            checkpoint_staged_gpu_gib=layout.gpu_bytes / 2**30,
+            checkpoint_staged_host_gib=layout.host_bytes / 2**30,
+            host_pinned_gib=self._staging.pinned_bytes / 2**30,
+        )
         if self._log is not None and not self._told:
-            where = [f"{b / 2**30:.2f} GiB {what}" for b, what in (
-                (layout.gpu_bytes, "in spare GPU memory, freed once written"),
-                (layout.host_bytes, f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for "
-                                    "the run")) if b]
+            where = [
+                f"{b / 2**30:.2f} GiB {what}"
+                for b, what in (
+                    (layout.gpu_bytes, "in spare GPU memory, freed once written"),
+                    (
+                        layout.host_bytes,
+                        f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for the run",
+                    ),
+                )
+                if b
+            ]
             if now:
                 files = {"weights": hf_format.WEIGHTS_FILE, "recipe_state": RECIPE_STATE_FILE}
                 self._log.warning(
                     f"async_checkpoint=True: this host has the memory to copy only part of the checkpoint, so each "
                     f"save writes {files[now[0]]} before training goes on and the rest ({' and '.join(where)}) in "
-                    f"the background; training was blocked {blocked:.2f} s for {name}")
+                    f"the background; training was blocked {blocked:.2f} s for {name}"
+                )
             else:
-                self._log.info(f"async_checkpoint=True: each save copies the checkpoint's tensors "
-                               f"({' and '.join(where)}; training was blocked {blocked:.2f} s for {name}) and writes "
-                               "them in the background")
+                self._log.info(
+                    f"async_checkpoint=True: each save copies the checkpoint's tensors "
+                    f"({' and '.join(where)}; training was blocked {blocked:.2f} s for {name}) and writes "
+                    "them in the background"
+                )
             self._told = True
         return True
 
@@ -252,8 +297,9 @@ class Checkpointer:
                     if self._bounce is None:
                         self._bounce = torch.empty(async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
                     convert = functools.partial(hf_format.to_hf, hf=self.hf, family=self.family)
-                    async_save.write_safetensors(tmp / hf_format.WEIGHTS_FILE, weights, convert,
-                                                  hf_format.WEIGHTS_METADATA, self._bounce)
+                    async_save.write_safetensors(
+                        tmp / hf_format.WEIGHTS_FILE, weights, convert, hf_format.WEIGHTS_METADATA, self._bounce
+                    )
                     hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
                 else:  # in host memory: the very writer of a synchronous save
                     hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
@@ -283,8 +329,9 @@ class Checkpointer:
 
     # -- the save in flight --------------------------------------------------------------------------
 
-    def prepare(self, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict],
-                rank_state: Optional[dict] = None) -> None:
+    def prepare(
+        self, *, weights: Optional[Dict[str, Any]], recipe_state: Optional[dict], rank_state: Optional[dict] = None
+    ) -> None:
         """Plan the staging for checkpoints shaped like these parts and allocate its host buffer on a background
         thread (pinning ~20 GB takes ~2 s, better not inside the first save). Call it once, after the first optimizer
         step (the optimizer state exists by then); every rank calls it."""
@@ -324,8 +371,10 @@ class Checkpointer:
             return
         job, self._job = self._job, None  # a staging allocation: if it failed, the save allocates again
         if job.error is not None and self._log is not None:
-            self._log.warning(f"could not allocate the checkpoint staging buffer in the background ({job.error!r}); "
-                              "the next save allocates it")
+            self._log.warning(
+                f"could not allocate the checkpoint staging buffer in the background ({job.error!r}); "
+                "the next save allocates it"
+            )
 
     def settle(self) -> None:
         """Training stopped on an error: let the checkpoint in flight be published (it is a good one), reporting a

@@ -37,21 +37,32 @@ WEIGHTS_METADATA = {"format": "pt"}  # model.safetensors' header metadata, as tr
 # Files of the tokenizer that a checkpoint folder carries when they sit beside ``tokenizer.path`` (the first two are
 # what transformers' AutoTokenizer reads; chat_template.jinja is where transformers 5 keeps the chat template, which
 # the fine-tuned model needs as much as the source did; tokenizer.model is SentencePiece, Llama 2's and Mistral's).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 
 
 def _rename(mapping: Dict[str, Optional[str]]) -> Callable:
     """A converter that only renames (the families whose RoPE needs no permutation: Qwen's rotate-half)."""
+
     def convert(state, num_heads, num_kv_heads, dim, head_dim):
         return {get_mapped_key(k, mapping): v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
+
     return convert
 
 
 # Qwen3: Qwen2's names without the q/k/v biases, plus one RMSNorm per head on the queries and the keys.
 _QWEN3_FROM_HF = {k: v for k, v in _QWEN2_FROM_HF.items() if not k.endswith(".bias")}
-_QWEN3_FROM_HF.update({"model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
-                       "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale"})
+_QWEN3_FROM_HF.update(
+    {
+        "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
+        "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
+    }
+)
 
 
 def _inverse(mapping: Dict[str, Optional[str]]) -> Dict[str, str]:
@@ -79,33 +90,61 @@ _LLAMA_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False
 
 FAMILIES: Dict[str, Family] = {
     "llama2": Family(
-        name="llama2", builders=("torchtune.models.llama2.",), model_type="llama",
-        architecture="LlamaForCausalLM", example_builder="torchtune.models.llama2.llama2_7b", fixed=_LLAMA_FIXED),
+        name="llama2",
+        builders=("torchtune.models.llama2.",),
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        example_builder="torchtune.models.llama2.llama2_7b",
+        fixed=_LLAMA_FIXED,
+    ),
     # Llama 3, 3.1, 3.2 and 3.3: Llama 2's layout; 3.1 on adds the llama3 RoPE scaling, 3.2 1B/3B tie the
     # embeddings (both read off the model).
     "llama3": Family(
-        name="llama3", builders=("torchtune.models.llama3.", "torchtune.models.llama3_1.",
-                                 "torchtune.models.llama3_2.", "torchtune.models.llama3_3."),
-        model_type="llama", architecture="LlamaForCausalLM", example_builder="torchtune.models.llama3_1.llama3_1_8b",
-        fixed=_LLAMA_FIXED),
+        name="llama3",
+        builders=(
+            "torchtune.models.llama3.",
+            "torchtune.models.llama3_1.",
+            "torchtune.models.llama3_2.",
+            "torchtune.models.llama3_3.",
+        ),
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        example_builder="torchtune.models.llama3_1.llama3_1_8b",
+        fixed=_LLAMA_FIXED,
+    ),
     # Qwen2 and 2.5: biases on the q/k/v projections (always, so config.json has no key for it), rotate-half RoPE.
     "qwen2": Family(
-        name="qwen2", builders=("torchtune.models.qwen2.", "torchtune.models.qwen2_5."), model_type="qwen2",
-        architecture="Qwen2ForCausalLM", example_builder="torchtune.models.qwen2_5.qwen2_5_7b_base",
-        fixed={"hidden_act": "silu", "use_sliding_window": False}, hf_to_tune=_rename(_QWEN2_FROM_HF),
-        tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF)), from_config=from_hf_config.qwen2),
+        name="qwen2",
+        builders=("torchtune.models.qwen2.", "torchtune.models.qwen2_5."),
+        model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
+        example_builder="torchtune.models.qwen2_5.qwen2_5_7b_base",
+        fixed={"hidden_act": "silu", "use_sliding_window": False},
+        hf_to_tune=_rename(_QWEN2_FROM_HF),
+        tune_to_hf=_rename(_inverse(_QWEN2_FROM_HF)),
+        from_config=from_hf_config.qwen2,
+    ),
     # Qwen3 (our builder, finetune/model/builders.py): no biases, RMSNorm per head on q and k before RoPE.
     "qwen3": Family(
-        name="qwen3", builders=("finetune.model.qwen3", "finetune.model.builders.qwen3"), model_type="qwen3", architecture="Qwen3ForCausalLM",
+        name="qwen3",
+        builders=("finetune.model.qwen3", "finetune.model.builders.qwen3"),
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
         example_builder="finetune.model.qwen3_8b",
         fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
-        hf_to_tune=_rename(_QWEN3_FROM_HF), tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF)),
-        from_config=from_hf_config.qwen3),
+        hf_to_tune=_rename(_QWEN3_FROM_HF),
+        tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF)),
+        from_config=from_hf_config.qwen3,
+    ),
     "mistral": Family(
-        name="mistral", builders=("torchtune.models.mistral.", "finetune.model.mistral", "finetune.model.builders.mistral"),
+        name="mistral",
+        builders=("torchtune.models.mistral.", "finetune.model.mistral", "finetune.model.builders.mistral"),
         model_type="mistral",
-        architecture="MistralForCausalLM", example_builder="finetune.model.mistral_7b_v0_3",
-        fixed={"hidden_act": "silu", "sliding_window": None}, from_config=from_hf_config.mistral),
+        architecture="MistralForCausalLM",
+        example_builder="finetune.model.mistral_7b_v0_3",
+        fixed={"hidden_act": "silu", "sliding_window": None},
+        from_config=from_hf_config.mistral,
+    ),
 }
 DEFAULT_FAMILY = "llama2"
 
@@ -129,8 +168,10 @@ def source_family(source: dict) -> Family:
     found = source.get("model_type")
     matches = [f for f in FAMILIES.values() if f.model_type == found]
     if not matches:
-        raise BadInput(f"checkpoint_dir's config.json has model_type={found!r}; the families this recipe reads are: "
-                       f"{', '.join(sorted({f.model_type for f in FAMILIES.values()}))} (docs/models.md)")
+        raise BadInput(
+            f"checkpoint_dir's config.json has model_type={found!r}; the families this recipe reads are: "
+            f"{', '.join(sorted({f.model_type for f in FAMILIES.values()}))} (docs/models.md)"
+        )
     if found == "llama":
         rope = source.get("rope_parameters") or source.get("rope_scaling") or {}
         llama3 = (rope.get("rope_type") or rope.get("type")) == "llama3" or source.get("vocab_size", 0) >= 128_000
@@ -151,10 +192,12 @@ def resolve_model(source: dict, model_section: Optional[dict]) -> Tuple[Family, 
     family = source_family(source)
     if component:
         if not _is_family_builder(component):
-            raise BadInput(f"model._component_={component} is not a builder of a family this recipe reads, and with "
-                           f"checkpoint_dir the model is built from its config.json ({family.name}); remove "
-                           f"model._component_ (~model._component_), or name a builder of that family (e.g. "
-                           f"{family.example_builder})")
+            raise BadInput(
+                f"model._component_={component} is not a builder of a family this recipe reads, and with "
+                f"checkpoint_dir the model is built from its config.json ({family.name}); remove "
+                f"model._component_ (~model._component_), or name a builder of that family (e.g. "
+                f"{family.example_builder})"
+            )
         named = family_of(component)
         check_source_family(source, named)
         family = named  # (a llama folder: the family the config names, Llama 2 or 3.x)
@@ -167,13 +210,16 @@ def rope_scaling(rope: torch.nn.Module) -> Optional[dict]:
     """config.json's ``rope_scaling`` for torchtune's RoPE module: Llama 3.1's scaled RoPE, or None (plain RoPE)."""
     if not hasattr(rope, "scale_factor"):
         return None
-    return {"rope_type": "llama3", "factor": float(rope.scale_factor), "low_freq_factor": float(rope.low_freq_factor),
-            "high_freq_factor": float(rope.high_freq_factor),
-            "original_max_position_embeddings": int(rope.old_context_len)}
+    return {
+        "rope_type": "llama3",
+        "factor": float(rope.scale_factor),
+        "low_freq_factor": float(rope.low_freq_factor),
+        "high_freq_factor": float(rope.high_freq_factor),
+        "original_max_position_embeddings": int(rope.old_context_len),
+    }
 
 
-def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], family: Family,
-              tokenizer=None) -> dict:
+def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], family: Family, tokenizer=None) -> dict:
     """config.json for ``family``'s transformers class: ``base`` (the source checkpoint's config.json) with the
     run's dtype, or without one, read off the built model.
 
@@ -192,7 +238,8 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
             raise BadInput(
                 f"the checkpoint's config.json has tie_word_embeddings={base.get('tie_word_embeddings', False)} but "
                 f"model._component_ builds a model with tie_word_embeddings={tied}; use the builder of that model "
-                f"size (e.g. {family.example_builder}), or set model.tie_word_embeddings where the builder takes it")
+                f"size (e.g. {family.example_builder}), or set model.tie_word_embeddings where the builder takes it"
+            )
     rope = attn.pos_embeddings
     scaling = rope_scaling(rope)
     hf = {}
@@ -239,13 +286,19 @@ def check_model_fits_source(derived: dict, base: dict, family: Family) -> None:
     source = from_hf_config.read_config({"model_type": family.model_type, **base})
     rope = from_hf_config.rope_of(source)
     scaling = {k: rope[k] for k in from_hf_config.LLAMA3_SCALING_KEYS if k in rope} or None
-    expected = {"vocab_size": source.vocab_size, "hidden_size": source.hidden_size,
-                "intermediate_size": source.intermediate_size, "num_hidden_layers": source.num_hidden_layers,
-                "num_attention_heads": source.num_attention_heads,
-                "num_key_value_heads": getattr(source, "num_key_value_heads", None) or source.num_attention_heads,
-                "head_dim": getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads,
-                "max_position_embeddings": source.max_position_embeddings, "rms_norm_eps": source.rms_norm_eps,
-                "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+    expected = {
+        "vocab_size": source.vocab_size,
+        "hidden_size": source.hidden_size,
+        "intermediate_size": source.intermediate_size,
+        "num_hidden_layers": source.num_hidden_layers,
+        "num_attention_heads": source.num_attention_heads,
+        "num_key_value_heads": getattr(source, "num_key_value_heads", None) or source.num_attention_heads,
+        "head_dim": getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads,
+        "max_position_embeddings": source.max_position_embeddings,
+        "rms_norm_eps": source.rms_norm_eps,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": scaling,
+    }
     for key, want in expected.items():
         have = derived[key]
         if key == "rope_scaling":
@@ -253,9 +306,11 @@ def check_model_fits_source(derived: dict, base: dict, family: Family) -> None:
             want = {k: float(v) for k, v in want.items()} if want else None
             have = {k: float(v) for k, v in have.items()} if have else None
         if have != want and not (isinstance(want, (int, float)) and float(have) == float(want)):
-            raise BadInput(f"the checkpoint's config.json has {key}={want!r} but model._component_ builds a model "
-                           f"with {key}={have!r}; set checkpoint_dir and leave the model's sizes to its config.json "
-                           f"(or use the builder of that model size, e.g. {family.example_builder})")
+            raise BadInput(
+                f"the checkpoint's config.json has {key}={want!r} but model._component_ builds a model "
+                f"with {key}={have!r}; set checkpoint_dir and leave the model's sizes to its config.json "
+                f"(or use the builder of that model size, e.g. {family.example_builder})"
+            )
 
 
 def check_source_family(base: dict, family: Family) -> None:
@@ -265,10 +320,15 @@ def check_source_family(base: dict, family: Family) -> None:
     if found is None or found == family.model_type:
         return
     match = next((f for f in FAMILIES.values() if f.model_type == found), None)
-    hint = (f"set model._component_ to a builder of that family (e.g. {match.example_builder})" if match else
-            f"the families this recipe reads are: {', '.join(sorted({f.model_type for f in FAMILIES.values()}))}")
-    raise BadInput(f"the checkpoint's config.json has model_type={found!r} but model._component_ builds a "
-                   f"{family.model_type!r} model ({family.name}); {hint}")
+    hint = (
+        f"set model._component_ to a builder of that family (e.g. {match.example_builder})"
+        if match
+        else f"the families this recipe reads are: {', '.join(sorted({f.model_type for f in FAMILIES.values()}))}"
+    )
+    raise BadInput(
+        f"the checkpoint's config.json has model_type={found!r} but model._component_ builds a "
+        f"{family.model_type!r} model ({family.name}); {hint}"
+    )
 
 
 def read_source_config(folder: Optional[Path]) -> Optional[dict]:
@@ -283,15 +343,18 @@ def read_source_config(folder: Optional[Path]) -> Optional[dict]:
         config = f"{type(e).__name__}: {str(e)[:120]}"
     if not isinstance(config, dict):
         what = config if isinstance(config, str) else f"a {type(config).__name__}"
-        raise BadInput(f"{path} is not a JSON object ({what}); re-copy the checkpoint folder (its config.json "
-                       "describes the model)")
+        raise BadInput(
+            f"{path} is not a JSON object ({what}); re-copy the checkpoint folder (its config.json describes the model)"
+        )
     return config
 
 
 def read_weights(folder: Path) -> Dict[str, torch.Tensor]:
     """Every tensor of an HF folder's weight files; an unreadable file is one BadInput naming it."""
-    fix = ("re-copy or re-download it, or point checkpoint_dir / resume_from_checkpoint at another folder "
-           "(an earlier step_N or epoch_E)")
+    fix = (
+        "re-copy or re-download it, or point checkpoint_dir / resume_from_checkpoint at another folder "
+        "(an earlier step_N or epoch_E)"
+    )
     state: Dict[str, torch.Tensor] = {}
     for f in hf_weight_files(folder):
         if f.suffix == ".safetensors":
@@ -299,8 +362,9 @@ def read_weights(folder: Path) -> Dict[str, torch.Tensor]:
                 state.update(load_file(str(f)))
             except Exception as e:  # safetensors' own error for truncated headers, OSError, ...
                 text = " ".join(str(e).split())[:200]
-                raise BadInput(f"{f} is not a readable safetensors file ({type(e).__name__}: {text}; truncated or "
-                               f"garbage?); {fix}") from None
+                raise BadInput(
+                    f"{f} is not a readable safetensors file ({type(e).__name__}: {text}; truncated or garbage?); {fix}"
+                ) from None
         else:
             state.update(load_state_file(f, fix=fix))
     return state
@@ -329,15 +393,20 @@ def _shapes(hf: dict) -> dict:
     """The converters' shapes from config.json, with transformers' defaults for the fields a source may leave out
     (Qwen2's config.json has no head_dim)."""
     heads = hf["num_attention_heads"]
-    return dict(num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, dim=hf["hidden_size"],
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads)
+    return dict(
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        dim=hf["hidden_size"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+    )
 
 
 def misfit_error(folder: Path, detail: str, family: Optional[Family] = None) -> BadInput:
     example = (family or FAMILIES[DEFAULT_FAMILY]).example_builder
     return BadInput(
         f"the weights in {folder} do not fit the model config ({detail}); make the config's model section "
-        f"match the checkpoint (e.g. model._component_={example} for that family's model of that size)")
+        f"match the checkpoint (e.g. model._component_={example} for that family's model of that size)"
+    )
 
 
 def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family) -> None:
@@ -349,8 +418,9 @@ def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family)
         raise misfit_error(folder, " ".join(str(e).split())[:600], family) from None
 
 
-def write_folder(folder: Path, tune_state: Dict[str, torch.Tensor], hf: dict, family: Family,
-                 tokenizer_path: Path) -> None:
+def write_folder(
+    folder: Path, tune_state: Dict[str, torch.Tensor], hf: dict, family: Family, tokenizer_path: Path
+) -> None:
     """The weights (converted to HF names, on the CPU), config.json, generation_config.json and the tokenizer's
     files into ``folder``, which the caller publishes.
 

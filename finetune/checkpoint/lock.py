@@ -66,8 +66,14 @@ def identity() -> Dict[str, Any]:
         pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pid_ns = None
-    return {"host": socket.gethostname(), "boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns,
-            "pid": os.getpid(), "start": _start_time(os.getpid()), "token": uuid.uuid4().hex}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": pid_ns,
+        "pid": os.getpid(),
+        "start": _start_time(os.getpid()),
+        "token": uuid.uuid4().hex,
+    }
 
 
 def same_kernel_and_pids(owner: Dict[str, Any], me: Dict[str, Any]) -> bool:
@@ -78,8 +84,9 @@ def same_kernel_and_pids(owner: Dict[str, Any], me: Dict[str, Any]) -> bool:
     return all(owner.get(k) == me[k] for k in ("host", "boot_id", "pid_ns"))
 
 
-def holder_alive(owner: Dict[str, Any], me: Dict[str, Any], age_s: Callable[[], Optional[float]],
-                 kernel_lock: bool) -> bool:
+def holder_alive(
+    owner: Dict[str, Any], me: Dict[str, Any], age_s: Callable[[], Optional[float]], kernel_lock: bool
+) -> bool:
     """Whether the run a lock file names may still be alive, its fcntl lock being free (``kernel_lock``: we now
     hold it) or not to be had on this file system."""
     if same_kernel_and_pids(owner, me):
@@ -95,8 +102,11 @@ def holder_alive(owner: Dict[str, Any], me: Dict[str, Any], age_s: Callable[[], 
 
 
 def describe(owner: Dict[str, Any], me: Dict[str, Any]) -> str:
-    where = "" if same_kernel_and_pids(owner, me) else (
-        f" on {owner.get('host')}" + (", another container" if owner.get("boot_id") == me["boot_id"] else ""))
+    where = (
+        ""
+        if same_kernel_and_pids(owner, me)
+        else (f" on {owner.get('host')}" + (", another container" if owner.get("boot_id") == me["boot_id"] else ""))
+    )
     return f"PID {owner.get('pid')}{where}"
 
 
@@ -135,10 +145,15 @@ class OutputDirLock:
             return None
 
     def _refuse(self, owner: Dict[str, Any]) -> BadInput:
-        lease = "" if same_kernel_and_pids(owner, self.me) else (
-            f"; if that run is gone, its lease ends {LEASE_S:.0f} s after it last touched the lock, or delete it")
-        return BadInput(f"output_dir={self.path.parent} is in use by a live run ({describe(owner, self.me)}, lock "
-                        f"file {self.path}{lease}); wait for it, stop it, or set output_dir=DIR to another folder")
+        lease = (
+            ""
+            if same_kernel_and_pids(owner, self.me)
+            else (f"; if that run is gone, its lease ends {LEASE_S:.0f} s after it last touched the lock, or delete it")
+        )
+        return BadInput(
+            f"output_dir={self.path.parent} is in use by a live run ({describe(owner, self.me)}, lock "
+            f"file {self.path}{lease}); wait for it, stop it, or set output_dir=DIR to another folder"
+        )
 
     # -- taking and giving back ----------------------------------------------------------------
 
@@ -219,8 +234,10 @@ class OutputDirLock:
         self._stop_heartbeat.set()
         try:
             if self._fd is not None:
-                ours = os.fstat(self._fd).st_ino == os.stat(self.path).st_ino and \
-                    self._owner(self._fd).get("token") == self.me["token"]
+                ours = (
+                    os.fstat(self._fd).st_ino == os.stat(self.path).st_ino
+                    and self._owner(self._fd).get("token") == self.me["token"]
+                )
             else:
                 ours = self._owner().get("token") == self.me["token"]
             if ours:

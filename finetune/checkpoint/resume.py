@@ -23,43 +23,113 @@ from finetune.optimizer import TORCH_BACKEND_FLAGS
 MUST, WARN, FREE = "must match", "may change, with a warning", "may change"
 _SAMPLES = "the data position and every later step's samples would differ from the interrupted run's"
 RESUME_TABLE = (
-    ("samples_per_step", MUST, ("batch_size", "gradient_accumulation_steps"),
-     f"batch_size x gradient_accumulation_steps (x ranks) samples make a step: with another number {_SAMPLES}"),
+    (
+        "samples_per_step",
+        MUST,
+        ("batch_size", "gradient_accumulation_steps"),
+        f"batch_size x gradient_accumulation_steps (x ranks) samples make a step: with another number {_SAMPLES}",
+    ),
     ("seed", MUST, ("seed",), f"the data order follows it: {_SAMPLES}"),
     ("shuffle", MUST, ("shuffle",), f"the data order follows it: {_SAMPLES}"),
     ("packed", MUST, (), f"packed rows hold other samples than single ones: {_SAMPLES}"),
-    ("dataset", MUST, ("dataset",), f"the dataset section (source, split, train_on_input, ...) makes the samples: "
-                                    f"{_SAMPLES}"),
-    ("data", MUST, ("data_dir",), f"the data files' content makes the samples (an edited file is other data): "
-                                  f"{_SAMPLES}"),
-    ("tokenizer", MUST, ("tokenizer",), "the tokenizer file and its settings (max_seq_len, prompt_template, ...) make "
-                                        f"every sample's tokens: {_SAMPLES}"),
+    (
+        "dataset",
+        MUST,
+        ("dataset",),
+        f"the dataset section (source, split, train_on_input, ...) makes the samples: {_SAMPLES}",
+    ),
+    (
+        "data",
+        MUST,
+        ("data_dir",),
+        f"the data files' content makes the samples (an edited file is other data): {_SAMPLES}",
+    ),
+    (
+        "tokenizer",
+        MUST,
+        ("tokenizer",),
+        "the tokenizer file and its settings (max_seq_len, prompt_template, ...) make "
+        f"every sample's tokens: {_SAMPLES}",
+    ),
     ("dtype", MUST, ("dtype",), "the weights and the optimizer state were trained and saved in that dtype"),
     ("optimizer", MUST, ("optimizer",), "the saved optimizer state is that optimizer's"),
     ("optimizer_in_bwd", MUST, ("optimizer_in_bwd",), "the saved optimizer state has that layout"),
     ("lr", MUST, (), "a resume continues the saved lr schedule"),
-    ("optimizer_settings", MUST, (), "the optimizer's settings (weight_decay, betas, eps, ...) are restored with its "
-                                     "state, so the checkpoint's would silently replace a new value"),
-    ("lr_scheduler", MUST, ("lr_scheduler",), "the saved schedule (its warmup included) continues; another one would "
-                                              "not"),
-    ("epochs", WARN, ("epochs",), "the lr schedule's length follows it: the schedule will not match the interrupted "
-                                  "run"),
-    ("max_steps_per_epoch", WARN, ("max_steps_per_epoch",), "the lr schedule's length follows it: the schedule will "
-                                                            "not match the interrupted run"),
+    (
+        "optimizer_settings",
+        MUST,
+        (),
+        "the optimizer's settings (weight_decay, betas, eps, ...) are restored with its "
+        "state, so the checkpoint's would silently replace a new value",
+    ),
+    (
+        "lr_scheduler",
+        MUST,
+        ("lr_scheduler",),
+        "the saved schedule (its warmup included) continues; another one would not",
+    ),
+    (
+        "epochs",
+        WARN,
+        ("epochs",),
+        "the lr schedule's length follows it: the schedule will not match the interrupted run",
+    ),
+    (
+        "max_steps_per_epoch",
+        WARN,
+        ("max_steps_per_epoch",),
+        "the lr schedule's length follows it: the schedule will not match the interrupted run",
+    ),
     ("clip_grad_norm", WARN, ("clip_grad_norm",), "every update from here on is clipped differently"),
-    ("fp8", WARN, ("fp8",), "the matmuls' precision changes (FP8 or bf16): the losses will not match the "
-                            "interrupted run's exactly"),
-    ("world_size", FREE, (), "a step of the same size resumes on any number of ranks (a per-rank optimizer "
-                             "state, as the low-bit optimizers save, excepted: read_resume refuses another number)"),
+    (
+        "fp8",
+        WARN,
+        ("fp8",),
+        "the matmuls' precision changes (FP8 or bf16): the losses will not match the interrupted run's exactly",
+    ),
+    (
+        "world_size",
+        FREE,
+        (),
+        "a step of the same size resumes on any number of ranks (a per-rank optimizer "
+        "state, as the low-bit optimizers save, excepted: read_resume refuses another number)",
+    ),
     ("model", FREE, ("model",), "the checkpoint's weights must fit it: another size fails when they load"),
-    ("how a step runs", FREE, ("device", "compile", "enable_activation_checkpointing", "ac_mode", "ac_option",
-                               "enable_activation_offloading", "device_memory_limit_gib", "loss",
-                               "fsdp_reshard_after_forward"), "memory and speed, not what a step computes"),
-    ("where and when the run writes", FREE, ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "overwrite",
-                                             "pack_cache_dir", "save_every_n_steps", "log_every_n_steps",
-                                             "metric_logger", "log_level", "max_consecutive_skipped_steps",
-                                             "async_checkpoint", "profiler"),
-     "files, reports and limits, not the training"),
+    (
+        "how a step runs",
+        FREE,
+        (
+            "device",
+            "compile",
+            "enable_activation_checkpointing",
+            "ac_mode",
+            "ac_option",
+            "enable_activation_offloading",
+            "device_memory_limit_gib",
+            "loss",
+            "fsdp_reshard_after_forward",
+        ),
+        "memory and speed, not what a step computes",
+    ),
+    (
+        "where and when the run writes",
+        FREE,
+        (
+            "output_dir",
+            "checkpoint_dir",
+            "resume_from_checkpoint",
+            "overwrite",
+            "pack_cache_dir",
+            "save_every_n_steps",
+            "log_every_n_steps",
+            "metric_logger",
+            "log_level",
+            "max_consecutive_skipped_steps",
+            "async_checkpoint",
+            "profiler",
+        ),
+        "files, reports and limits, not the training",
+    ),
 )
 RESUME_RULES = {name: (rule, why) for name, rule, _, why in RESUME_TABLE}
 CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
@@ -73,14 +143,24 @@ def run_settings(s, *, world_size: Optional[int] = None) -> Dict[str, Any]:
     tokenizer["file"] = file_digest(s.tokenizer_path)
     kwargs = OmegaConf.to_container(s.optimizer.kwargs, resolve=True)
     settings = {
-        "batch_size": s.batch_size, "gradient_accumulation_steps": s.accum, "seed": s.seed, "shuffle": s.shuffle,
-        "packed": s.packed, "dataset": dataset, "data": [file_digest(Path(f)) for f in s.data_files],
-        "tokenizer": tokenizer, "dtype": s.dtype_name, "optimizer": s.optimizer.path,
-        "optimizer_in_bwd": s.optimizer_in_bwd, "lr": s.optimizer.lr,
+        "batch_size": s.batch_size,
+        "gradient_accumulation_steps": s.accum,
+        "seed": s.seed,
+        "shuffle": s.shuffle,
+        "packed": s.packed,
+        "dataset": dataset,
+        "data": [file_digest(Path(f)) for f in s.data_files],
+        "tokenizer": tokenizer,
+        "dtype": s.dtype_name,
+        "optimizer": s.optimizer.path,
+        "optimizer_in_bwd": s.optimizer_in_bwd,
+        "lr": s.optimizer.lr,
         # (torch's backend flags choose the implementation, not the math: a resume may change them)
         "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in TORCH_BACKEND_FLAGS},
         "lr_scheduler": None if s.lr_scheduler is None else OmegaConf.to_container(s.lr_scheduler, resolve=True),
-        "epochs": s.epochs, "max_steps_per_epoch": s.max_steps_per_epoch, "clip_grad_norm": s.clip,
+        "epochs": s.epochs,
+        "max_steps_per_epoch": s.max_steps_per_epoch,
+        "clip_grad_norm": s.clip,
         "fp8": s.fp8,
     }
     if world_size is not None:
@@ -90,11 +170,16 @@ def run_settings(s, *, world_size: Optional[int] = None) -> Dict[str, Any]:
 
 def read_state_file(path: Path, mmap: bool = False) -> dict:
     """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune.base)."""
-    fix = (f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
-           f"with checkpoint_dir={path.parent} and no resume_from_checkpoint")
+    fix = (
+        f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
+        f"with checkpoint_dir={path.parent} and no resume_from_checkpoint"
+    )
     state = load_state_file(path, mmap=mmap, fix=fix)
-    if not isinstance(state, dict) or "optimizer" not in state or (path.name == RECIPE_STATE_FILE
-                                                                   and "config" not in state):
+    if (
+        not isinstance(state, dict)
+        or "optimizer" not in state
+        or (path.name == RECIPE_STATE_FILE and "config" not in state)
+    ):
         raise BadInput(f"{path} is not a recipe state file this recipe wrote; {fix}")
     return state
 
@@ -109,8 +194,10 @@ def read_rank_state(folder: Path, ranks, *, required: bool) -> dict:
         if path.is_file():
             state = read_state_file(path)
         elif required:
-            raise BadInput(f"resume_from_checkpoint={folder} lacks {path.name} (each rank's share of the optimizer "
-                           "state); resume from a checkpoint that has it, with the rank count that wrote it")
+            raise BadInput(
+                f"resume_from_checkpoint={folder} lacks {path.name} (each rank's share of the optimizer "
+                "state); resume from a checkpoint that has it, with the rank count that wrote it"
+            )
     except BadInput as e:
         error = str(e)
     ranks.agree_any(error)
@@ -133,12 +220,17 @@ def _difference(name: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Option
         return None
     if name == "samples_per_step":
         ranks = " x ranks" if "world_size" in now else ""
-        return (f"batch_size x gradient_accumulation_steps{ranks} = {now[name]} samples per step differs from the "
-                f"checkpoint's {saved[name]}", f"{saved[name]} samples per step (e.g. batch_size="
-                f"{saved['batch_size']} gradient_accumulation_steps={saved['gradient_accumulation_steps']})")
+        return (
+            f"batch_size x gradient_accumulation_steps{ranks} = {now[name]} samples per step differs from the "
+            f"checkpoint's {saved[name]}",
+            f"{saved[name]} samples per step (e.g. batch_size="
+            f"{saved['batch_size']} gradient_accumulation_steps={saved['gradient_accumulation_steps']})",
+        )
     if name == "data":
-        return "the content of the data files (dataset.data_files) differs from the checkpoint's", \
-            "the data files it was trained on"
+        return (
+            "the content of the data files (dataset.data_files) differs from the checkpoint's",
+            "the data files it was trained on",
+        )
     key = CONFIG_NAMES.get(name, name)
     flat_saved, flat_now = _flat(key, saved[name]), _flat(key, now[name])
     for k in sorted(set(flat_saved) | set(flat_now), key=lambda k: (k not in flat_saved or k not in flat_now, k)):
@@ -157,9 +249,11 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
     saved_world = saved.get("world_size", 1)
     if state.get("optimizer_layout") == "per_rank" and now.get("world_size", saved_world) != saved_world:
         # (first: with another rank count nothing else can make this checkpoint resume)
-        raise BadInput(f"resume_from_checkpoint={folder} was saved by {saved_world} ranks and its optimizer state "
-                       f"({saved.get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
-                       f"{saved_world}, or start a new run from its weights with checkpoint_dir=...")
+        raise BadInput(
+            f"resume_from_checkpoint={folder} was saved by {saved_world} ranks and its optimizer state "
+            f"({saved.get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
+            f"{saved_world}, or start a new run from its weights with checkpoint_dir=..."
+        )
     for d in (saved, now):  # the samples per step: per rank x accumulation x ranks (1 in the single-device recipe)
         if "batch_size" in d and "gradient_accumulation_steps" in d:
             d["samples_per_step"] = d["batch_size"] * d["gradient_accumulation_steps"] * d.get("world_size", 1)
@@ -171,8 +265,10 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
             continue
         what, back = diff
         if rule == MUST:
-            raise BadInput(f"{what} (resume_from_checkpoint={folder}): {why}; resume with {back}, or start a new run "
-                           "from its weights with checkpoint_dir=... and no resume_from_checkpoint")
+            raise BadInput(
+                f"{what} (resume_from_checkpoint={folder}): {why}; resume with {back}, or start a new run "
+                "from its weights with checkpoint_dir=... and no resume_from_checkpoint"
+            )
         if log is not None:
             log.warning(f"{what}: {why}")
     return state
@@ -187,11 +283,14 @@ def progress_after(state: dict, steps_per_epoch: int) -> tuple:
     return epoch, steps, state["global_step"]
 
 
-def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int],
-                 log) -> str:
+def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int], log) -> str:
     """A resume from the end of training: says so (warning) and returns the phrase the summary uses."""
-    phrase = (f"resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of training "
-              f"with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}")
-    log.warning(f"{phrase}: nothing to train, nothing will be written. To train further, raise epochs or "
-                "max_steps_per_epoch (the lr schedule then differs from the finished run's)")
+    phrase = (
+        f"resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of training "
+        f"with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}"
+    )
+    log.warning(
+        f"{phrase}: nothing to train, nothing will be written. To train further, raise epochs or "
+        "max_steps_per_epoch (the lr schedule then differs from the finished run's)"
+    )
     return phrase

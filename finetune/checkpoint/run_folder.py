@@ -30,8 +30,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
 
 from finetune.base import BadInput
+from finetune.checkpoint.lock import (  # noqa: F401 (LOCK_FILE: part of this interface)
+    LOCK_FILE,
+    OutputDirLock,
+    pid_alive,
+)
 from finetune.run_files import METRICS_FILE
-from finetune.checkpoint.lock import LOCK_FILE, OutputDirLock, pid_alive  # noqa: F401 (LOCK_FILE: part of this interface)
 
 CHECKPOINT_PREFIXES = ("step_", "epoch_")
 
@@ -103,8 +107,11 @@ def run_results(output_dir: Path) -> List[Path]:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    return [p for p in sorted(output_dir.iterdir())
-            if p.name == METRICS_FILE or (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES))]
+    return [
+        p
+        for p in sorted(output_dir.iterdir())
+        if p.name == METRICS_FILE or (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES))
+    ]
 
 
 def used_run_folder(output_dir: Path) -> Optional[str]:
@@ -267,8 +274,10 @@ def disk_full_error(e: BaseException, folder: Path, what: str, need_bytes: int =
         return None
     if need_bytes:
         space += f", the checkpoint needs about {need_bytes / 2**30:.2f} GiB"
-    return BadInput(f"no space left on the disk of {folder} while writing {what} ({space}); nothing was replaced: "
-                    "free disk space, or set output_dir=DIR on a disk with room")
+    return BadInput(
+        f"no space left on the disk of {folder} while writing {what} ({space}); nothing was replaced: "
+        "free disk space, or set output_dir=DIR on a disk with room"
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -279,8 +288,10 @@ def _first_line(e: BaseException) -> str:
 def _write_error(e: BaseException, name: str, ranks: "Ranks") -> BadInput:
     """A checkpoint that could not be written for another reason than a full disk (permissions, say)."""
     who = f"rank {ranks.rank} " if ranks.world > 1 else ""
-    return BadInput(f"{who}could not write {name} ({_first_line(e)}); nothing was replaced: fix the cause, or set "
-                    "output_dir=DIR to another folder")
+    return BadInput(
+        f"{who}could not write {name} ({_first_line(e)}); nothing was replaced: fix the cause, or set "
+        "output_dir=DIR to another folder"
+    )
 
 
 class RunFolder:
@@ -308,8 +319,10 @@ class RunFolder:
             with tempfile.NamedTemporaryFile(dir=self.path, prefix=".write-test-"):
                 pass
         except OSError as e:
-            raise BadInput(f"output_dir={self.path} is not writable ({e.strerror or e}); set output_dir=DIR to a "
-                           "folder you can write") from None
+            raise BadInput(
+                f"output_dir={self.path} is not writable ({e.strerror or e}); set output_dir=DIR to a "
+                "folder you can write"
+            ) from None
         self._lock = OutputDirLock(self.path)
         self._lock.acquire()
         atexit.register(self._lock.release)
@@ -327,14 +340,18 @@ class RunFolder:
                 if log is not None:
                     log.info(f"overwrite=True: deleted the earlier run's {used} in {self.path}")
             elif used is not None and resume_dir is None:
-                error = (f"output_dir={self.path} already holds a run ({used}); set a new folder (e.g. output_dir="
-                         f"{fresh_dir_name(self.path)}), overwrite=True to replace it, or "
-                         f"resume_from_checkpoint={self.path}/step_N (or epoch_E) to continue it")
+                error = (
+                    f"output_dir={self.path} already holds a run ({used}); set a new folder (e.g. output_dir="
+                    f"{fresh_dir_name(self.path)}), overwrite=True to replace it, or "
+                    f"resume_from_checkpoint={self.path}/step_N (or epoch_E) to continue it"
+                )
             elif used is not None:
-                error = (f"output_dir={self.path} already holds another run ({used}), and resuming "
-                         f"{resume_dir} there would mix the two runs' checkpoints and metrics; continue in the "
-                         f"checkpoint's own folder (output_dir={Path(resume_dir).parent}), in a new one (e.g. "
-                         f"output_dir={fresh_dir_name(self.path)}), or set overwrite=True to replace that run")
+                error = (
+                    f"output_dir={self.path} already holds another run ({used}), and resuming "
+                    f"{resume_dir} there would mix the two runs' checkpoints and metrics; continue in the "
+                    f"checkpoint's own folder (output_dir={Path(resume_dir).parent}), in a new one (e.g. "
+                    f"output_dir={fresh_dir_name(self.path)}), or set overwrite=True to replace that run"
+                )
         self.ranks.agree(error)
 
     def release(self) -> None:
@@ -389,8 +406,7 @@ class RunFolder:
         self._agree_written(error, tmp, final, need_bytes)  # nobody reads or overwrites it before it is in place
         return final
 
-    def _agree_written(self, error: Optional[Exception], tmp: Path, final: Path,
-                       need_bytes: Callable[[], int]) -> None:
+    def _agree_written(self, error: Optional[Exception], tmp: Path, final: Path, need_bytes: Callable[[], int]) -> None:
         message, full = None, None
         if error is not None:
             if self.ranks.main:

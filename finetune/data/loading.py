@@ -24,8 +24,8 @@ from torchtune import config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from finetune.base import BadInput
-from finetune.model import attention
 from finetune.data.packing import pack_dataset
+from finetune.model import attention
 from finetune.settings import Settings, first_line
 
 ALPACA_TEXT_FIELDS = ("instruction", "input", "output")
@@ -52,9 +52,11 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     component = str(cfg_dataset.get("_component_", ""))
     kind = next((k for k, name in KINDS.items() if name in component), None)
     if kind == "chat" and cfg_dataset.get("conversation_style") not in CHAT_STYLES:
-        raise BadInput(f"dataset.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
-                       f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
-                       "or sharegpt (from, value)")
+        raise BadInput(
+            f"dataset.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
+            f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
+            "or sharegpt (from, value)"
+        )
     # The samples are built unpacked and packed here (finetune/data/packing.py: best-fit rows, a token cache).
     cfg_samples = OmegaConf.merge(cfg_dataset, {"packed": False})
     try:
@@ -73,19 +75,34 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     elif kind == "instruct":
         check_text_records(ds, column_map, where, INSTRUCT_FIELDS, INSTRUCT_FIELDS)
     elif kind == "chat":
-        check_chat_records(ds, cfg_dataset.get("conversation_column"), cfg_dataset.get("conversation_style"),
-                           bool(cfg_dataset.get("train_on_input", False)), where)
+        check_chat_records(
+            ds,
+            cfg_dataset.get("conversation_column"),
+            cfg_dataset.get("conversation_style"),
+            bool(cfg_dataset.get("train_on_input", False)),
+            where,
+        )
     if not settings.packed:
         return ds
     dataset_cfg = OmegaConf.to_container(cfg_dataset, resolve=True)
     fingerprint = getattr(tokenizer, "fingerprint", None)
     if fingerprint is not None:  # an HF tokenizer: its tokenizer_config.json (special tokens, chat template) counts
         dataset_cfg = {**dataset_cfg, "tokenizer": fingerprint}
-    cache_parts = dict(dataset_cfg=dataset_cfg, data_files=settings.data_files,
-                       tokenizer_path=str(settings.tokenizer_path), tokenizer_cfg=settings.tokenizer_cfg)
-    return pack_dataset(ds, max_seq_len=tokenizer.max_seq_len, padding_idx=tokenizer.pad_id,
-                                 vocab_size=getattr(tokenizer, "vocab_size", None),
-                                 cache_dir=settings.pack_cache_dir, cache_parts=cache_parts, log=log)
+    cache_parts = dict(
+        dataset_cfg=dataset_cfg,
+        data_files=settings.data_files,
+        tokenizer_path=str(settings.tokenizer_path),
+        tokenizer_cfg=settings.tokenizer_cfg,
+    )
+    return pack_dataset(
+        ds,
+        max_seq_len=tokenizer.max_seq_len,
+        padding_idx=tokenizer.pad_id,
+        vocab_size=getattr(tokenizer, "vocab_size", None),
+        cache_dir=settings.pack_cache_dir,
+        cache_parts=cache_parts,
+        log=log,
+    )
 
 
 def check_text_records(ds, column_map: dict, where, fields=ALPACA_TEXT_FIELDS, required=ALPACA_REQUIRED) -> None:
@@ -108,17 +125,19 @@ def check_text_records(ds, column_map: dict, where, fields=ALPACA_TEXT_FIELDS, r
         if bad is not None:
             raise BadInput(
                 f"record {bad[0]} of {where}: field '{column}' is {bad[1]!r} ({type(bad[1]).__name__}), not a "
-                f"string; fix or drop that record ({', '.join(fields)} are text)")
+                f"string; fix or drop that record ({', '.join(fields)} are text)"
+            )
     for field in required:
         column = column_map.get(field, field)
         if column not in table.column_names:
-            raise BadInput(f"the records in {where} have no '{column}' field; each needs {needs} (map other names "
-                           "with dataset.column_map)")
+            raise BadInput(
+                f"the records in {where} have no '{column}' field; each needs {needs} (map other names "
+                "with dataset.column_map)"
+            )
         values = table.data.column(column)
         if values.null_count:
             row = values.is_null().to_pylist().index(True)
-            raise BadInput(f"record {row} of {where} has no '{column}'; fix or drop that record (each needs "
-                           f"{needs})")
+            raise BadInput(f"record {row} of {where} has no '{column}'; fix or drop that record (each needs {needs})")
 
 
 def check_chat_records(ds, column, style, train_on_input: bool, where) -> None:
@@ -131,29 +150,40 @@ def check_chat_records(ds, column, style, train_on_input: bool, where) -> None:
     role_key, text_key, roles = CHAT_STYLES[style]
     trained_role = "assistant" if style == "openai" else "gpt"
     if column not in table.column_names:
-        raise BadInput(f"the records in {where} have no '{column}' field (dataset.conversation_column); its columns "
-                       f"are {', '.join(table.column_names)}: set dataset.conversation_column to the one that holds "
-                       "the messages")
+        raise BadInput(
+            f"the records in {where} have no '{column}' field (dataset.conversation_column); its columns "
+            f"are {', '.join(table.column_names)}: set dataset.conversation_column to the one that holds "
+            "the messages"
+        )
     for i, conversation in enumerate(table[column]):
         if not isinstance(conversation, list) or not conversation:
-            raise BadInput(f"record {i} of {where}: '{column}' is {str(conversation)[:80]!r}, not a list of "
-                           "messages; fix or drop that record")
+            raise BadInput(
+                f"record {i} of {where}: '{column}' is {str(conversation)[:80]!r}, not a list of "
+                "messages; fix or drop that record"
+            )
         for j, message in enumerate(conversation):
             role = message.get(role_key) if isinstance(message, dict) else None
             text = message.get(text_key) if isinstance(message, dict) else None
             if role not in roles:
-                raise BadInput(f"record {i} of {where}: message {j} has {role_key}={role!r}; use one of "
-                               f"{', '.join(roles)} ({style} style), or fix or drop that record")
+                raise BadInput(
+                    f"record {i} of {where}: message {j} has {role_key}={role!r}; use one of "
+                    f"{', '.join(roles)} ({style} style), or fix or drop that record"
+                )
             if not (isinstance(text, str) or (style == "openai" and isinstance(text, list))):
-                raise BadInput(f"record {i} of {where}: message {j} ({role}) has {text_key}={str(text)[:80]!r}, "
-                               "not text; fix or drop that record")
+                raise BadInput(
+                    f"record {i} of {where}: message {j} ({role}) has {text_key}={str(text)[:80]!r}, "
+                    "not text; fix or drop that record"
+                )
         if not train_on_input and not any(m[role_key] == trained_role for m in conversation):
-            raise BadInput(f"record {i} of {where} has no {trained_role} message, so nothing to train on; fix or drop "
-                           "that record (or set dataset.train_on_input=True)")
+            raise BadInput(
+                f"record {i} of {where} has no {trained_role} message, so nothing to train on; fix or drop "
+                "that record (or set dataset.train_on_input=True)"
+            )
         turn_error = _turn_order([TORCHTUNE_ROLES.get(m[role_key], m[role_key]) for m in conversation])
         if turn_error:
-            raise BadInput(f"record {i} of {where}: {turn_error} (torchtune's conversation rules); fix or drop that "
-                           "record")
+            raise BadInput(
+                f"record {i} of {where}: {turn_error} (torchtune's conversation rules); fix or drop that record"
+            )
 
 
 # ShareGPT's roles as torchtune's messages name them.
@@ -177,19 +207,22 @@ def _turn_order(roles) -> str:
     return ""
 
 
-def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, num_replicas: int = 1,
-                     rank: int = 0) -> Tuple[DataLoader, StatefulDistributedSampler, int]:
+def build_dataloader(
+    ds, settings: Settings, *, pad_id: int, ignore_index: int, num_replicas: int = 1, rank: int = 0
+) -> Tuple[DataLoader, StatefulDistributedSampler, int]:
     """The loader (rank r of N reads samples r, r+N, ... of one seeded permutation), its sampler, and the optimizer
     steps per epoch (``max_steps_per_epoch`` applied). Too little data for one step is a BadInput."""
-    sampler = StatefulDistributedSampler(ds, num_replicas=num_replicas, rank=rank, shuffle=settings.shuffle,
-                                         seed=settings.seed)
+    sampler = StatefulDistributedSampler(
+        ds, num_replicas=num_replicas, rank=rank, shuffle=settings.shuffle, seed=settings.seed
+    )
     loader = DataLoader(
         ds,
         batch_size=settings.batch_size,
         sampler=sampler,
         # (packed rows: torchtune's block mask, or the sample boundaries FlashAttention's varlen kernel takes)
         collate_fn=(attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
-        if settings.packed else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
+        if settings.packed
+        else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,
         # Its own generator, so iterating the data does not consume the global RNG.
@@ -202,7 +235,8 @@ def build_dataloader(ds, settings: Settings, *, pad_id: int, ignore_index: int, 
         ranks = f" x {num_replicas} ranks" if num_replicas > 1 else ""
         raise BadInput(
             f"the dataset has {len(ds)} samples, fewer than one optimizer step needs (batch_size={settings.batch_size}"
-            f"{ranks} x gradient_accumulation_steps={settings.accum}); lower batch_size")
+            f"{ranks} x gradient_accumulation_steps={settings.accum}); lower batch_size"
+        )
     return loader, sampler, steps_per_epoch
 
 

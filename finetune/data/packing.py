@@ -81,8 +81,13 @@ def file_digest(path: Path) -> str:
     return _digests[key]
 
 
-def cache_key(dataset_cfg: dict, data_files: Sequence[str], tokenizer_path: str, max_seq_len: int,
-              tokenizer_cfg: Optional[dict] = None) -> str:
+def cache_key(
+    dataset_cfg: dict,
+    data_files: Sequence[str],
+    tokenizer_path: str,
+    max_seq_len: int,
+    tokenizer_cfg: Optional[dict] = None,
+) -> str:
     """A digest of everything the tokenized samples depend on (files by their content, not their path)."""
     parts = {
         "format": CACHE_FORMAT,
@@ -125,8 +130,9 @@ class TokenizedSamples:
         workers = min(8, cores - 2) if cores >= 4 and n >= 4 * chunks.size else 0
         # Its own generator: a DataLoader otherwise draws its workers' seed from the global RNG, and the model's
         # random init, built after the data, would then differ between a tokenizing run and a cached one.
-        loader = torch.utils.data.DataLoader(chunks, batch_size=None, shuffle=False, num_workers=workers,
-                                             generator=torch.Generator())
+        loader = torch.utils.data.DataLoader(
+            chunks, batch_size=None, shuffle=False, num_workers=workers, generator=torch.Generator()
+        )
         tokens, labels, lengths = [], [], [np.zeros(1, np.int64)]
         with tqdm(total=n, desc=desc, dynamic_ncols=True, mininterval=1.0) as bar:
             for tok, lab, length in loader:
@@ -134,16 +140,21 @@ class TokenizedSamples:
                 labels.append(lab)
                 lengths.append(length)
                 bar.update(len(length))
-        return cls(np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-                   np.concatenate(labels) if labels else np.zeros(0, np.int32),
-                   np.cumsum(np.concatenate(lengths)))
+        return cls(
+            np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
+            np.concatenate(labels) if labels else np.zeros(0, np.int32),
+            np.cumsum(np.concatenate(lengths)),
+        )
 
     def save(self, path: Path, key: str = "") -> None:
         """Write atomically (a crash mid-write never leaves a truncated cache file under the real name), with a
         checksum of the arrays and ``key``."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {"tokens": self.tokens.astype(np.int32), "labels": self.labels.astype(np.int32),
-                  "offsets": self.offsets.astype(np.int64)}
+        arrays = {
+            "tokens": self.tokens.astype(np.int32),
+            "labels": self.labels.astype(np.int32),
+            "offsets": self.offsets.astype(np.int64),
+        }
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -169,8 +180,12 @@ class TokenizedSamples:
         if not np.array_equal(arrays["checksum"], _checksum(key, arrays)):
             return None
         out = cls(arrays["tokens"], arrays["labels"], arrays["offsets"])
-        ok = (len(out.offsets) >= 1 and out.offsets[0] == 0 and out.offsets[-1] == len(out.tokens) == len(out.labels)
-              and bool(np.all(np.diff(out.offsets) >= 0)))
+        ok = (
+            len(out.offsets) >= 1
+            and out.offsets[0] == 0
+            and out.offsets[-1] == len(out.tokens) == len(out.labels)
+            and bool(np.all(np.diff(out.offsets) >= 0))
+        )
         return out if ok else None
 
 
@@ -185,9 +200,11 @@ class _Chunks(Dataset):
 
     def __getitem__(self, c: int):
         items = [self.ds[i] for i in range(c * self.size, min(len(self.ds), (c + 1) * self.size))]
-        return (np.fromiter((t for s in items for t in s["tokens"]), dtype=np.int32),
-                np.fromiter((t for s in items for t in s["labels"]), dtype=np.int32),
-                np.array([len(s["tokens"]) for s in items], dtype=np.int64))
+        return (
+            np.fromiter((t for s in items for t in s["tokens"]), dtype=np.int32),
+            np.fromiter((t for s in items for t in s["labels"]), dtype=np.int32),
+            np.array([len(s["tokens"]) for s in items], dtype=np.int64),
+        )
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int]]:
@@ -249,12 +266,12 @@ class PackedSFTDataset(Dataset):
         for i in self.rows[idx]:
             a, b = int(s.offsets[i]), int(s.offsets[i + 1])
             n = b - a
-            tokens[at:at + n] = s.tokens[a:b]
-            labels[at:at + n] = s.labels[a:b]
+            tokens[at : at + n] = s.tokens[a:b]
+            labels[at : at + n] = s.labels[a:b]
             # Position t predicts label t+1 in the recipe: the sample's first label would be predicted from the
             # previous sample's last token, which unpacked training never does.
             labels[at] = CROSS_ENTROPY_IGNORE_IDX
-            input_pos[at:at + n] = np.arange(n)
+            input_pos[at : at + n] = np.arange(n)
             seq_lens.append(n)
             at += n
         if at < S:
@@ -275,8 +292,13 @@ def count_trained_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY
     return int((labels[..., 1:] != ignore_index).sum())
 
 
-def _cache_problem(samples: TokenizedSamples, ds: Dataset, max_seq_len: int, vocab_size: Optional[int],
-                   ignore_index: int = CROSS_ENTROPY_IGNORE_IDX) -> Optional[str]:
+def _cache_problem(
+    samples: TokenizedSamples,
+    ds: Dataset,
+    max_seq_len: int,
+    vocab_size: Optional[int],
+    ignore_index: int = CROSS_ENTROPY_IGNORE_IDX,
+) -> Optional[str]:
     """Why cached samples (checksum passed) cannot serve for ``ds``, or None."""
     if len(samples) != len(ds):
         return f"{len(samples)} samples for a dataset of {len(ds)}"
@@ -290,8 +312,10 @@ def _cache_problem(samples: TokenizedSamples, ds: Dataset, max_seq_len: int, voc
     for i in sorted({round(k * (n - 1) / max(1, SPOT_CHECKS - 1)) for k in range(SPOT_CHECKS)} if n else ()):
         a, b = int(samples.offsets[i]), int(samples.offsets[i + 1])
         fresh = ds[i]
-        if not (np.array_equal(samples.tokens[a:b], fresh["tokens"]) and
-                np.array_equal(samples.labels[a:b], fresh["labels"])):
+        if not (
+            np.array_equal(samples.tokens[a:b], fresh["tokens"])
+            and np.array_equal(samples.labels[a:b], fresh["labels"])
+        ):
             return f"sample {i} differs from what the tokenizer makes of its record"
     return None
 
@@ -307,7 +331,8 @@ def tidy_cache(cache_dir: Path, keep: Path, now: Optional[float] = None) -> None
     kept = []
     for p, st in entries:
         stale = (p.name.startswith(".tmp-") and now - st.st_mtime > TMP_MAX_AGE_S) or (
-            p.name.startswith("samples-") and p != keep and now - st.st_mtime > MAX_AGE_DAYS * 86400)
+            p.name.startswith("samples-") and p != keep and now - st.st_mtime > MAX_AGE_DAYS * 86400
+        )
         if stale:
             p.unlink(missing_ok=True)
         elif p.name.startswith("samples-") and p != keep:
@@ -320,8 +345,16 @@ def tidy_cache(cache_dir: Path, keep: Path, now: Optional[float] = None) -> None
         total -= size
 
 
-def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, cache_dir: Optional[Path],
-                 cache_parts: dict, log, vocab_size: Optional[int] = None) -> PackedSFTDataset:
+def pack_dataset(
+    ds: Dataset,
+    *,
+    max_seq_len: Optional[int],
+    padding_idx: int,
+    cache_dir: Optional[Path],
+    cache_parts: dict,
+    log,
+    vocab_size: Optional[int] = None,
+) -> PackedSFTDataset:
     """``dataset.packed=True``: tokenize every sample once (or load them from the cache) and pack them into rows of
     ``max_seq_len`` (the tokenizer's) tokens.
 
@@ -332,16 +365,21 @@ def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, c
     from finetune.base import BadInput
 
     if max_seq_len is None:
-        raise BadInput("dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
-                       "than it are truncated by the tokenizer")
+        raise BadInput(
+            "dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
+            "than it are truncated by the tokenizer"
+        )
     samples, t0, cache_file, key = None, time.perf_counter(), None, ""
     if cache_dir is not None:
         key = cache_key(max_seq_len=max_seq_len, **cache_parts)
         cache_file = cache_dir / f"samples-{key}.npz"
         if cache_file.exists():
             samples = TokenizedSamples.load(cache_file, key) if cache_file.is_file() else None
-            problem = "unreadable, malformed or failed its checksum" if samples is None else _cache_problem(
-                samples, ds, max_seq_len, vocab_size)
+            problem = (
+                "unreadable, malformed or failed its checksum"
+                if samples is None
+                else _cache_problem(samples, ds, max_seq_len, vocab_size)
+            )
             if problem is not None:
                 log.warning(f"the pack cache {cache_file} is not usable ({problem}): tokenizing again")
                 samples = None
@@ -360,6 +398,8 @@ def pack_dataset(ds: Dataset, *, max_seq_len: Optional[int], padding_idx: int, c
             pass
         tidy_cache(cache_dir, cache_file)
     packed = PackedSFTDataset(samples, max_seq_len=max_seq_len, padding_idx=padding_idx)
-    log.info(f"Packed {len(samples)} samples into {len(packed)} rows of {max_seq_len} tokens "
-             f"({packed.fill():.1%} filled; {source} in {time.perf_counter() - t0:.1f} s)")
+    log.info(
+        f"Packed {len(samples)} samples into {len(packed)} rows of {max_seq_len} tokens "
+        f"({packed.fill():.1%} filled; {source} in {time.perf_counter() - t0:.1f} s)"
+    )
     return packed

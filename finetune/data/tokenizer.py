@@ -79,9 +79,11 @@ class HFTokenizer(ModelTokenizer, Transform):
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # the library's own Exception for JSON or model errors
-            raise BadInput(f"tokenizer.path={self.path} is not a Hugging Face tokenizer.json ({str(e)[:200]}); point "
-                           "it at the model folder's tokenizer.json (Llama 2's tokenizer.model goes with "
-                           "torchtune.models.llama2.llama2_tokenizer)") from None
+            raise BadInput(
+                f"tokenizer.path={self.path} is not a Hugging Face tokenizer.json ({str(e)[:200]}); point "
+                "it at the model folder's tokenizer.json (Llama 2's tokenizer.model goes with "
+                "torchtune.models.llama2.llama2_tokenizer)"
+            ) from None
         config_file = self.path.with_name(CONFIG_FILE)
         self._config_bytes = config_file.read_bytes() if config_file.is_file() else b""
         try:
@@ -93,8 +95,10 @@ class HFTokenizer(ModelTokenizer, Transform):
         self.bos_id = self._id_of("bos_token")
         self.eos_id = self._id_of("eos_token")
         if self.eos_id is None:
-            raise BadInput(f"{config_file} names no eos_token that {self.path.name} knows; copy the model's "
-                           f"{CONFIG_FILE} beside {self.path} (it says which token ends a sequence)")
+            raise BadInput(
+                f"{config_file} names no eos_token that {self.path.name} knows; copy the model's "
+                f"{CONFIG_FILE} beside {self.path} (it says which token ends a sequence)"
+            )
         pad = self._id_of("pad_token")
         self.pad_id = self.eos_id if pad is None else pad  # (padding is never trained: its labels are ignored)
         self.stop_tokens = [self.eos_id]
@@ -108,17 +112,20 @@ class HFTokenizer(ModelTokenizer, Transform):
             raise BadInput(f"tokenizer.chat_template={chat_template!r} must be True or False")
         if chat_template:
             source, where = self._read_template(config_file)
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.globals.update(raise_exception=self._template_error,
-                               strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt))
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals.update(
+                raise_exception=self._template_error, strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt)
+            )
             try:
                 self.chat_template = env.from_string(source)
             except TemplateError as e:
                 raise BadInput(f"the chat template in {where} does not parse ({e})") from None
             self._template_source = source
-            self._template_vars = {k: _token_text(v) for k, v in self.config.items()
-                                   if k.endswith("_token") and _token_text(v)}
+            self._template_vars = {
+                k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v)
+            }
 
     def _read_template(self, config_file: Path) -> Tuple[str, Path]:
         """The chat template's source and its file: chat_template.jinja beside tokenizer.json, else
@@ -133,10 +140,12 @@ class HFTokenizer(ModelTokenizer, Transform):
         if isinstance(source, list):  # several named templates: the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str):
-            raise BadInput(f"tokenizer.chat_template=True but {self.path.parent} has no chat_template (no "
-                           f"{TEMPLATE_FILE}, none in {CONFIG_FILE}: a base model's folder?); copy the instruct "
-                           "model's chat_template.jinja beside tokenizer.json, or set tokenizer.chat_template=False to "
-                           "format samples as plain text")
+            raise BadInput(
+                f"tokenizer.chat_template=True but {self.path.parent} has no chat_template (no "
+                f"{TEMPLATE_FILE}, none in {CONFIG_FILE}: a base model's folder?); copy the instruct "
+                "model's chat_template.jinja beside tokenizer.json, or set tokenizer.chat_template=False to "
+                "format samples as plain text"
+            )
         return source, config_file
 
     def _id_of(self, key: str) -> Optional[int]:
@@ -151,10 +160,16 @@ class HFTokenizer(ModelTokenizer, Transform):
     def fingerprint(self) -> Dict[str, Any]:
         """What tokenized samples depend on besides tokenizer.json (the pack cache's key folds it in): the config,
         and with a chat template its source and how messages are masked in it."""
-        template = False if self._template_source is None else hashlib.sha256(
-            f"masked by token boundaries\n{self._template_source}".encode()).hexdigest()
-        return {"config": hashlib.sha256(self._config_bytes).hexdigest(), "chat_template": template,
-                "template_date": TEMPLATE_DATE.date().isoformat()}
+        template = (
+            False
+            if self._template_source is None
+            else hashlib.sha256(f"masked by token boundaries\n{self._template_source}".encode()).hexdigest()
+        )
+        return {
+            "config": hashlib.sha256(self._config_bytes).hexdigest(),
+            "chat_template": template,
+            "template_date": TEMPLATE_DATE.date().isoformat(),
+        }
 
     # -- encoding ---------------------------------------------------------------------------------------------
 
@@ -166,8 +181,9 @@ class HFTokenizer(ModelTokenizer, Transform):
     def decode(self, token_ids: List[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def tokenize_messages(self, messages: List[Message], add_end_tokens: bool = True,
-                          **_) -> Tuple[List[int], List[bool]]:
+    def tokenize_messages(
+        self, messages: List[Message], add_end_tokens: bool = True, **_
+    ) -> Tuple[List[int], List[bool]]:
         """Tokens and their mask (True: not trained) for one sample's messages."""
         if self.chat_template is not None:
             tokens, mask = self._templated(messages)
@@ -218,38 +234,42 @@ class HFTokenizer(ModelTokenizer, Transform):
         for i, message in enumerate(messages):
             if not message.masked:
                 start, trained = self._find_message(chat, i, tokens)
-                mask[start:start + len(trained)] = [False] * len(trained)
+                mask[start : start + len(trained)] = [False] * len(trained)
         return tokens, mask
 
     def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
         try:
-            text = self.chat_template.render(messages=chat, add_generation_prompt=generation_prompt,
-                                             **self._template_vars)
+            text = self.chat_template.render(
+                messages=chat, add_generation_prompt=generation_prompt, **self._template_vars
+            )
         except TemplateError as e:
-            raise BadInput(f"the chat template of {self.path.parent} refused a conversation ({e}); roles "
-                           f"{[m['role'] for m in chat]}") from None
+            raise BadInput(
+                f"the chat template of {self.path.parent} refused a conversation ({e}); roles "
+                f"{[m['role'] for m in chat]}"
+            ) from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def _find_message(self, chat: List[Dict[str, str]], i: int, tokens: List[int]) -> Tuple[int, List[int]]:
         """Where message ``i``'s trained tokens start in ``tokens`` (the whole conversation's), and what they are."""
-        upto = self._render(chat[:i + 1])
+        upto = self._render(chat[: i + 1])
         blank = self._render(chat[:i] + [{**chat[i], "content": ""}])
         start = _common_prefix(upto, blank)
         after = _common_suffix(upto, blank, min(len(upto), len(blank)) - start)
-        closing = upto[len(upto) - after:]
+        closing = upto[len(upto) - after :]
         ends = [k for k, t in enumerate(closing) if t in self._turn_ends]
-        trained = upto[start:len(upto) - after] + (closing[:ends[-1] + 1] if ends else [])
-        if tokens[:start + len(trained)] == upto[:start + len(trained)]:
+        trained = upto[start : len(upto) - after] + (closing[: ends[-1] + 1] if ends else [])
+        if tokens[: start + len(trained)] == upto[: start + len(trained)]:
             return start, trained
         if chat[i]["role"] == "assistant" and i:  # a past reply without the scaffolding before its text (Qwen3)
             prompt = self._render(chat[:i], generation_prompt=True)
-            if tokens[:len(prompt)] == prompt and tokens[len(prompt):len(prompt) + len(trained)] == trained:
+            if tokens[: len(prompt)] == prompt and tokens[len(prompt) : len(prompt) + len(trained)] == trained:
                 return len(prompt), trained
         raise BadInput(
             f"the chat template of {self.path.parent} renders message {i} ({chat[i]['role']}) otherwise once later "
             f"messages follow, so its tokens in the conversation are unknown (rendering the first {i + 1} messages "
             "must begin the rendering of all of them); put a template that renders every turn the same way in "
-            f"{TEMPLATE_FILE} beside tokenizer.json, or end each conversation at its last trained message")
+            f"{TEMPLATE_FILE} beside tokenizer.json, or end each conversation at its last trained message"
+        )
 
     def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
         messages = sample.pop("messages")
@@ -263,10 +283,14 @@ def check_fits_model(tokenizer, hf: dict, tokenizer_path: Path) -> None:
     embeddings, no token id beyond its vocabulary. Either is one BadInput naming the key to change."""
     tok_len, model_len = tokenizer.max_seq_len, hf.get("max_position_embeddings")
     if tok_len is not None and model_len is not None and tok_len > model_len:
-        raise BadInput(f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} (its "
-                       f"position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise model.max_seq_len")
+        raise BadInput(
+            f"tokenizer.max_seq_len={tok_len} is longer than the model's max_seq_len={model_len} (its "
+            f"position embeddings); set tokenizer.max_seq_len={model_len} or lower, or raise model.max_seq_len"
+        )
     tok_vocab, model_vocab = getattr(tokenizer, "vocab_size", None), hf["vocab_size"]
     if tok_vocab is not None and tok_vocab > model_vocab:
-        raise BadInput(f"the tokenizer ({tokenizer_path}) has {tok_vocab} tokens but the model's vocab_size is "
-                       f"{model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or tokenizer.model) or "
-                       "a model with a larger model.vocab_size")
+        raise BadInput(
+            f"the tokenizer ({tokenizer_path}) has {tok_vocab} tokens but the model's vocab_size is "
+            f"{model_vocab}; use the tokenizer of the checkpoint (its tokenizer.json or tokenizer.model) or "
+            "a model with a larger model.vocab_size"
+        )

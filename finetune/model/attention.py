@@ -42,30 +42,36 @@ def _causal() -> dict:
     being causal. Read once, not in every layer's forward."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {
-        "is_causal": True}
+    return (
+        {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
+    )
 
 
-def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                  max_len: int) -> torch.Tensor:
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
     """Causal attention within each sequence of ``cu_seqlens``: q, k, v and the output are [tokens, heads, dim]."""
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **_causal())
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask, dropout_p: float = 0.0,
-                     is_causal: bool = True) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask, dropout_p: float = 0.0, is_causal: bool = True
+) -> torch.Tensor:
     """An attention layer's attention call for packed rows: q, k, v are [b, heads, s, head_dim] (transposed views of
     the projections' [b, s, heads, head_dim]), ``mask`` is ``collate_varlen``'s ``{"cu_seqlens": ...}``; returns
     [b, heads, s, head_dim] as a transposed view, which the layer transposes back for free."""
     if not isinstance(mask, dict) or "cu_seqlens" not in mask:
-        raise ValueError(f"packed_attention=varlen needs the batch's mask from finetune.model.attention.collate_varlen (a "
-                         f"dict with cu_seqlens), got {type(mask).__name__}: set packed_attention=flex, or use a "
-                         "packed dataset (dataset.packed=True)")
+        raise ValueError(
+            f"packed_attention=varlen needs the batch's mask from finetune.model.attention.collate_varlen (a "
+            f"dict with cu_seqlens), got {type(mask).__name__}: set packed_attention=flex, or use a "
+            "packed dataset (dataset.packed=True)"
+        )
     if dropout_p:
-        raise ValueError(f"packed_attention=varlen has no attention dropout (attn_dropout={dropout_p}); set "
-                         "packed_attention=flex")
+        raise ValueError(
+            f"packed_attention=varlen has no attention dropout (attn_dropout={dropout_p}); set packed_attention=flex"
+        )
     b, h, s, d = q.shape
     tokens = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
     out = _flash_varlen(*tokens, mask["cu_seqlens"], s)

@@ -28,11 +28,13 @@ class QKNormAttention(MultiHeadAttention):
     from a saved checkpoint folder).
     """
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None, *, mask=None,
-                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, y: Optional[torch.Tensor] = None, *, mask=None, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         if y is None or (self.kv_cache is not None and self.cache_enabled):
-            raise ValueError("QKNormAttention has no key-value cache: generate from a saved checkpoint with "
-                             "transformers")
+            raise ValueError(
+                "QKNormAttention has no key-value cache: generate from a saved checkpoint with transformers"
+            )
         b, s_x, _ = x.shape
         s_y = y.shape[1]
         # [b, s, n, h_d]: the norms act on the last dimension, one head at a time
@@ -46,61 +48,139 @@ class QKNormAttention(MultiHeadAttention):
             expand = (b, self.num_kv_heads, self.num_heads // self.num_kv_heads, s_y, self.head_dim)
             k = k.unsqueeze(2).expand(expand).flatten(1, 2)
             v = v.unsqueeze(2).expand(expand).flatten(1, 2)
-        output = self._attention_call(q, k, v, mask=mask, dropout_p=self.attn_dropout if self.training else 0.0,
-                                      is_causal=mask is None and self.is_causal)
+        output = self._attention_call(
+            q,
+            k,
+            v,
+            mask=mask,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+            is_causal=mask is None and self.is_causal,
+        )
         return self.output_proj(output.transpose(1, 2).contiguous().view(b, s_x, -1))
 
 
-def qwen3(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-          intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
-          norm_eps: float = 1e-6, rope_base: float = 1_000_000.0,
-          tie_word_embeddings: bool = False) -> TransformerDecoder:
+def qwen3(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
     """A Qwen3 decoder of any size (``head_dim`` defaults to embed_dim // num_heads)."""
     head_dim = head_dim or embed_dim // num_heads
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = nn.ModuleList()
     for _ in range(num_layers):
         attn = QKNormAttention(
-            embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
             k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
             v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
             output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
-            pos_embeddings=rope, q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps),
-            max_seq_len=max_seq_len, attn_dropout=attn_dropout)
-        layers.append(TransformerSelfAttentionLayer(
-            attn=attn, mlp=qwen2_mlp(dim=embed_dim, hidden_dim=intermediate_dim),
-            sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps), mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps)))
+            pos_embeddings=rope,
+            q_norm=RMSNorm(dim=head_dim, eps=norm_eps),
+            k_norm=RMSNorm(dim=head_dim, eps=norm_eps),
+            max_seq_len=max_seq_len,
+            attn_dropout=attn_dropout,
+        )
+        layers.append(
+            TransformerSelfAttentionLayer(
+                attn=attn,
+                mlp=qwen2_mlp(dim=embed_dim, hidden_dim=intermediate_dim),
+                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+            )
+        )
     tok_embeddings = nn.Embedding(vocab_size, embed_dim)
     output = TiedLinear(tok_embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(tok_embeddings=tok_embeddings, layers=layers, max_seq_len=max_seq_len,
-                              num_heads=num_heads, head_dim=head_dim, norm=RMSNorm(embed_dim, eps=norm_eps),
-                              output=output)
+    return TransformerDecoder(
+        tok_embeddings=tok_embeddings,
+        layers=layers,
+        max_seq_len=max_seq_len,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=output,
+    )
 
 
 # The released dense sizes (Qwen/Qwen3-*/config.json): 151,936 tokens, head_dim 128, 40,960 positions.
 def qwen3_0_6b() -> TransformerDecoder:
-    return qwen3(vocab_size=151_936, num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=1024,
-                 intermediate_dim=3072, max_seq_len=40_960, head_dim=128, tie_word_embeddings=True)
+    return qwen3(
+        vocab_size=151_936,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        embed_dim=1024,
+        intermediate_dim=3072,
+        max_seq_len=40_960,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen3_1_7b() -> TransformerDecoder:
-    return qwen3(vocab_size=151_936, num_layers=28, num_heads=16, num_kv_heads=8, embed_dim=2048,
-                 intermediate_dim=6144, max_seq_len=40_960, head_dim=128, tie_word_embeddings=True)
+    return qwen3(
+        vocab_size=151_936,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        embed_dim=2048,
+        intermediate_dim=6144,
+        max_seq_len=40_960,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen3_4b() -> TransformerDecoder:
-    return qwen3(vocab_size=151_936, num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=2560,
-                 intermediate_dim=9728, max_seq_len=40_960, head_dim=128, tie_word_embeddings=True)
+    return qwen3(
+        vocab_size=151_936,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=2560,
+        intermediate_dim=9728,
+        max_seq_len=40_960,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen3_8b() -> TransformerDecoder:
-    return qwen3(vocab_size=151_936, num_layers=36, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                 intermediate_dim=12288, max_seq_len=40_960, head_dim=128)
+    return qwen3(
+        vocab_size=151_936,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        intermediate_dim=12288,
+        max_seq_len=40_960,
+        head_dim=128,
+    )
 
 
 def mistral_7b_v0_3() -> TransformerDecoder:
     """Mistral-7B-v0.3: torchtune's ``mistral_7b`` is v0.1 (32,000 tokens, RoPE base 1e4); v0.3 has 32,768 tokens
     and RoPE base 1e6, and no sliding window."""
-    return mistral(vocab_size=32_768, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                   intermediate_dim=14336, max_seq_len=32_768, norm_eps=1e-5, rope_base=1_000_000)
+    return mistral(
+        vocab_size=32_768,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        intermediate_dim=14336,
+        max_seq_len=32_768,
+        norm_eps=1e-5,
+        rope_base=1_000_000,
+    )

@@ -18,8 +18,15 @@ from typing import Any, Dict, Optional
 from torch import nn
 from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import (FeedForward, MultiHeadAttention, RMSNorm, RotaryPositionalEmbeddings, TiedLinear,
-                               TransformerDecoder, TransformerSelfAttentionLayer)
+from torchtune.modules import (
+    FeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
 
 from finetune.base import BadInput
 from finetune.model.builders import QKNormAttention
@@ -27,10 +34,24 @@ from finetune.model.builders import QKNormAttention
 COMPONENT = "finetune.model.from_hf_config.decoder"  # what Settings.model names when built from config.json
 
 
-def decoder(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-            intermediate_dim: int, max_seq_len: int, head_dim: int, norm_eps: float, rope_base: float,
-            rope_scaling: Optional[Dict[str, float]] = None, rotate_half: bool = False, qkv_bias: bool = False,
-            qk_norm: bool = False, tie_word_embeddings: bool = False, attn_dropout: float = 0.0) -> TransformerDecoder:
+def decoder(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: int,
+    norm_eps: float,
+    rope_base: float,
+    rope_scaling: Optional[Dict[str, float]] = None,
+    rotate_half: bool = False,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    tie_word_embeddings: bool = False,
+    attn_dropout: float = 0.0,
+) -> TransformerDecoder:
     """A decoder of the Llama layout (RMSNorm, SwiGLU MLP, grouped-query attention with RoPE) of any size.
 
     ``rotate_half``: Qwen's RoPE (halves of each head rotated together: HF's layout, no permutation of q/k);
@@ -42,35 +63,63 @@ def decoder(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
     if rotate_half:
         rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     elif rope_scaling:
-        rope = Llama3ScaledRoPE(dim=head_dim, max_seq_len=max_seq_len, base=rope_base,
-                                scale_factor=rope_scaling["factor"], low_freq_factor=rope_scaling["low_freq_factor"],
-                                high_freq_factor=rope_scaling["high_freq_factor"],
-                                old_context_len=rope_scaling["original_max_position_embeddings"])
+        rope = Llama3ScaledRoPE(
+            dim=head_dim,
+            max_seq_len=max_seq_len,
+            base=rope_base,
+            scale_factor=rope_scaling["factor"],
+            low_freq_factor=rope_scaling["low_freq_factor"],
+            high_freq_factor=rope_scaling["high_freq_factor"],
+            old_context_len=rope_scaling["original_max_position_embeddings"],
+        )
     else:
         rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     attention = QKNormAttention if qk_norm else MultiHeadAttention
     layers = nn.ModuleList()
     for _ in range(num_layers):
-        norms = dict(q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps)) \
-            if qk_norm else {}
+        norms = (
+            dict(q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps))
+            if qk_norm
+            else {}
+        )
         attn = attention(
-            embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias),
             k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
             v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
             output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
-            pos_embeddings=rope, max_seq_len=max_seq_len, attn_dropout=attn_dropout, **norms)
-        mlp = FeedForward(gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-                          down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
-                          up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False))
-        layers.append(TransformerSelfAttentionLayer(
-            attn=attn, mlp=mlp, sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-            mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps)))
+            pos_embeddings=rope,
+            max_seq_len=max_seq_len,
+            attn_dropout=attn_dropout,
+            **norms,
+        )
+        mlp = FeedForward(
+            gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+            down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
+            up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+        )
+        layers.append(
+            TransformerSelfAttentionLayer(
+                attn=attn,
+                mlp=mlp,
+                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
+            )
+        )
     tok_embeddings = nn.Embedding(vocab_size, embed_dim)
     output = TiedLinear(tok_embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(tok_embeddings=tok_embeddings, layers=layers, max_seq_len=max_seq_len,
-                              num_heads=num_heads, head_dim=head_dim, norm=RMSNorm(embed_dim, eps=norm_eps),
-                              output=output)
+    return TransformerDecoder(
+        tok_embeddings=tok_embeddings,
+        layers=layers,
+        max_seq_len=max_seq_len,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=output,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,8 +139,10 @@ def read_config(source: Dict[str, Any]):
         return AutoConfig.for_model(source["model_type"], **fields)
     except Exception as e:  # transformers' own validation (a rope_scaling it cannot read, ...)
         text = " ".join(str(e).split())[:300]
-        raise BadInput(f"transformers cannot read checkpoint_dir's config.json ({type(e).__name__}: {text}); fix the "
-                       "file, or re-download the model folder") from None
+        raise BadInput(
+            f"transformers cannot read checkpoint_dir's config.json ({type(e).__name__}: {text}); fix the "
+            "file, or re-download the model folder"
+        ) from None
 
 
 def rope_of(cfg) -> Dict[str, Any]:
@@ -115,44 +166,71 @@ def _common(cfg, *, family: str, scalings=("default",)) -> Dict[str, Any]:
     """``decoder``'s keywords every family reads the same way, and the checks they share."""
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
-        raise refuse("hidden_act", act, f"{family}'s MLP (SiLU-gated) does not compute",
-                     "fine-tune a model of this family with hidden_act='silu'")
+        raise refuse(
+            "hidden_act",
+            act,
+            f"{family}'s MLP (SiLU-gated) does not compute",
+            "fine-tune a model of this family with hidden_act='silu'",
+        )
     rope = rope_of(cfg)
     if rope["rope_type"] not in scalings:
-        raise refuse("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"},
-                     f"{family}'s RoPE does not compute (it has: {', '.join(scalings)})",
-                     "fine-tune a folder without rope_scaling (null)" + (
-                         ", or with Llama 3.1's (rope_type 'llama3')" if "llama3" in scalings else ""))
+        raise refuse(
+            "rope_scaling",
+            {k: v for k, v in rope.items() if k != "rope_theta"},
+            f"{family}'s RoPE does not compute (it has: {', '.join(scalings)})",
+            "fine-tune a folder without rope_scaling (null)"
+            + (", or with Llama 3.1's (rope_type 'llama3')" if "llama3" in scalings else ""),
+        )
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise refuse("partial_rotary_factor", partial, "rotates a part of each head; this family's RoPE rotates "
-                     "all of it", "fine-tune a folder with partial_rotary_factor 1.0")
+        raise refuse(
+            "partial_rotary_factor",
+            partial,
+            "rotates a part of each head; this family's RoPE rotates all of it",
+            "fine-tune a folder with partial_rotary_factor 1.0",
+        )
     heads, width = cfg.num_attention_heads, cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or width // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     if heads % kv_heads:
-        raise refuse("num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}",
-                     "fix the folder's config.json")
-    kwargs = dict(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
-                  num_kv_heads=kv_heads, embed_dim=width, intermediate_dim=cfg.intermediate_size,
-                  max_seq_len=cfg.max_position_embeddings, head_dim=head_dim, norm_eps=float(cfg.rms_norm_eps),
-                  rope_base=float(rope["rope_theta"]), tie_word_embeddings=bool(cfg.tie_word_embeddings),
-                  attn_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0))
+        raise refuse(
+            "num_key_value_heads",
+            kv_heads,
+            f"does not divide num_attention_heads={heads}",
+            "fix the folder's config.json",
+        )
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        embed_dim=width,
+        intermediate_dim=cfg.intermediate_size,
+        max_seq_len=cfg.max_position_embeddings,
+        head_dim=head_dim,
+        norm_eps=float(cfg.rms_norm_eps),
+        rope_base=float(rope["rope_theta"]),
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        attn_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+    )
     if rope["rope_type"] == "llama3":
-        kwargs["rope_scaling"] = {k: float(rope[k]) if k != "original_max_position_embeddings" else int(rope[k])
-                                  for k in LLAMA3_SCALING_KEYS}
+        kwargs["rope_scaling"] = {
+            k: float(rope[k]) if k != "original_max_position_embeddings" else int(rope[k]) for k in LLAMA3_SCALING_KEYS
+        }
     return kwargs
 
 
 def _no_sliding_window(cfg, family: str, fix: str) -> None:
     """torchtune's attention has no sliding window: a folder whose layers use one is refused."""
     if getattr(cfg, "use_sliding_window", False):
-        raise refuse("use_sliding_window", True, f"torchtune's attention (every {family} layer here) does not "
-                     "compute", fix)
+        raise refuse(
+            "use_sliding_window", True, f"torchtune's attention (every {family} layer here) does not compute", fix
+        )
     window = getattr(cfg, "sliding_window", None)
     if family == "mistral" and window is not None:
-        raise refuse("sliding_window", window, "torchtune's attention does not compute (it attends to every earlier "
-                     "token)", fix)
+        raise refuse(
+            "sliding_window", window, "torchtune's attention does not compute (it attends to every earlier token)", fix
+        )
     types = getattr(cfg, "layer_types", None) or []
     windowed = [t for t in types if t != "full_attention"]
     if windowed:
@@ -162,8 +240,12 @@ def _no_sliding_window(cfg, family: str, fix: str) -> None:
 def _no_llama_biases(cfg, family: str) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if getattr(cfg, key, False):
-            raise refuse(key, True, f"adds biases {family}'s converter has no names for",
-                         f"fine-tune a folder with {key} false (every released Llama)")
+            raise refuse(
+                key,
+                True,
+                f"adds biases {family}'s converter has no names for",
+                f"fine-tune a folder with {key} false (every released Llama)",
+            )
 
 
 def llama(cfg) -> Dict[str, Any]:
@@ -187,8 +269,9 @@ def qwen3(cfg) -> Dict[str, Any]:
 
 def mistral(cfg) -> Dict[str, Any]:
     """Mistral: Llama's layout with interleaved RoPE; no sliding window (v0.2 and v0.3 have none)."""
-    _no_sliding_window(cfg, "mistral", "fine-tune a folder with sliding_window null (Mistral 7B v0.2 and v0.3 "
-                                       "have none)")
+    _no_sliding_window(
+        cfg, "mistral", "fine-tune a folder with sliding_window null (Mistral 7B v0.2 and v0.3 have none)"
+    )
     return _common(cfg, family="Mistral")
 
 
@@ -197,12 +280,21 @@ def mistral(cfg) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 # The model keywords of torchtune's builders (and ours) that config.json decides, with the field that decides each.
-KWARG_FIELDS = {"vocab_size": "vocab_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                "num_kv_heads": "num_key_value_heads", "embed_dim": "hidden_size",
-                "intermediate_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
-                "head_dim": "head_dim", "norm_eps": "rms_norm_eps", "rope_base": "rope_theta",
-                "tie_word_embeddings": "tie_word_embeddings", "attn_dropout": "attention_dropout",
-                "scale_factor": "rope_scaling.factor"}
+KWARG_FIELDS = {
+    "vocab_size": "vocab_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "embed_dim": "hidden_size",
+    "intermediate_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "rope_base": "rope_theta",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "attn_dropout": "attention_dropout",
+    "scale_factor": "rope_scaling.factor",
+}
 
 
 def check_model_keys(given: Dict[str, Any], built: Dict[str, Any]) -> None:
@@ -212,15 +304,22 @@ def check_model_keys(given: Dict[str, Any], built: Dict[str, Any]) -> None:
         if key == "_component_":
             continue
         if key not in KWARG_FIELDS:
-            raise BadInput(f"model.{key}={value!r} is not read when the model is built from checkpoint_dir's "
-                           f"config.json; remove it (~model.{key})")
+            raise BadInput(
+                f"model.{key}={value!r} is not read when the model is built from checkpoint_dir's "
+                f"config.json; remove it (~model.{key})"
+            )
         if key == "scale_factor":
             found = (built.get("rope_scaling") or {}).get("factor")
         else:
             found = built[key]
-        same = found is not None and value is not None and (
-            value == found if isinstance(found, bool) or isinstance(value, bool) else float(value) == float(found))
+        same = (
+            found is not None
+            and value is not None
+            and (value == found if isinstance(found, bool) or isinstance(value, bool) else float(value) == float(found))
+        )
         if not same and not (key == "intermediate_dim" and value is None):
-            raise BadInput(f"model.{key}={value!r} but checkpoint_dir's config.json has {KWARG_FIELDS[key]}="
-                           f"{found!r}, and the model is built from config.json; remove model.{key} "
-                           f"(~model.{key}) or set model.{key}={found!r}")
+            raise BadInput(
+                f"model.{key}={value!r} but checkpoint_dir's config.json has {KWARG_FIELDS[key]}="
+                f"{found!r}, and the model is built from config.json; remove model.{key} "
+                f"(~model.{key}) or set model.{key}={found!r}"
+            )

@@ -51,8 +51,7 @@ def _kernel(impl: str) -> Optional[Callable]:
             return lambda h, w, y, ignore: linear_cross_entropy(h, w, y, ignore_index=ignore, reduction="sum")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return lambda h, w, y, ignore: liger_fused_linear_cross_entropy(h, w, y, ignore_index=ignore,
-                                                                        reduction="sum")
+        return lambda h, w, y, ignore: liger_fused_linear_cross_entropy(h, w, y, ignore_index=ignore, reduction="sum")
     except ImportError:
         return None
 
@@ -85,11 +84,14 @@ class LinearCrossEntropyLoss(nn.Module):
             impl = next((i for i in ("cce", "liger") if on_gpu and _kernel(i) is not None), "torch")
         elif impl != "torch":
             if not on_gpu:
-                raise BadInput(f"loss.impl={impl} runs Triton kernels on a CUDA GPU; on the CPU use loss.impl=torch "
-                               "(or auto)")
+                raise BadInput(
+                    f"loss.impl={impl} runs Triton kernels on a CUDA GPU; on the CPU use loss.impl=torch (or auto)"
+                )
             if _kernel(impl) is None:
-                raise BadInput(f"loss.impl={impl} needs its library: {INSTALL[impl]} (or pip install -e "
-                               "'.[fused-ce]'), or set loss.impl=torch")
+                raise BadInput(
+                    f"loss.impl={impl} needs its library: {INSTALL[impl]} (or pip install -e "
+                    "'.[fused-ce]'), or set loss.impl=torch"
+                )
         self.impl = impl
         self._fused = None if impl == "torch" else _kernel(impl)
         if compile and impl == "torch":

@@ -43,8 +43,9 @@ def apply_activation_checkpointing(model: torch.nn.Module, every_n: int = 1) -> 
     count = 0
     for i, layer in enumerate(model.layers):
         if (i + 1) % every_n == 0:
-            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                 preserve_rng_state=False)
+            model.layers[i] = checkpoint_wrapper(
+                layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+            )
             count += 1
     return count
 
@@ -68,6 +69,7 @@ def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, settings: Settin
 # ------------------------------------------------------------------------------------------------
 # FP8 matmuls (``fp8``)
 # ------------------------------------------------------------------------------------------------
+
 
 def fp8_suits(name: str, linear: torch.nn.Module, recipe: str) -> bool:
     """Whether the linear layer ``name`` runs its matmuls in FP8 under ``recipe``.

@@ -26,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # the terminal
 # ------------------------------------------------------------------------------------------------
 
+
 class _DropMessage(logging.Filter):
     def __init__(self, *fragments: str):
         super().__init__()
@@ -64,8 +65,10 @@ def set_log_level(log, cfg: DictConfig, show: bool = True) -> None:
 
     level = str(cfg.get("log_level", "INFO")).upper()
     if level not in ("DEBUG", "INFO", "WARNING"):
-        raise BadInput(f"log_level={cfg.get('log_level')!r} is not a level; use log_level=INFO (default), DEBUG (also "
-                       "prints the config) or WARNING")
+        raise BadInput(
+            f"log_level={cfg.get('log_level')!r} is not a level; use log_level=INFO (default), DEBUG (also "
+            "prints the config) or WARNING"
+        )
     log.setLevel(level if show else "WARNING")
     log.debug("Config:\n" + OmegaConf.to_yaml(cfg))
 
@@ -165,8 +168,11 @@ def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str], page: Opti
         lines += [f"  {k:<{width}}  {yaml.get(v, v) if isinstance(v, (bool, type(None))) else v}" for k, v in items]
         unset = [k for k in sorted(set(known_keys)) if k not in cfg]
         if unset:
-            lines += ["", "Also read by this recipe, not set in this config (their defaults are in the manual above):",
-                      "  " + ", ".join(unset)]
+            lines += [
+                "",
+                "Also read by this recipe, not set in this config (their defaults are in the manual above):",
+                "  " + ", ".join(unset),
+            ]
     return "\n".join(lines)
 
 
@@ -284,4 +290,3 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
-

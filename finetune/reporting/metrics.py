@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from tqdm import tqdm
 
-from finetune.run_files import SUMMARY_FILE, update_summary
 from finetune.checkpoint.run_folder import METRICS_FILE, tag
+from finetune.run_files import SUMMARY_FILE, update_summary
 
 # The first steps of each process compile, autotune and warm the allocator: the summary's medians skip them, as
 # bench/compare.py does (--skip-steps 2).
@@ -28,6 +28,7 @@ WARMUP_STEPS = 2
 
 def strict_json(record: Dict[str, Any]) -> str:
     """One metrics line as strict JSON: NaN and +-inf become null (json.dumps would write bare NaN)."""
+
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
             return None
@@ -40,8 +41,18 @@ def strict_json(record: Dict[str, Any]) -> str:
     return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
 
 
-def step_record(*, step: int, epoch: int, loss: float, lr: float, tokens: int, ranks: List[Dict[str, Any]],
-                grad_norm: Optional[float], skipped: int, world: Optional[int] = None) -> Dict[str, Any]:
+def step_record(
+    *,
+    step: int,
+    epoch: int,
+    loss: float,
+    lr: float,
+    tokens: int,
+    ranks: List[Dict[str, Any]],
+    grad_norm: Optional[float],
+    skipped: int,
+    world: Optional[int] = None,
+) -> Dict[str, Any]:
     """A step's metrics record, in the one shape both recipes write.
 
     ``ranks``: each rank's own figures, ``{"elapsed": s, "opt_ms": ms or None, "state_bytes": n, **memory_metrics}``
@@ -50,8 +61,14 @@ def step_record(*, step: int, epoch: int, loss: float, lr: float, tokens: int, r
     (``..._per_rank``), tokens/s per GPU and the world size.
     """
     wall = max(r["elapsed"] for r in ranks)
-    record: Dict[str, Any] = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "tokens": int(tokens),
-                              "tokens_per_second": float(tokens) / wall}
+    record: Dict[str, Any] = {
+        "step": step,
+        "epoch": epoch,
+        "loss": loss,
+        "lr": lr,
+        "tokens": int(tokens),
+        "tokens_per_second": float(tokens) / wall,
+    }
     if world is not None:
         record["tokens_per_second_per_gpu"] = float(tokens) / wall / world
     record["step_time_s"] = wall
@@ -133,13 +150,19 @@ class MetricsLog:
             return
         dropped = truncate_metrics(self.path, resume_step)
         if dropped:
-            self.log.info(f"metrics.jsonl: dropped {dropped} record(s) after step {resume_step}, which this resume "
-                          "trains again")
+            self.log.info(
+                f"metrics.jsonl: dropped {dropped} record(s) after step {resume_step}, which this resume trains again"
+            )
 
     def write(self, record: Dict[str, Any]) -> None:
         if "first_step_s" in record or record["step"] % self.console_every == 0:
-            tqdm.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
-                                  for k, v in record.items() if not isinstance(v, list)))
+            tqdm.write(
+                " | ".join(
+                    f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in record.items()
+                    if not isinstance(v, list)
+                )
+            )
         with open(self.path, "a") as f:
             f.write(strict_json(record) + "\n")
         if self.logger is not None:
@@ -292,8 +315,10 @@ class RunSummary:
 
         seconds = time.perf_counter() - self.t_start
         if self.nothing_left:
-            parts = [f"Nothing trained: {self.nothing_left}, so there was nothing to train (raise epochs or "
-                     f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."]
+            parts = [
+                f"Nothing trained: {self.nothing_left}, so there was nothing to train (raise epochs or "
+                f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."
+            ]
         elif self.first is None:
             parts = [f"Stopped before the first step ({fmt(seconds)})."]
         else:
@@ -301,8 +326,10 @@ class RunSummary:
             n = last_step - first_step + 1
             loss = f"; loss {first_loss:.4f} at step {first_step} -> {last_loss:.4f} at step {last_step}"
             how = f"stopped by {self.stop}" if self.stop else "done"
-            parts = [f"Run {how}: trained steps {first_step}-{last_step} ({n} step{'s' * (n != 1)}) in {fmt(seconds)}"
-                     f"{loss}" + (f"; {self.skipped} non-finite step(s) skipped" if self.skipped else "") + "."]
+            parts = [
+                f"Run {how}: trained steps {first_step}-{last_step} ({n} step{'s' * (n != 1)}) in {fmt(seconds)}"
+                f"{loss}" + (f"; {self.skipped} non-finite step(s) skipped" if self.skipped else "") + "."
+            ]
         sentence = summary_sentence(self.numbers)
         if sentence:
             parts.append(sentence[:-1] + f" ({self.summary_path}).")
@@ -327,8 +354,15 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     from finetune.checkpoint.run_folder import CHECKPOINT_PREFIXES
 
     output_dir = Path(output_dir)
-    found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES)
-             and (p / "recipe_state.pt").is_file()] if output_dir.is_dir() else []
+    found = (
+        [
+            p
+            for p in output_dir.iterdir()
+            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIXES) and (p / "recipe_state.pt").is_file()
+        ]
+        if output_dir.is_dir()
+        else []
+    )
     return max(found, key=lambda p: p.stat().st_mtime_ns, default=None)
 
 

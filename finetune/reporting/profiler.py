@@ -34,21 +34,68 @@ CATEGORIES = ("matmuls", "attention", "elementwise", "optimizer", "copies", "com
 # character ("aten::addmm" -> aten, addmm; "triton_tem_fused_mm_0" -> ..., mm, 0). Words must match whole, the
 # longer fragments anywhere in the name. Checked in this order: the first category that matches wins.
 RULES = (
-    ("communication", {"words": {"broadcast"}, "anywhere": ("nccl", "gloo", "all_reduce", "allreduce", "all_gather",
-                                                            "allgather", "reduce_scatter", "reducescatter", "c10d")}),
+    (
+        "communication",
+        {
+            "words": {"broadcast"},
+            "anywhere": (
+                "nccl",
+                "gloo",
+                "all_reduce",
+                "allreduce",
+                "all_gather",
+                "allgather",
+                "reduce_scatter",
+                "reducescatter",
+                "c10d",
+            ),
+        },
+    ),
     ("attention", {"words": {"sdpa", "softmax"}, "anywhere": ("attention", "attn", "flash", "fmha", "flex")}),
-    ("matmuls", {"words": {"mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "matmul", "linear", "dot"},
-                 "anywhere": ("gemm", "gemv", "cublas", "cutlass", "xmma", "wgmma", "nvjet", "_scaled_mm")}),
-    ("copies", {"words": {"copy", "cat", "clone", "contiguous", "to", "memcpy", "memset"},
-                "anywhere": ("memcpy", "memset", "copy_kernel", "copy", "catarray")}),
+    (
+        "matmuls",
+        {
+            "words": {"mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "matmul", "linear", "dot"},
+            "anywhere": ("gemm", "gemv", "cublas", "cutlass", "xmma", "wgmma", "nvjet", "_scaled_mm"),
+        },
+    ),
+    (
+        "copies",
+        {
+            "words": {"copy", "cat", "clone", "contiguous", "to", "memcpy", "memset"},
+            "anywhere": ("memcpy", "memset", "copy_kernel", "copy", "catarray"),
+        },
+    ),
 )
 
 
 # inductor's generated pointwise / reduction kernels name the ops they fuse ("triton_poi_fused__to_copy_add_mul_0"):
 # one that only moves data (casts, concatenation, views, transposes) is a copy, any other computes.
 FUSED_KERNEL = re.compile(r"triton_(?:poi|red|per)_fused_(.*)")
-MOVES_ONLY = {"to", "copy", "cat", "clone", "contiguous", "transpose", "permute", "view", "unsafe", "expand", "slice",
-              "select", "split", "with", "sizes", "squeeze", "unsqueeze", "reshape", "stack", "t", "backward", ""}
+MOVES_ONLY = {
+    "to",
+    "copy",
+    "cat",
+    "clone",
+    "contiguous",
+    "transpose",
+    "permute",
+    "view",
+    "unsafe",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "with",
+    "sizes",
+    "squeeze",
+    "unsqueeze",
+    "reshape",
+    "stack",
+    "t",
+    "backward",
+    "",
+}
 
 
 def classify(name: str) -> str:
@@ -127,8 +174,12 @@ class Profiler:
         for key, low in (("wait_steps", 0), ("warmup_steps", 0), ("active_steps", 1), ("num_cycles", 0)):
             value = resolved.get(key)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-                rule = "a positive integer" if low else "a non-negative integer" + (
-                    " (0: a cycle after another until the end)" if key == "num_cycles" else "")
+                rule = (
+                    "a positive integer"
+                    if low
+                    else "a non-negative integer"
+                    + (" (0: a cycle after another until the end)" if key == "num_cycles" else "")
+                )
                 raise BadInput(f"profiler.{key}={value!r} must be {rule}; set e.g. profiler.{key}=1")
         self._prof, self.cfg = config.instantiate(OmegaConf.create(resolved))
         self.output_dir = Path(self.cfg.output_dir)
@@ -161,21 +212,31 @@ class Profiler:
             return None
         if not self._cycles:
             c = self.cfg
-            return (f"Profiler: no step was recorded: this run trained {len(self._global_steps)} step(s), and the "
-                    f"schedule records steps {c.wait_steps + c.warmup_steps + 1}-"
-                    f"{c.wait_steps + c.warmup_steps + c.active_steps} of each cycle (lower profiler.wait_steps "
-                    "and profiler.warmup_steps).")
+            return (
+                f"Profiler: no step was recorded: this run trained {len(self._global_steps)} step(s), and the "
+                f"schedule records steps {c.wait_steps + c.warmup_steps + 1}-"
+                f"{c.wait_steps + c.warmup_steps + c.active_steps} of each cycle (lower profiler.wait_steps "
+                "and profiler.warmup_steps)."
+            )
         total = {c: sum(cycle["us"][c] for cycle in self._cycles) for c in CATEGORIES}
         wall = sum(cycle["wall_us"] for cycle in self._cycles)
         steps = sum(cycle["steps"] for cycle in self._cycles)
-        recorded = [self._global_steps[i - 1] for cycle in self._cycles
-                    for i in range(cycle["last"] - cycle["steps"] + 1, cycle["last"] + 1)
-                    if 0 < i <= len(self._global_steps)]
+        recorded = [
+            self._global_steps[i - 1]
+            for cycle in self._cycles
+            for i in range(cycle["last"] - cycle["steps"] + 1, cycle["last"] + 1)
+            if 0 < i <= len(self._global_steps)
+        ]
         gpu = any(cycle["gpu"] for cycle in self._cycles)
-        what = "GPU time (kernels by name)" if gpu else \
-            "CPU time (by PyTorch op: on the CPU there are no GPU kernels, so these are ops' self times)"
+        what = (
+            "GPU time (kernels by name)"
+            if gpu
+            else "CPU time (by PyTorch op: on the CPU there are no GPU kernels, so these are ops' self times)"
+        )
         shares = ", ".join(f"{c} {100 * total[c] / wall:.0f} %" for c in CATEGORIES if wall) if wall else "nothing"
         where = f"steps {min(recorded)}-{max(recorded)}" if recorded else f"{steps} step(s)"
-        return (f"Profiler: {where} ({steps} recorded, {wall / max(steps, 1) / 1e3:.1f} ms each): {what}: "
-                f"{shares}. Trace: {self._dirs[-1]} (open the .pt.trace.json.gz in https://ui.perfetto.dev or "
-                f"TensorBoard; rank{self.rank}_key_averages.txt holds the top ops).")
+        return (
+            f"Profiler: {where} ({steps} recorded, {wall / max(steps, 1) / 1e3:.1f} ms each): {what}: "
+            f"{shares}. Trace: {self._dirs[-1]} (open the .pt.trace.json.gz in https://ui.perfetto.dev or "
+            f"TensorBoard; rank{self.rank}_key_averages.txt holds the top ops)."
+        )

@@ -58,8 +58,15 @@ def run_identity(cfg: DictConfig, settings, *, world: int = 1) -> Dict[str, Any]
     config = config_name()
     variant = variant_label(settings.optimizer.path)
     tags = [memory_class(settings, config), variant]
-    tags += [t for t, on in (("packed", settings.packed), ("compiled", settings.compile),
-                             ("in-backward", settings.optimizer_in_bwd)) if on]
+    tags += [
+        t
+        for t, on in (
+            ("packed", settings.packed),
+            ("compiled", settings.compile),
+            ("in-backward", settings.optimizer_in_bwd),
+        )
+        if on
+    ]
     if world > 1:
         tags.append(f"{world}-ranks")
     mine = {"name": f"{config}-{variant}", "group": config, "tags": tags}
@@ -135,9 +142,13 @@ def wandb_run_info(logger) -> Optional[Dict[str, Any]]:
     if run is None:
         return None
     log_dir = getattr(logger, "log_dir", None)
-    return {"id": run.id, "project": run.project, "entity": run.entity or None,
-            "mode": str(getattr(run.settings, "mode", "online")),
-            "dir": str(Path(log_dir).resolve()) if log_dir else str(Path(run.dir).parents[2].resolve())}
+    return {
+        "id": run.id,
+        "project": run.project,
+        "entity": run.entity or None,
+        "mode": str(getattr(run.settings, "mode", "online")),
+        "dir": str(Path(log_dir).resolve()) if log_dir else str(Path(run.dir).parents[2].resolve()),
+    }
 
 
 def run_file(identity: Dict[str, Any]) -> Dict[str, Any]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, read_metrics, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
@@ -25,10 +26,22 @@ BROKEN = "no_such_package.AdamW"
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "bench/compare.py", "--config", "configs/tiny.yaml", "--variants", f"fused,ours16,{BROKEN}",
-           # --allow-dirty: the suite runs on a working tree, committed or not
-           "--steps", str(STEPS), "--out-dir", str(out_dir), "--allow-dirty", f"data_dir={DATA_DIR}",
-           *[o for o in FAST if not o.startswith("max_steps_per_epoch=")]]
+    cmd = [
+        sys.executable,
+        "bench/compare.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--variants",
+        f"fused,ours16,{BROKEN}",
+        # --allow-dirty: the suite runs on a working tree, committed or not
+        "--steps",
+        str(STEPS),
+        "--out-dir",
+        str(out_dir),
+        "--allow-dirty",
+        f"data_dir={DATA_DIR}",
+        *[o for o in FAST if not o.startswith("max_steps_per_epoch=")],
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
     return proc, out_dir
 
@@ -69,7 +82,8 @@ def test_numbers_come_from_the_run(bench_run, variant):
     assert rec["tok_s_per_step"] == [m["tokens_per_second"] for m in metrics]
     fused = read_metrics(out_dir / "runs" / compare.slug(FUSED))
     assert rec["vs_fused_paired"] == statistics.median(
-        m["tokens_per_second"] / f["tokens_per_second"] for m, f in zip(metrics[2:], fused[2:]))
+        m["tokens_per_second"] / f["tokens_per_second"] for m, f in zip(metrics[2:], fused[2:])
+    )
     assert 0 < rec["first_step_s"] < rec["wall_s"]
     # The run is stopped once its last step is logged, before the end-of-epoch checkpoint, and anything the
     # recipe had begun writing is removed (--keep-checkpoints lets it finish and keeps it).
@@ -104,16 +118,27 @@ def test_nproc_launches_the_distributed_recipe():
     assert dist[dist.index("--nproc_per_node") + 1] == "2" and dist[-2:] == ["--config", "c.yaml"]
     # a recipe file (torchtune's stock one, or ours by path) runs as a script
     assert harness.recipe_command("/x/recipes/full_finetune_single_device.py")[1:] == [
-        "/x/recipes/full_finetune_single_device.py"]
+        "/x/recipes/full_finetune_single_device.py"
+    ]
 
 
 def test_variant_names_and_in_bwd_overrides():
     variants = compare.resolve_variants("fused,ours4,torchao.optim.AdamW8bit", in_bwd=True)
     names = [v[0] for v in variants]
-    assert names == [FUSED, FUSED + "+in_bwd", "optimizers.AdamW4bit", "optimizers.AdamW4bit+in_bwd",
-                     "torchao.optim.AdamW8bit", "torchao.optim.AdamW8bit+in_bwd"]
-    assert variants[1][1] == ["optimizer=torch.optim.AdamW", "optimizer.fused=True", "optimizer_in_bwd=True",
-                              "clip_grad_norm=null"]
+    assert names == [
+        FUSED,
+        FUSED + "+in_bwd",
+        "optimizers.AdamW4bit",
+        "optimizers.AdamW4bit+in_bwd",
+        "torchao.optim.AdamW8bit",
+        "torchao.optim.AdamW8bit+in_bwd",
+    ]
+    assert variants[1][1] == [
+        "optimizer=torch.optim.AdamW",
+        "optimizer.fused=True",
+        "optimizer_in_bwd=True",
+        "clip_grad_norm=null",
+    ]
     assert [v[0] for v in compare.resolve_variants("bnb8", in_bwd="only")] == ["bitsandbytes.optim.AdamW8bit+in_bwd"]
 
 
@@ -156,9 +181,17 @@ def test_busy_machine_is_recorded_and_warned(bench_run):
 
 
 def test_summary_prefers_gpu_peak():
-    metrics = [{"loss": 3.0 - i, "tokens_per_second": 100.0 * (i + 1), "peak_memory_alloc_gib": 10.0 + i,
-                "peak_memory_reserved_gib": 12.0 + i, "optimizer_step_ms": None, "optimizer_state_bytes": 2**30}
-               for i in range(4)]
+    metrics = [
+        {
+            "loss": 3.0 - i,
+            "tokens_per_second": 100.0 * (i + 1),
+            "peak_memory_alloc_gib": 10.0 + i,
+            "peak_memory_reserved_gib": 12.0 + i,
+            "optimizer_step_ms": None,
+            "optimizer_state_bytes": 2**30,
+        }
+        for i in range(4)
+    ]
     s = compare.summarize(metrics, skip_steps=2)
     assert s["peak_kind"] == "gpu_alloc" and s["peak_gib"] == 13.0 and s["peak_reserved_gib"] == 15.0
     assert s["tok_s"] == 350.0 and s["opt_step_ms"] is None and s["losses"] == [3.0, 2.0, 1.0, 0.0]
@@ -169,15 +202,26 @@ def test_replot_keeps_a_record_without_per_step_losses(bench_run, tmp_path):
     # its memory/speed point; the loss plot skips it.
     _, out_dir = bench_run
     result = json.loads((out_dir / "compare.json").read_text())
-    kept = dict(next(r for r in result["records"] if r["variant"] == FUSED), variant=FUSED + "+in_bwd", losses=None,
-                final_loss=1.2345, opt_step_ms=None)
+    kept = dict(
+        next(r for r in result["records"] if r["variant"] == FUSED),
+        variant=FUSED + "+in_bwd",
+        losses=None,
+        final_loss=1.2345,
+        opt_step_ms=None,
+    )
     result["records"].append(kept)
     path = tmp_path / "kept.json"
     path.write_text(json.dumps(result))
-    proc = subprocess.run([sys.executable, "bench/compare.py", "--replot", str(path), "--out-dir", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "bench/compare.py", "--replot", str(path), "--out-dir", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = next(line for line in (tmp_path / "compare.md").read_text().splitlines()
-               if line.startswith(f"| {FUSED}+in_bwd |"))
+    row = next(
+        line for line in (tmp_path / "compare.md").read_text().splitlines() if line.startswith(f"| {FUSED}+in_bwd |")
+    )
     assert "1.2345" in row
     assert (tmp_path / "compare_memory_speed.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, ThrowawayAdamW, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
@@ -20,13 +21,21 @@ import _harness as harness  # noqa: E402
 SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step", "checkpoint_save"]
 # The fewest arguments each script needs to start a run (compare's config: the real one, by absolute path, so that
 # the copy below finds it).
-MINIMAL = {"compare": ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--variants", "fused"],
-           "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"], "checkpoint_save": ["--toy"]}
+MINIMAL = {
+    "compare": ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--variants", "fused"],
+    "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"],
+    "checkpoint_save": ["--toy"],
+}
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -82,11 +91,18 @@ def test_every_benchmark_refuses_a_dirty_tree(repo, script):
     """Each script asks before any work: in a copy whose bench/ has an uncommitted change, it stops with one line."""
     with open(repo / "bench" / "_harness.py", "a") as f:
         f.write("# an uncommitted edit\n")
-    proc = subprocess.run([sys.executable, f"bench/{script}.py", *MINIMAL.get(script, [])], cwd=repo,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}.py", *MINIMAL.get(script, [])],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == ("error: uncommitted changes in bench/_harness.py: commit them so "
-                                                    "the result names the code it ran, or pass --allow-dirty")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: uncommitted changes in bench/_harness.py: commit them so "
+        "the result names the code it ran, or pass --allow-dirty"
+    )
     assert not (repo / "outputs").exists()
 
 
@@ -142,8 +158,12 @@ def test_compare_puts_runs_in_scratch_when_only_out_is_given():
 def test_run_streams_stops_and_times_out(tmp_path):
     lines = []
     script = "import time\nfor i in range(100):\n    print('line', i, flush=True)\n    time.sleep(0.05)\n"
-    run = harness.run([sys.executable, "-c", script], tmp_path / "a.log", on_line=lambda line, t: lines.append(line),
-                      until=lambda: len(lines) >= 3)
+    run = harness.run(
+        [sys.executable, "-c", script],
+        tmp_path / "a.log",
+        on_line=lambda line, t: lines.append(line),
+        until=lambda: len(lines) >= 3,
+    )
     assert run.stopped and run.error() is None and run.returncode != 0  # killed, but its work was done
     assert lines[:3] == ["line 0", "line 1", "line 2"] and "line 0" in (tmp_path / "a.log").read_text()
     assert run.command.startswith("python -c ")  # the interpreter's path is this machine's: not recorded
@@ -187,10 +207,33 @@ def pipeline_result(tmp_path_factory):
     out = tmp_path / "pipeline.json"
     overrides = [o for o in FAST if not o.startswith("max_steps_per_epoch=")]
     proc = subprocess.run(
-        [sys.executable, "bench/pipeline.py", "--config", "configs/tiny.yaml", "--data-dir", str(DATA_DIR),
-         "--work", str(tmp_path / "work"), "--steps", "4", "--save-every", "2", "--no-eval", "--timeout", "300",
-         "--out", str(out), "--allow-dirty", *overrides],
-        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "bench/pipeline.py",
+            "--config",
+            "configs/tiny.yaml",
+            "--data-dir",
+            str(DATA_DIR),
+            "--work",
+            str(tmp_path / "work"),
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--no-eval",
+            "--timeout",
+            "300",
+            "--out",
+            str(out),
+            "--allow-dirty",
+            *overrides,
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -225,9 +268,26 @@ def test_checkpoint_bench_toy_rows(tmp_path):
     each stopped once its saves are measured; the per-save figures come from the recipe's lines and records."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "bench/checkpoint_save.py", "--toy", "--data-dir", str(DATA_DIR), "--runs-dir",
-         str(tmp_path / "runs"), "--pack-cache-dir", "off", "--out", str(out), "--allow-dirty"],
-        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "bench/checkpoint_save.py",
+            "--toy",
+            "--data-dir",
+            str(DATA_DIR),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--pack-cache-dir",
+            "off",
+            "--out",
+            str(out),
+            "--allow-dirty",
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert {"command", "hardware", "versions", "date", "code"} <= set(doc)
@@ -247,11 +307,43 @@ def test_loss_parity_width2048_smoke(tmp_path):
     pre-trains, fine-tunes the reference and one of ours from the same state, scores, and writes its JSON and plot."""
     out = tmp_path / "w.json"
     proc = subprocess.run(
-        [sys.executable, "bench/loss_parity_width2048.py", "--device", "cpu", "--width", "128", "--layers", "1",
-         "--seq-len", "64", "--batch", "2", "--steps", "3", "--pretrain-steps", "2", "--pretrain-batch", "2",
-         "--heldout", "8", "--train-records", "32", "--variants", "ours16", "--data-dir", str(DATA_DIR),
-         "--out", str(out), "--allow-dirty"],
-        cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "bench/loss_parity_width2048.py",
+            "--device",
+            "cpu",
+            "--width",
+            "128",
+            "--layers",
+            "1",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--pretrain-steps",
+            "2",
+            "--pretrain-batch",
+            "2",
+            "--heldout",
+            "8",
+            "--train-records",
+            "32",
+            "--variants",
+            "ours16",
+            "--data-dir",
+            str(DATA_DIR),
+            "--out",
+            str(out),
+            "--allow-dirty",
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["key"] for r in result["records"]] == ["ref", "ours16"]
@@ -265,7 +357,7 @@ def test_loss_parity_width2048_smoke(tmp_path):
 
 # Stands in for torchtune's full_finetune_single_device.py: logs as its DiskLogger does, then never ends (as a recipe
 # writing its end-of-epoch checkpoint), or fails first when asked.
-FAKE_STOCK = '''
+FAKE_STOCK = """
 import pathlib, sys, time
 args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 if "fail=True" in sys.argv:
@@ -278,7 +370,7 @@ with open(log_dir / "log_1.txt", "w") as f:
                 "peak_memory_alloc:tensor(10.5, device='cuda:0') peak_memory_reserved:12.0\\n")
         f.flush()
 time.sleep(600)
-'''
+"""
 
 
 def test_e2e_stock_row_stops_once_its_steps_are_logged(tmp_path, monkeypatch):
@@ -289,8 +381,15 @@ def test_e2e_stock_row_stops_once_its_steps_are_logged(tmp_path, monkeypatch):
     stock = tmp_path / "stock"
     (stock / "configs" / "llama2").mkdir(parents=True)
     (stock / "full_finetune_single_device.py").write_text(FAKE_STOCK)
-    args = argparse.Namespace(checkpoint_dir=str(tmp_path / "ck"), data_dir=str(DATA_DIR), stock_dir=str(stock),
-                              steps=3, skip_steps=1, timeout=120, pack_cache_dir=str(tmp_path / "packs"))
+    args = argparse.Namespace(
+        checkpoint_dir=str(tmp_path / "ck"),
+        data_dir=str(DATA_DIR),
+        stock_dir=str(stock),
+        steps=3,
+        skip_steps=1,
+        timeout=120,
+        pack_cache_dir=str(tmp_path / "packs"),
+    )
     row = e2e.run_row("stock_80gb", args, tmp_path / "runs")
     assert "error" not in row, row
     assert row["losses"] == [2.9, 2.8, 2.7] and row["tok_s_per_step"] == [1000.0, 2000.0, 3000.0]

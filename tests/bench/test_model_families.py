@@ -12,23 +12,52 @@ import torch
 from conftest import DATA_DIR, REPO_ROOT, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import model_families as mf  # noqa: E402
-
 # torchtune's wheel ships its recipes (and their configs) beside the package: the stock rows run those.
 import torchtune  # noqa: E402
 
+import model_families as mf  # noqa: E402
+
 STOCK_DIR = Path(torchtune.__file__).resolve().parents[1] / "recipes"
-KEYS = {"family", "name", "kind", "config", "memory_class", "device_memory_limit_gib", "variant", "tok_s",
-        "peak_reserved_gib", "mfu", "vs_stock", "command", "losses"}
+KEYS = {
+    "family",
+    "name",
+    "kind",
+    "config",
+    "memory_class",
+    "device_memory_limit_gib",
+    "variant",
+    "tok_s",
+    "peak_reserved_gib",
+    "mfu",
+    "vs_stock",
+    "command",
+    "losses",
+}
 
 
 def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
     out, work = tmp_path / "families.json", tmp_path / "work"
-    cmd = [sys.executable, "bench/model_families.py", "--toy", "--families", "llama3_2_3b", "--only", "ours_24gb,stock",
-           "--stock-dir", str(STOCK_DIR), "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out),
-           "--allow-dirty"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "bench/model_families.py",
+        "--toy",
+        "--families",
+        "llama3_2_3b",
+        "--only",
+        "ours_24gb,stock",
+        "--stock-dir",
+        str(STOCK_DIR),
+        "--data-dir",
+        str(DATA_DIR),
+        "--work-dir",
+        str(work),
+        "--out",
+        str(out),
+        "--allow-dirty",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python bench/model_families.py --toy") and doc["hardware"] and doc["date"]
@@ -38,7 +67,9 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
         assert KEYS <= set(r) and not r.get("error"), r
         assert r["family"] == "llama3_2_3b" and r["tok_s"] > 0 and len(r["losses"]) == 3
     ours, stock = records["ours_24gb"], records["stock"]
-    assert ours["kind"] == "ours" and ours["config"] == "llama3_2/3B_full_24gb" and ours["device_memory_limit_gib"] == 24
+    assert (
+        ours["kind"] == "ours" and ours["config"] == "llama3_2/3B_full_24gb" and ours["device_memory_limit_gib"] == 24
+    )
     assert ours["variant"] == "optimizers.AdamW4bit + LinearCrossEntropyLoss(auto)"
     assert stock["kind"] == "stock" and stock["config"] == "llama3_2/3B_full_single_device" and stock["vs_stock"] == 1.0
     assert "full_finetune_single_device.py" in stock["command"] and "optimizer_in_bwd=True" in stock["command"]

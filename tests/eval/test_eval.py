@@ -19,8 +19,8 @@ import transformers
 from lm_eval.tasks import TaskManager
 from omegaconf import OmegaConf
 
-from conftest import LLAMA2_TOKENIZER as TOKENIZER
 from conftest import DATA_DIR, EVAL_CONFIG, REPO_ROOT, TUNE, eval_recipe_module  # (TUNE: the `tune` beside this Python)
+from conftest import LLAMA2_TOKENIZER as TOKENIZER
 
 sys.path.insert(0, str(REPO_ROOT))  # `eval` from this checkout, installed or not
 
@@ -37,7 +37,11 @@ LIMIT = 8  # questions in the parity test (~60 loglikelihood requests)
 def _tune_env() -> dict:
     # `tune run recipes/...` resolves `recipes` through the editable install's finder; PYTHONPATH covers a
     # checkout that isn't installed, and WANDB_MODE keeps any wandb logging offline.
-    return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "WANDB_MODE": "offline"}
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "WANDB_MODE": "offline",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,10 @@ def test_offline_task_equals_lm_eval_task_on_hub_rows(tmp_path):
     # parallel choices/labels lists, in the map's order.
     questions = json.loads(MC_TASK.read_text())
     rows = [
-        {"question": q["question"], **{k: {"choices": list(q[k]), "labels": list(q[k].values())} for k in ("mc1_targets", "mc2_targets")}}
+        {
+            "question": q["question"],
+            **{k: {"choices": list(q[k]), "labels": list(q[k].values())} for k in ("mc1_targets", "mc2_targets")},
+        }
         for q in questions
     ]
     hub_file = tmp_path / "hub.jsonl"
@@ -79,7 +86,11 @@ def test_offline_task_equals_lm_eval_task_on_hub_rows(tmp_path):
     assert prompt.startswith("Q: What is human life expectancy in the United States?\nA: Human life expectancy")
     assert prompt.endswith(f"\n\nQ: {questions[0]['question']}\nA:")
     # mc2's true answers are not always all listed before the false ones (2 questions); the file's order is kept.
-    unsorted = [i for i, doc in enumerate(ours_docs) if doc["mc2_targets"]["labels"] != sorted(doc["mc2_targets"]["labels"], reverse=True)]
+    unsorted = [
+        i
+        for i, doc in enumerate(ours_docs)
+        if doc["mc2_targets"]["labels"] != sorted(doc["mc2_targets"]["labels"], reverse=True)
+    ]
     assert unsorted == [25, 208]
 
     # What lm-eval sends to the model: (context, continuation) pairs, in order.
@@ -105,7 +116,9 @@ def test_requests_tokenized_like_sentencepiece_and_lm_eval_hf(tiny_checkpoint, a
     asked. (transformers 5's LlamaTokenizer class splits double spaces differently; 3 TruthfulQA answers have them.)"""
     sp = sentencepiece.SentencePieceProcessor(model_file=str(TOKENIZER))
     model = transformers.LlamaForCausalLM.from_pretrained(tiny_checkpoint)
-    ours = HFLM(pretrained=model, tokenizer=load_tokenizer(tiny_checkpoint / "tokenizer.model", add_bos), add_bos_token=add_bos)
+    ours = HFLM(
+        pretrained=model, tokenizer=load_tokenizer(tiny_checkpoint / "tokenizer.model", add_bos), add_bos_token=add_bos
+    )
     hf_path = HFLM(pretrained=str(tiny_checkpoint), add_bos_token=add_bos, device="cpu", dtype="float32")
     questions = json.loads(MC_TASK.read_text())[:50]
     texts = [f"Q: {q['question']}\nA: {answer}" for q in questions for answer in q["mc2_targets"]]
@@ -172,10 +185,19 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
         if kind == "bin":
             torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
             (ckpt / "model.safetensors").unlink()
-        assert [f.name for f in finetune.base.hf_weight_files(ckpt)] == (["pytorch_model.bin"] if kind == "bin"
-                                                                    else ["model.safetensors"])
-        cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
-                                                            "device": "cpu", "limit": 2, "output_dir": str(ckpt / "e")})
+        assert [f.name for f in finetune.base.hf_weight_files(ckpt)] == (
+            ["pytorch_model.bin"] if kind == "bin" else ["model.safetensors"]
+        )
+        cfg = OmegaConf.merge(
+            OmegaConf.load(EVAL_CONFIG),
+            {
+                "checkpoint_dir": str(ckpt),
+                "data_dir": str(DATA_DIR),
+                "device": "cpu",
+                "limit": 2,
+                "output_dir": str(ckpt / "e"),
+            },
+        )
         assert eval_recipe_module().recipe_main.__wrapped__(cfg) == 0
         (results_file,) = (ckpt / "e").glob("results_*.json")
         score[kind] = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]
@@ -183,8 +205,9 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
 
     broken = _copy(tiny_checkpoint, tmp_path / "sharded")
     (broken / "model.safetensors").rename(broken / "model-00001-of-00002.safetensors")
-    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (broken / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(finetune.base.BadInput, match="model-00002-of-00002.safetensors"):
         finetune.base.hf_weight_files(broken)
     with pytest.raises(ec.EvalInputError, match=f"checkpoint_dir={broken}.*model-00002-of-00002"):
@@ -195,7 +218,9 @@ def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):
 
 
 def _run_recipe(capsys, **overrides) -> str:
-    cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"data_dir": str(DATA_DIR), "device": "cpu", "limit": 1}, overrides)
+    cfg = OmegaConf.merge(
+        OmegaConf.load(EVAL_CONFIG), {"data_dir": str(DATA_DIR), "device": "cpu", "limit": 1}, overrides
+    )
     status = eval_recipe_module().recipe_main.__wrapped__(cfg)  # past @config.parse, which reads sys.argv
     err = capsys.readouterr().err.strip()
     assert status == 2
@@ -239,7 +264,11 @@ def test_checkpoint_missing_tensors(capsys, tmp_path, tiny_checkpoint):
 
     ckpt = _copy(tiny_checkpoint, tmp_path / "epoch_0")
     tensors = load_file(ckpt / "model.safetensors")
-    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, ckpt / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in tensors.items() if ".layers.1." not in k},
+        ckpt / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     err = _run_recipe(capsys, checkpoint_dir=str(ckpt))
     assert "lacks" in err and "model.layers.1." in err
 
@@ -288,15 +317,34 @@ def test_unsupported_task_and_options(capsys, tiny_checkpoint):
 
 def test_hub_out_of_reach(tiny_checkpoint):
     """data_source=hub runs lm-eval's task as-is; without the hub that is one message pointing at data_source=local."""
-    cmd = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "data_source=hub", "limit=1"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**_tune_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    cmd = [
+        TUNE,
+        "run",
+        "recipes/evaluate.py",
+        "--config",
+        str(EVAL_CONFIG),
+        f"checkpoint_dir={tiny_checkpoint}",
+        "data_source=hub",
+        "limit=1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env={**_tune_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: data_source=hub but the hub is out of reach") and "use data_source=local" in last
 
 
 def test_bad_input_exit_status_from_the_command_line(tiny_checkpoint):
-    cmd = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}", "tasks=[mmlu]"]
+    cmd = [
+        TUNE,
+        "run",
+        "recipes/evaluate.py",
+        "--config",
+        str(EVAL_CONFIG),
+        f"checkpoint_dir={tiny_checkpoint}",
+        "tasks=[mmlu]",
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: tasks=['mmlu']: unsupported task")
@@ -313,7 +361,17 @@ def test_recipe_checkpoint_evaluates(tmp_path):
     assert train.ok, train.stderr[-3000:]
     (checkpoint,) = run_dir.glob("epoch_0")  # CONVENTIONS.md: {output_dir}/epoch_{E}/, HF format
 
-    evaluate = [TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={checkpoint}", f"data_dir={DATA_DIR}", "limit=4", "device=cpu"]
+    evaluate = [
+        TUNE,
+        "run",
+        "recipes/evaluate.py",
+        "--config",
+        str(EVAL_CONFIG),
+        f"checkpoint_dir={checkpoint}",
+        f"data_dir={DATA_DIR}",
+        "limit=4",
+        "device=cpu",
+    ]
     proc = subprocess.run(evaluate, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (finetune/reporting/console.py, KNOWN_NOISE)

@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 import support
 from conftest import DATA_DIR, EVAL_CONFIG, LLAMA2_TOKENIZER, eval_recipe_module
-
 from eval.checkpoint import check_checkpoint
 from eval.errors import EvalInputError
 
@@ -37,8 +36,16 @@ def copy(checkpoint: Path, dest: Path) -> Path:
 
 def evaluate(capsys, ckpt: Path) -> str:
     """The eval recipe in this process, as `tune run` calls it; returns its one error line (asserting exit 2)."""
-    cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
-                                                        "device": "cpu", "limit": 1, "output_dir": str(ckpt / "e")})
+    cfg = OmegaConf.merge(
+        OmegaConf.load(EVAL_CONFIG),
+        {
+            "checkpoint_dir": str(ckpt),
+            "data_dir": str(DATA_DIR),
+            "device": "cpu",
+            "limit": 1,
+            "output_dir": str(ckpt / "e"),
+        },
+    )
     status = eval_recipe_module().recipe_main.__wrapped__(cfg)
     err = capsys.readouterr().err.strip()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -54,8 +61,11 @@ def test_config_without_sizes_is_refused_before_building_a_model(checkpoint, tmp
     for key in ("hidden_size", "num_hidden_layers"):
         config.pop(key)
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EvalInputError, match=r"config.json lacks the model's sizes \(hidden_size=None, "
-                                             r"num_hidden_layers=None; .*default 7B model"):
+    with pytest.raises(
+        EvalInputError,
+        match=r"config.json lacks the model's sizes \(hidden_size=None, "
+        r"num_hidden_layers=None; .*default 7B model",
+    ):
         check_checkpoint(ckpt)
 
 
@@ -64,7 +74,9 @@ def test_weights_of_another_width(capsys, checkpoint, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "hidden_size": 128, "head_dim": 32}))
     err = evaluate(capsys, ckpt)
-    assert "model.embed_tokens.weight is [32000, 64] but config.json says vocab_size x hidden_size = [32000, 128]" in err
+    assert (
+        "model.embed_tokens.weight is [32000, 64] but config.json says vocab_size x hidden_size = [32000, 128]" in err
+    )
 
 
 def test_a_shard_outside_the_folder(capsys, checkpoint, tmp_path):
@@ -73,8 +85,9 @@ def test_a_shard_outside_the_folder(capsys, checkpoint, tmp_path):
     elsewhere.mkdir()
     (ckpt / "model.safetensors").rename(elsewhere / "model-00001-of-00001.safetensors")
     names = load_file(elsewhere / "model-00001-of-00001.safetensors")
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: "../elsewhere/model-00001-of-00001.safetensors" for k in names}}))
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "../elsewhere/model-00001-of-00001.safetensors" for k in names}})
+    )
     err = evaluate(capsys, ckpt)
     assert "names weight files outside" in err and "../elsewhere/model-00001-of-00001.safetensors" in err
 

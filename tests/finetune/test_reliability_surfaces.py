@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import DATA_DIR, FAST, LOCK_HOLDER, REPO_ROOT, TINY_CONFIG
-
 from finetune.checkpoint import lock as _lock
-from finetune.data import packing
 from finetune.checkpoint import run_folder
 from finetune.checkpoint.lock import OutputDirLock
+from finetune.data import packing
 
 
 def dead_pid() -> int:
@@ -55,10 +54,17 @@ def holder_elsewhere(tmp_path):
     """A live run in another PID namespace on another host, holding ``tmp_path/out/.lock``."""
     out = tmp_path / "out"
     out.mkdir()
-    owner = {"host": "node-b", "boot_id": "another-boot", "pid_ns": "pid:[1]", "pid": dead_pid(), "start": "1",
-             "token": "theirs"}
-    proc = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), json.dumps(owner)],
-                            stdout=subprocess.PIPE, text=True)
+    owner = {
+        "host": "node-b",
+        "boot_id": "another-boot",
+        "pid_ns": "pid:[1]",
+        "pid": dead_pid(),
+        "start": "1",
+        "token": "theirs",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), json.dumps(owner)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "holding"
     yield out, owner
     proc.kill()
@@ -96,8 +102,10 @@ def test_racing_takers_of_a_stale_lock_end_with_one_holder(tmp_path, monkeypatch
     """6 processes find the same stale lock (its holder dead) at the same moment, 100 times over: each time exactly
     one takes it (and removes it when it is done)."""
     if not kernel_locks:  # a file system without fcntl locks: O_EXCL and one takeover marker per stale lock
+
         def no_locks(*args):
             raise OSError(errno.ENOLCK, "No locks available")
+
         monkeypatch.setattr(_lock.fcntl, "lockf", no_locks)
     ctx, trials, n = multiprocessing.get_context("fork"), 100, 6
     stale = json.dumps({"pid": dead_pid(), "start": "1"})
@@ -131,10 +139,17 @@ def test_only_the_holder_removes_the_lock(tmp_path):
 def test_without_fcntl_locks_a_holder_elsewhere_is_live_while_its_lease_is_fresh(tmp_path, monkeypatch):
     def no_locks(*args):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(_lock.fcntl, "lockf", no_locks)
     me = _lock.identity()
-    elsewhere = {"host": "node-b", "boot_id": "b", "pid_ns": me["pid_ns"], "pid": os.getpid(), "start": me["start"],
-                 "token": "theirs"}
+    elsewhere = {
+        "host": "node-b",
+        "boot_id": "b",
+        "pid_ns": me["pid_ns"],
+        "pid": os.getpid(),
+        "start": me["start"],
+        "token": "theirs",
+    }
     (tmp_path / ".lock").write_text(json.dumps(elsewhere))
     with pytest.raises(run_folder.BadInput, match="on node-b.*its lease ends 300 s after"):
         OutputDirLock(tmp_path).acquire()
@@ -188,8 +203,9 @@ def test_an_unreadable_rank_file_is_the_same_error_on_every_rank(tmp_path):
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     results = [(tmp_path / f"result-{rank}").read_text() for rank in (0, 1)]
-    assert results[0] == results[1] and results[0].startswith(f"error: {tmp_path / 'recipe_state_rank1.pt'} is "
-                                                              "unreadable")
+    assert results[0] == results[1] and results[0].startswith(
+        f"error: {tmp_path / 'recipe_state_rank1.pt'} is unreadable"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,7 +222,8 @@ def test_repair_touches_only_the_folders_a_run_makes(tmp_path):
     (tmp_path / f".old-epoch_0-{dead}-abcd1234").mkdir()
     run_folder.recover_run_folder(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [".tmp-notes", ".old-notes", ".tmp-step_x", f".old-results-{dead}-abcd1234", "epoch_0"])
+        [".tmp-notes", ".old-notes", ".tmp-step_x", f".old-results-{dead}-abcd1234", "epoch_0"]
+    )
     assert (tmp_path / ".tmp-notes" / "mine.txt").read_text() == "keep"
 
 
@@ -230,18 +247,33 @@ def small_ds():
     from torchtune.datasets import alpaca_dataset
     from torchtune.models.llama2 import llama2_tokenizer
 
-    tok = llama2_tokenizer(str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=64,
-                           prompt_template=None)
-    ds = alpaca_dataset(tok, source="json", data_files=str(DATA_DIR / "alpaca" / "alpaca_data.json"),
-                        split="train[:24]", train_on_input=True)
+    tok = llama2_tokenizer(str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=64, prompt_template=None)
+    ds = alpaca_dataset(
+        tok,
+        source="json",
+        data_files=str(DATA_DIR / "alpaca" / "alpaca_data.json"),
+        split="train[:24]",
+        train_on_input=True,
+    )
     return ds, tok, packing.TokenizedSamples.from_dataset(ds)
 
 
 def _pack(ds, tok, cache_dir, log):
-    parts = dict(dataset_cfg={"split": "train[:24]"}, data_files=[],
-                 tokenizer_path=str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), tokenizer_cfg={"max_seq_len": 64})
-    return packing.pack_dataset(ds, max_seq_len=64, padding_idx=tok.pad_id, cache_dir=cache_dir, cache_parts=parts,
-                                 log=log, vocab_size=tok.vocab_size), parts
+    parts = dict(
+        dataset_cfg={"split": "train[:24]"},
+        data_files=[],
+        tokenizer_path=str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"),
+        tokenizer_cfg={"max_seq_len": 64},
+    )
+    return packing.pack_dataset(
+        ds,
+        max_seq_len=64,
+        padding_idx=tok.pad_id,
+        cache_dir=cache_dir,
+        cache_parts=parts,
+        log=log,
+        vocab_size=tok.vocab_size,
+    ), parts
 
 
 def _craft(kind: str, good: "packing.TokenizedSamples", path: Path, key: str) -> None:
@@ -309,27 +341,36 @@ def test_the_pack_cache_cleans_up_and_evicts(small_ds, tmp_path, monkeypatch):
 # A stand-in for a rank: its own session (as torchrun starts ranks), a SIGTERM handler installed only after a
 # while (a rank importing torch), then waiting for the signal. Its exit code says what happened: 0 = the signal came
 # to its handler, -15 = it came too early and killed it.
-LATE_LISTENER = r'''
+LATE_LISTENER = r"""
 import signal, sys, time
 time.sleep(float(sys.argv[1]))
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 print("listening", flush=True)
 time.sleep(60)
 sys.exit(3)
-'''
+"""
 
 
 def test_the_launcher_passes_a_stop_signal_to_each_rank_once_it_listens():
     from finetune.launch import StopForwarder, rank_pids
 
     worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}  # (torchrun's worker environment)
-    ranks = [subprocess.Popen([sys.executable, "-c", LATE_LISTENER, delay], start_new_session=True, env=worker_env,
-                              stdout=subprocess.PIPE, text=True) for delay in ("0", "1.5")]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LATE_LISTENER, delay],
+            start_new_session=True,
+            env=worker_env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for delay in ("0", "1.5")
+    ]
     # Not ranks: a helper in the launcher's session, and a service in a session of its own (as wandb starts
     # wandb-core) that listens for SIGTERM too.
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    service = subprocess.Popen([sys.executable, "-c", LATE_LISTENER, "0"], start_new_session=True,
-                               stdout=subprocess.PIPE, text=True)
+    service = subprocess.Popen(
+        [sys.executable, "-c", LATE_LISTENER, "0"], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
     forwarder = StopForwarder(poll_s=0.05)
     try:
         wait_for(lambda: set(rank_pids()) >= {r.pid for r in ranks}, what="the ranks to start")
@@ -351,8 +392,10 @@ def test_the_launcher_passes_a_stop_signal_to_each_rank_once_it_listens():
 def test_the_launcher_keeps_stop_signals_from_torchrun():
     from finetune.launch import main, torchrun_signals
 
-    assert torchrun_signals(["--nproc_per_node", "2", "r.py"]) == (["--nproc_per_node", "2", "r.py"],
-                                                                    "SIGINT,SIGHUP,SIGQUIT")
+    assert torchrun_signals(["--nproc_per_node", "2", "r.py"]) == (
+        ["--nproc_per_node", "2", "r.py"],
+        "SIGINT,SIGHUP,SIGQUIT",
+    )
     rest, handled = torchrun_signals(["--signals-to-handle=SIGTERM,SIGUSR1,SIGUSR2", "--nproc_per_node", "2", "r.py"])
     assert rest == ["--nproc_per_node", "2", "r.py"] and handled == "SIGUSR2"
     with pytest.raises(SystemExit) as stop:
@@ -361,7 +404,7 @@ def test_the_launcher_keeps_stop_signals_from_torchrun():
 
 
 # A launcher (P) that starts a rank (C) and then is killed outright; C asks for SIGTERM on its launcher's death.
-ORPHAN = r'''
+ORPHAN = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[2])
 marker = sys.argv[1]
@@ -370,32 +413,38 @@ from finetune.launch import follow_launcher
 assert follow_launcher()
 print("ready", flush=True)
 time.sleep(60)
-'''
-LAUNCHER = r'''
+"""
+LAUNCHER = r"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdout=subprocess.PIPE,
                          text=True)
 print(child.stdout.readline().strip(), child.pid, flush=True)
 time.sleep(60)
-'''
+"""
 
 
 def test_a_rank_whose_launcher_dies_is_told_to_stop(tmp_path):
     marker = tmp_path / "stopped"
     env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, ORPHAN, str(marker), str(REPO_ROOT)],
-                                stdout=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, ORPHAN, str(marker), str(REPO_ROOT)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     ready, rank = launcher.stdout.readline().split()
     assert ready == "ready"
     launcher.kill()  # SIGKILL: nothing of the launcher runs
     launcher.wait()
     wait_for(marker.exists, timeout=30, what="the rank to get SIGTERM")
-    wait_for(lambda: not Path(f"/proc/{rank}").exists() or "Z" in Path(f"/proc/{rank}/stat").read_text().split()[2],
-             timeout=30, what="the rank to exit")
+    wait_for(
+        lambda: not Path(f"/proc/{rank}").exists() or "Z" in Path(f"/proc/{rank}/stat").read_text().split()[2],
+        timeout=30,
+        what="the rank to exit",
+    )
 
 
-def test_a_stop_signal_during_setup_stops_the_distributed_recipe_before_training(tmp_path, monkeypatch, capsys,
-                                                                                 caplog):
+def test_a_stop_signal_during_setup_stops_the_distributed_recipe_before_training(tmp_path, monkeypatch, capsys, caplog):
     """The signal comes while the recipe builds its loss (the distributed recipe in this process, a world of one):
     nothing is trained or written, and it exits 0."""
     from recipes.full_finetune_distributed import recipe_main
@@ -408,9 +457,21 @@ def test_a_stop_signal_during_setup_stops_the_distributed_recipe_before_training
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
         monkeypatch.setenv(k, v)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", [
-        "recipes/full_finetune_distributed.py", "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}",
-        *FAST, "metric_logger=null", "pack_cache_dir=off", f"loss._component_={__name__}.SignalledLoss"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "recipes/full_finetune_distributed.py",
+            "--config",
+            TINY_CONFIG,
+            f"data_dir={DATA_DIR}",
+            f"output_dir={out}",
+            *FAST,
+            "metric_logger=null",
+            "pack_cache_dir=off",
+            f"loss._component_={__name__}.SignalledLoss",
+        ],
+    )
     monkeypatch.chdir(REPO_ROOT)
     try:
         code = 0

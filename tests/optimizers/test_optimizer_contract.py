@@ -141,8 +141,9 @@ def test_imports_and_steps_without_triton(tmp_path):
     names = [v.component for v in optimizers.VARIANTS.values()]
     code = f"STEPS = {_STEPS!r}\nNAMES = {names!r}\nOUT = {str(out_file)!r}\n" + _WITHOUT_TRITON
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = torch.load(out_file, weights_only=True)
     ns = {"torch": torch, "optimizers": optimizers, "inspect": inspect}
@@ -361,11 +362,16 @@ def test_a_step_count_saved_as_a_number_loads(cls, backend):
     grads = _grads(shapes, 3)
     ps, opt = _stepped_twice(cls, backend, shapes, grads)
     sd = opt.state_dict()
-    as_number = dict(sd, state={k: dict(v, step=int(v["step"]) if k == 0 else float(v["step"]))
-                                for k, v in sd["state"].items()})
+    as_number = dict(
+        sd, state={k: dict(v, step=int(v["step"]) if k == 0 else float(v["step"])) for k, v in sd["state"].items()}
+    )
     torch_opt = torch.optim.AdamW(_params(shapes))
-    torch_opt.load_state_dict(dict(torch_opt.state_dict(), state={0: {"step": 2.0, "exp_avg": torch.zeros(4, 128),
-                                                                       "exp_avg_sq": torch.zeros(4, 128)}}))
+    torch_opt.load_state_dict(
+        dict(
+            torch_opt.state_dict(),
+            state={0: {"step": 2.0, "exp_avg": torch.zeros(4, 128), "exp_avg_sq": torch.zeros(4, 128)}},
+        )
+    )
     out = []
     for state in (sd, as_number):
         qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
@@ -385,8 +391,9 @@ def test_a_step_count_saved_as_a_number_loads(cls, backend):
 # -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("betas", [(0.9, torch.tensor(0.99)), (torch.tensor(0.9), 0.99)], ids=["float-tensor",
-                                                                                              "tensor-float"])
+@pytest.mark.parametrize(
+    "betas", [(0.9, torch.tensor(0.99)), (torch.tensor(0.9), 0.99)], ids=["float-tensor", "tensor-float"]
+)
 @pytest.mark.parametrize("cls", VARIANTS, ids=IDS)
 def test_betas_mixing_a_float_and_a_tensor_are_refused_like_torch(cls, betas):
     p = [torch.nn.Parameter(torch.zeros(8))]

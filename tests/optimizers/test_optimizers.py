@@ -41,10 +41,12 @@ def specs() -> list:
     """One spec per registered variant (optimizers.VARIANTS: class, kwargs, tolerances), plus options worth their own
     row. (4-bit on this noise-dominated problem: 3 bits of magnitude per moment leave a wide tolerance; torchao's
     AdamW4bit would pass it only because it leaves these odd-sized tensors unquantized, and we quantize them.)"""
-    out = [Spec(v.key, v.cls, dict(v.kwargs), v.tol_fp32, v.tol_bf16, v.exact_codes)
-           for v in optimizers.VARIANTS.values()]
-    out.append(Spec("ours16-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04,
-                    exact_codes=False))
+    out = [
+        Spec(v.key, v.cls, dict(v.kwargs), v.tol_fp32, v.tol_bf16, v.exact_codes) for v in optimizers.VARIANTS.values()
+    ]
+    out.append(
+        Spec("ours16-fp32", optimizers.AdamW, {"state_dtype": "fp32"}, tol_fp32=1e-4, tol_bf16=0.04, exact_codes=False)
+    )
     return out
 
 
@@ -73,8 +75,10 @@ def _problem(seed, device, dtype):
     noises = [[0.3 * torch.randn(s, generator=g) for s in SHAPES] for _ in range(STEPS)]
 
     def grads(params, step):
-        return [((p.detach().float() - t.to(device)) + n.to(device)).to(p.dtype)
-                for p, t, n in zip(params, targets, noises[step])]
+        return [
+            ((p.detach().float() - t.to(device)) + n.to(device)).to(p.dtype)
+            for p, t, n in zip(params, targets, noises[step])
+        ]
 
     return [x.to(device, dtype) for x in init], grads
 
@@ -104,10 +108,8 @@ SPEC_BACKENDS = [pytest.param(s, b, id=f"{s.name}-{b}") for s in SPECS for b in 
 def test_tracks_fp32_reference(spec, dtype, backend, device):
     _need(device)
     init, grads = _problem(0, device, dtype)
-    ref, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
-                  [x.float() for x in init], grads)
-    params, opt = _run(lambda ps: spec.cls(ps, lr=0.05, weight_decay=0.1, backend=backend, **spec.kwargs),
-                       init, grads)
+    ref, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1), [x.float() for x in init], grads)
+    params, opt = _run(lambda ps: spec.cls(ps, lr=0.05, weight_decay=0.1, backend=backend, **spec.kwargs), init, grads)
     err = _update_rel_err(params, ref, [x.float() for x in init])
     tol = spec.tol_fp32 if dtype == torch.float32 else spec.tol_bf16
     assert err < tol, f"{spec.name} {dtype} {backend} {device}: update error {err:.4f} >= {tol}"
@@ -123,8 +125,9 @@ def test_triton_matches_torch_path(spec, dtype, device):
     out = {}
     small = {"min_quant_numel": 64} if quantizes(spec.cls) else {}  # quantize every tensor but one
     for backend in ("torch", "triton"):
-        out[backend] = _run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, **small, **spec.kwargs),
-                            init, grads, steps=3)
+        out[backend] = _run(
+            lambda ps: spec.cls(ps, lr=0.05, backend=backend, **small, **spec.kwargs), init, grads, steps=3
+        )
     (pa, oa), (pb, ob) = out["torch"], out["triton"]
     err = _update_rel_err(pb, pa, init)
     # The interpreter's bf16/fp8 conversions round differently from torch's (and from the GPU's), so on CPU
@@ -161,7 +164,7 @@ def test_every_format_has_a_bound():
 
 # Formats whose second moment is stored as u = sqrt(v): (relative error of u, smallest code as a fraction of umax).
 # 8bit: 4 mantissa bits (<= 1/32), floor 2^-15 / 1.9375; 4bit: 1 mantissa bit (<= 20 %), floor 2^-7 / 1.5.
-ROOT_V = {"8bit": (1 / 32, 2.0 ** -15 / adamw8bit.U_TOP), "4bit": (0.2, 2.0 ** -7 / adamw4bit.ROOT_TOP)}
+ROOT_V = {"8bit": (1 / 32, 2.0**-15 / adamw8bit.U_TOP), "4bit": (0.2, 2.0**-7 / adamw4bit.ROOT_TOP)}
 
 
 def _root_v_rel(fmt):
@@ -179,9 +182,9 @@ def _bound(fmt, signed, x, absmax):
         # levels (2^E - 1)/127 of the max; without a dither the encoder rounds to the nearest: half the gap, 2^E/254,
         # where 2^E <= 127 a + 1 < 2^(E+1)
         E = torch.floor(torch.log2(a * 127 + 1)).clamp(0, 6)
-        rel = 2.0 ** E / 254 * 1.001 + 1e-7
+        rel = 2.0**E / 254 * 1.001 + 1e-7
     else:  # e4m3 (fp8, and 8bit's first moment): 2^-4 relative in the normal range, 2^-10 of the max below
-        rel = torch.maximum(a * 2.0 ** -4, torch.full_like(a, 2.0 ** -10 * 448 / 448)) * 1.01
+        rel = torch.maximum(a * 2.0**-4, torch.full_like(a, 2.0**-10 * 448 / 448)) * 1.01
     return rel * absmax[:, None]
 
 
@@ -322,8 +325,10 @@ def test_param_groups_with_their_own_lr_and_weight_decay(backend):
     init, grads = _problem(3, "cpu", torch.float32)
 
     def groups(ps):
-        return [{"params": ps[:2], "lr": 0.02, "weight_decay": 0.0},
-                {"params": ps[2:], "lr": torch.tensor(0.07), "weight_decay": 0.3, "betas": (0.8, 0.99)}]
+        return [
+            {"params": ps[:2], "lr": 0.02, "weight_decay": 0.0},
+            {"params": ps[2:], "lr": torch.tensor(0.07), "weight_decay": 0.3, "betas": (0.8, 0.99)},
+        ]
 
     ref, _ = _run(lambda ps: torch.optim.AdamW(groups(ps)), init, grads)
     got, _ = _run(lambda ps: optimizers.AdamW(groups(ps), state_dtype="fp32", backend=backend), init, grads)
@@ -335,24 +340,31 @@ def test_param_groups_with_their_own_lr_and_weight_decay(backend):
 def test_stochastic_rounding_is_unbiased(frac):
     """The counter hash's bits round up with the dropped fraction's probability, at any seed and place, and do not
     repeat across steps (seeds)."""
-    x = torch.full((200_000,), 1.0 + frac * 2.0 ** -7)  # frac of a bf16 ulp above 1.0
+    x = torch.full((200_000,), 1.0 + frac * 2.0**-7)  # frac of a bf16 ulp above 1.0
     ups = []
     for seed, place in ((1, 0), (2, 0), (7, 3_000_000_000)):
         y = stochastic_round_bf16(x, seed, place).float()
-        assert set(y.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+        assert set(y.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
         assert abs(float(y.mean()) - float(x[0])) < 3e-5  # RTNE would be off by up to half an ulp = 3.9e-3
         ups.append(y > 1.0)
     # consecutive steps draw other bits: agreement as for independent draws (p^2 + (1-p)^2), not 1
     same = float((ups[0] == ups[1]).float().mean())
-    assert abs(same - (frac ** 2 + (1 - frac) ** 2)) < 0.01, same
+    assert abs(same - (frac**2 + (1 - frac) ** 2)) < 0.01, same
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.name in ("ours16-fp32", "ours8")], ids=lambda s: s.name)
 def test_stochastic_rounding_is_the_same_in_both_paths(spec):
     """Both paths hash (step, element place) for the random bits, so they round the same elements up."""
     init, grads = _problem(2, "cpu", torch.bfloat16)
-    out = [_run(lambda ps: spec.cls(ps, lr=0.05, backend=backend, stochastic_round=True, **spec.kwargs),
-                init, grads, steps=3)[0] for backend in ("torch", "triton")]
+    out = [
+        _run(
+            lambda ps: spec.cls(ps, lr=0.05, backend=backend, stochastic_round=True, **spec.kwargs),
+            init,
+            grads,
+            steps=3,
+        )[0]
+        for backend in ("torch", "triton")
+    ]
     moved = equal = 0
     for a, b, x in zip(*out, init):
         moved += int((a != x).sum())
@@ -368,7 +380,7 @@ def test_stochastic_rounding_is_the_same_in_both_paths(spec):
 def test_updates_below_a_bf16_ulp_accumulate(backend, mode):
     """Adam's first steps move each weight by ~lr; with lr = 0.3 ulp plain bf16 rounding (stochastic_round=False; the
     default rounds stochastically) loses every step."""
-    n, steps, lr = 8192, 4, 0.3 * 2.0 ** -8  # the bf16 ulp just below 1.0 is 2^-8
+    n, steps, lr = 8192, 4, 0.3 * 2.0**-8  # the bf16 ulp just below 1.0 is 2^-8
     p = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
     kw = {mode: True} if mode != "plain" else {"stochastic_round": False}
     opt = optimizers.AdamW([p], lr=lr, weight_decay=0.0, eps=0.0, state_dtype="fp32", backend=backend, **kw)
@@ -403,6 +415,7 @@ def test_split_launch_gives_the_same_update(spec, groups, device):
             if split:
                 opt._SPLIT_MIN_NUMEL, opt._FIRST_SHARE = 0, 0.3
             return opt
+
         return f
 
     (pa, oa), (pb, ob) = (_run(make(split), init, grads, steps=3) for split in (False, True))
@@ -425,7 +438,7 @@ def test_split_launch_gives_the_same_update(spec, groups, device):
         # for one), and the compiler may contract a multiply-add differently: the last bit of an fp32 moment (seen:
         # a block scale), so at most the odd code or bf16 weight at a rounding boundary.
         assert (a != b).float().mean() < 1e-3
-        torch.testing.assert_close(a.float(), b.float(), rtol=2.0 ** -7, atol=0)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2.0**-7, atol=0)
         for key, x in oa.state[a].items():
             y = ob.state[b][key]
             if x.dtype == torch.uint8:
@@ -455,8 +468,9 @@ def test_misaligned_tensors(device, where):
     init, grads = _problem(5, device, torch.bfloat16)
     out = {}
     for backend in ("torch", "triton"):
-        params = [torch.nn.Parameter(_odd_view(x) if where == "param" and k == 0 else x.clone())
-                  for k, x in enumerate(init)]
+        params = [
+            torch.nn.Parameter(_odd_view(x) if where == "param" and k == 0 else x.clone()) for k, x in enumerate(init)
+        ]
         opt = optimizers.AdamW8bit(params, lr=0.05, backend=backend, min_quant_numel=64)
         for s in range(4):
             for k, (p, g) in enumerate(zip(params, grads(params, s))):
@@ -467,10 +481,13 @@ def test_misaligned_tensors(device, where):
 
 
 # every spec and path with fp32 weights; bf16 weights (the kernel's word-loaded path, shared by all formats) for two
-NONFINITE_CASES = ([pytest.param(s, b, torch.float32, id=f"{i}-{b}-fp32") for s, i in zip(SPECS, SPEC_IDS)
-                    for b in ("torch", "triton")]
-                   + [pytest.param(s, "triton", torch.bfloat16, id=f"{i}-triton-bf16") for s, i in zip(SPECS, SPEC_IDS)
-                      if i in ("ours8", "ours4")])
+NONFINITE_CASES = [
+    pytest.param(s, b, torch.float32, id=f"{i}-{b}-fp32") for s, i in zip(SPECS, SPEC_IDS) for b in ("torch", "triton")
+] + [
+    pytest.param(s, "triton", torch.bfloat16, id=f"{i}-triton-bf16")
+    for s, i in zip(SPECS, SPEC_IDS)
+    if i in ("ours8", "ours4")
+]
 
 
 @pytest.mark.parametrize("spec,backend,dtype", NONFINITE_CASES)
@@ -502,8 +519,9 @@ def test_nonfinite_gradient_elements_are_skipped_and_counted(spec, backend, dtyp
     fmt = opt._buckets[0].fmt if opt._buckets[0].params[0] is params[0] else None
     if fmt is not None:
         m_old = fmt.dequantize(states[0]["exp_avg"], states[0].get("exp_avg_scale"), True).view(-1)
-        m_new = fmt.dequantize(opt.state[params[0]]["exp_avg"], opt.state[params[0]].get("exp_avg_scale"),
-                               True).view(-1)
+        m_new = fmt.dequantize(opt.state[params[0]]["exp_avg"], opt.state[params[0]].get("exp_avg_scale"), True).view(
+            -1
+        )
         # the block scale may change, so compare within the format's resolution (4-bit: a few codes per decade)
         atol = 0.12 * float(m_new.abs().max()) if fmt.name.startswith("4bit") else 1e-3
         torch.testing.assert_close(m_new[idx], m_old[idx], rtol=0.15, atol=atol)
@@ -557,8 +575,10 @@ def test_maximize_ascends():
 
 
 # The Triton path in backward for one format per kernel family (16-bit, 8-bit, 4-bit): the grouping is host logic.
-@pytest.mark.parametrize("spec,backend", [p for p in SPEC_BACKENDS if p.values[1] == "torch"
-                                          or p.values[0].name in ("ours16", "ours8", "ours4")])
+@pytest.mark.parametrize(
+    "spec,backend",
+    [p for p in SPEC_BACKENDS if p.values[1] == "torch" or p.values[0].name in ("ours16", "ours8", "ours4")],
+)
 def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
     """torchtune's optimizer-in-backward (one optimizer per parameter, stepped from a grad hook) equals one
     optimizer stepped after backward: the update is per element, so grouping must not change it."""
@@ -566,8 +586,9 @@ def test_optimizer_in_backward_gives_the_same_parameters(spec, backend):
 
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64),
-                                   torch.nn.LayerNorm(64))
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64), torch.nn.LayerNorm(64)
+        )
 
     small = {"min_quant_numel": 1024} if quantizes(spec.cls) else {}
     make = lambda ps: spec.cls(ps, lr=0.01, backend=backend, **small, **spec.kwargs)  # noqa: E731
@@ -621,7 +642,19 @@ def test_kernel_arguments_are_built_in_the_kernels_order():
     for p in ps:
         p.grad = torch.randn_like(p)
     b = Bucket(adamw8bit.FORMAT, ps, torch.device("cpu"), compensate=False)
-    (_, _, plan), = _launch.bucket_plans(b, b.all_active, 1, 0.0)
-    args = _launch.kernel_args(b, plan, 1, ps[0], ps[0].grad, plan.meta, plan.meta, [0.0] * 8, True, False,
-                               torch.zeros(1, dtype=torch.int32), 1)
+    ((_, _, plan),) = _launch.bucket_plans(b, b.all_active, 1, 0.0)
+    args = _launch.kernel_args(
+        b,
+        plan,
+        1,
+        ps[0],
+        ps[0].grad,
+        plan.meta,
+        plan.meta,
+        [0.0] * 8,
+        True,
+        False,
+        torch.zeros(1, dtype=torch.int32),
+        1,
+    )
     assert list(args) == list(_adamw_kernel.arg_names)

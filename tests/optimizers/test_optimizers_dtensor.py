@@ -55,8 +55,12 @@ def _worker(rank, world, port, component, out):
             o1.step()
             o2.step()
         same = all(torch.equal(p.to_local(), q) for p, q in zip(sharded, local))
-        same_state = all(torch.equal(o1.state[p][k], o2.state[q][k]) for p, q in zip(sharded, local)
-                         for k in o1.state[p] if q.numel() > 0)
+        same_state = all(
+            torch.equal(o1.state[p][k], o2.state[q][k])
+            for p, q in zip(sharded, local)
+            for k in o1.state[p]
+            if q.numel() > 0
+        )
         numels = [p.to_local().numel() for p in sharded]
         out[rank] = (same, same_state, numels)
     finally:
@@ -67,8 +71,9 @@ def run_sharded(component: str) -> None:
     """Step the variant at ``component`` on sharded and on local parameters in 2 ranks; assert they agree."""
     world = 2
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(world, _free_port(), component, out), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, _free_port(), component, out), nprocs=world, join=True, start_method="spawn"
+    )
     assert sorted(out.keys()) == [0, 1]
     for rank in range(world):
         same, same_state, numels = out[rank]

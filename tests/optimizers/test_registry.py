@@ -30,8 +30,12 @@ class ThrowawayAdamW(optimizers.AdamW8bit):
 optimizers.register(optimizers.Variant("throwaway", "throwaway_variant.ThrowawayAdamW", ThrowawayAdamW, 2.03125,
                                        "as ours8", tol_contract=0.05))
 '''
-MATRICES = ["tests/optimizers/test_optimizers.py", "tests/optimizers/test_optimizer_contract.py",
-            "tests/optimizers/test_optimizers_dtensor.py", "tests/recipes/test_recipe.py"]
+MATRICES = [
+    "tests/optimizers/test_optimizers.py",
+    "tests/optimizers/test_optimizer_contract.py",
+    "tests/optimizers/test_optimizers_dtensor.py",
+    "tests/recipes/test_recipe.py",
+]
 
 
 def test_the_registry_holds_our_four_variants_in_order():
@@ -61,9 +65,11 @@ def test_register_refuses_a_taken_key(throwaway):
 
 
 def test_the_registry_imports_neither_torchtune_nor_needs_triton():
-    code = ("import sys\nsys.modules['triton'] = None\nimport optimizers\n"
-            "assert 'torchtune' not in sys.modules, 'optimizers imported torchtune'\n"
-            "print(list(optimizers.VARIANTS))")
+    code = (
+        "import sys\nsys.modules['triton'] = None\nimport optimizers\n"
+        "assert 'torchtune' not in sys.modules, 'optimizers imported torchtune'\n"
+        "print(list(optimizers.VARIANTS))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ours16" in proc.stdout
@@ -73,8 +79,14 @@ def pytest_with_the_variant(tmp_path, *args: str) -> subprocess.CompletedProcess
     """pytest on this checkout's tests, in one process, with PLUGIN's variant registered before collection."""
     (tmp_path / "throwaway_variant.py").write_text(PLUGIN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "throwaway_variant", "-p", "no:cacheprovider", "-n0",
-                           *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "throwaway_variant", "-p", "no:cacheprovider", "-n0", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 def test_a_registered_variant_is_picked_up_everywhere(tmp_path):
@@ -89,9 +101,13 @@ def test_a_registered_variant_is_picked_up_everywhere(tmp_path):
         assert mine, f"{module} has no case for a registered variant"
     assert "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]" in ids
 
-    ran = pytest_with_the_variant(tmp_path, "-q", "-rA", "tests/optimizers/test_optimizers_dtensor.py::"
-                                  "test_sharded_step_equals_local_step[throwaway]",
-                                  "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]")
+    ran = pytest_with_the_variant(
+        tmp_path,
+        "-q",
+        "-rA",
+        "tests/optimizers/test_optimizers_dtensor.py::test_sharded_step_equals_local_step[throwaway]",
+        "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]",
+    )
     out = ran.stdout + ran.stderr
     assert "PASSED tests/optimizers/test_optimizers_dtensor.py::test_sharded_step_equals_local_step[throwaway]" in out
     assert "no recorded losses for ['optimizer=throwaway_variant.ThrowawayAdamW']: add [" in out, out[-3000:]

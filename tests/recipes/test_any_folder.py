@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 
 import support
 from conftest import DATA_DIR, LLAMA2_TOKENIZER, REPO_ROOT, recipe_env, run_command
-
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
 from finetune.settings import read_settings
@@ -58,15 +57,32 @@ def runs(tmp_path_factory, folders):
     root = tmp_path_factory.mktemp("runs")
     data = root / "alpaca.json"
     data.write_text(json.dumps(json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:48]))
-    batch = [["--config", support.ANY_FOLDERS[key][1], f"checkpoint_dir={folders[key][0]}",
-              f"output_dir={root / key}", f"data_dir={DATA_DIR}", f"dataset.data_files={data}",
-              f"pack_cache_dir={root / 'cache'}", *support.CPU_OVERRIDES] for key in KEYS]
+    batch = [
+        [
+            "--config",
+            support.ANY_FOLDERS[key][1],
+            f"checkpoint_dir={folders[key][0]}",
+            f"output_dir={root / key}",
+            f"data_dir={DATA_DIR}",
+            f"dataset.data_files={data}",
+            f"pack_cache_dir={root / 'cache'}",
+            *support.CPU_OVERRIDES,
+        ]
+        for key in KEYS
+    ]
     spec_file = root / "runs.json"
     spec_file.write_text(json.dumps(batch))
-    proc = subprocess.run([sys.executable, support.__file__, str(spec_file)], cwd=REPO_ROOT,
-                          env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), \
-        (proc.stdout + proc.stderr)[-4000:]
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec_file)],
+        cwd=REPO_ROOT,
+        env=recipe_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), (
+        proc.stdout + proc.stderr
+    )[-4000:]
     return {key: root / key for key in KEYS}, proc.stdout + proc.stderr
 
 
@@ -78,8 +94,11 @@ def test_the_80gb_config_trains_the_folders_model(key, folders, runs):
     written = json.loads((ckpt / "config.json").read_text())
     assert written == src  # (fp32 run, fp32 source: not even the dtype differs)
     toy, _ = support.ANY_FOLDERS[key]
-    tokenizer_files = {"tokenizer.model"} if toy.family == "llama2" else {
-        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    tokenizer_files = (
+        {"tokenizer.model"}
+        if toy.family == "llama2"
+        else {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    )
     assert tokenizer_files <= {p.name for p in ckpt.iterdir()}
     for name in tokenizer_files:
         assert (ckpt / name).read_bytes() == (folder / name).read_bytes()
@@ -105,21 +124,38 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
     for f in folder.iterdir():
         (bad / f.name).symlink_to(f)
     (bad / "config.json").unlink()
-    (bad / "config.json").write_text(json.dumps({**src, "use_sliding_window": True, "sliding_window": 32,
-                                                 "max_window_layers": 0}))
-    overrides = [f"checkpoint_dir={bad}", f"data_dir={DATA_DIR}", f"output_dir={tmp_path / 'out'}",
-                 f"pack_cache_dir={tmp_path / 'cache'}", *support.CPU_OVERRIDES]
+    (bad / "config.json").write_text(
+        json.dumps({**src, "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0})
+    )
+    overrides = [
+        f"checkpoint_dir={bad}",
+        f"data_dir={DATA_DIR}",
+        f"output_dir={tmp_path / 'out'}",
+        f"pack_cache_dir={tmp_path / 'cache'}",
+        *support.CPU_OVERRIDES,
+    ]
     # The check itself, in this process (the subprocess below also pays for importing torch and torchtune)
-    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs/qwen2_5/7B_full_80gb.yaml"),
-                          OmegaConf.from_dotlist(overrides))
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs/qwen2_5/7B_full_80gb.yaml"), OmegaConf.from_dotlist(overrides)
+    )
     started = time.monotonic()
     with pytest.raises(BadInput, match="^checkpoint_dir's config.json has use_sliding_window=True"):
         read_settings(cfg)
     assert time.monotonic() - started < 10
 
-    proc = subprocess.run([*run_command("recipes/full_finetune_single_device.py"), "--config",
-                           "configs/qwen2_5/7B_full_80gb.yaml", *overrides], cwd=REPO_ROOT, env=recipe_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            *run_command("recipes/full_finetune_single_device.py"),
+            "--config",
+            "configs/qwen2_5/7B_full_80gb.yaml",
+            *overrides,
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("error: checkpoint_dir's config.json has use_sliding_window=True")
@@ -129,10 +165,15 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
 def test_the_model_section_is_optional_with_a_folder(folders, tmp_path):
     """The folder says the family: no model section at all is the folder's model; without a folder it is refused."""
     folder, src = folders["mistral"]
-    overrides = [f"checkpoint_dir={folder}", f"data_dir={DATA_DIR}", f"output_dir={tmp_path / 'out'}",
-                 *support.CPU_OVERRIDES]
-    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs/mistral/7B_full_80gb.yaml"),
-                          OmegaConf.from_dotlist(overrides))
+    overrides = [
+        f"checkpoint_dir={folder}",
+        f"data_dir={DATA_DIR}",
+        f"output_dir={tmp_path / 'out'}",
+        *support.CPU_OVERRIDES,
+    ]
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs/mistral/7B_full_80gb.yaml"), OmegaConf.from_dotlist(overrides)
+    )
     del cfg["model"]
     s = read_settings(cfg)
     assert s.family == "mistral" and s.model._component_ == "finetune.model.from_hf_config.decoder"

@@ -42,9 +42,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import (
+    DATA_DIR,
+    FAST,
+    REPO_ROOT,
+    TINY_CONFIG,
+    RecipeRun,
+    read_metrics,
+    recipe_env,
+    run_distributed,
+    run_recipe,
+)
 from conftest import DISTRIBUTED_RECIPE as RECIPE
-from conftest import (DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_env,
-                      run_distributed, run_recipe)
 
 RTOL_EXACT = 1e-4
 RTOL_QUANT = 1e-3
@@ -52,23 +61,70 @@ RTOL_FP8 = 3e-3
 
 # FAST + batch_size=4 on one device (the global batch of 2 ranks x batch_size=2).
 SINGLE_DEVICE_BATCH4 = {
-    "torch.optim.AdamW": [10.591089248657227, 9.77411937713623, 9.204625129699707, 8.737532615661621,
-                          7.874703407287598, 7.958918571472168],
-    "optimizers.AdamW8bit": [10.591089248657227, 9.774114608764648, 9.204644203186035, 8.737385749816895,
-                             7.8748040199279785, 7.958981513977051],
-    "optimizers.AdamW4bit": [10.591089248657227, 9.774114608764648, 9.203450202941895, 8.729704856872559,
-                             7.853945732116699, 7.9379167556762695],
-    "optimizers.AdamWFp8": [10.591089248657227, 9.774114608764648, 9.205183982849121, 8.732003211975098,
-                            7.874123573303223, 7.959527492523193],
-    "optimizers.AdamW": [10.591089248657227, 9.774114608764648, 9.204625129699707, 8.737543106079102,
-                         7.874739170074463, 7.958949565887451],
+    "torch.optim.AdamW": [
+        10.591089248657227,
+        9.77411937713623,
+        9.204625129699707,
+        8.737532615661621,
+        7.874703407287598,
+        7.958918571472168,
+    ],
+    "optimizers.AdamW8bit": [
+        10.591089248657227,
+        9.774114608764648,
+        9.204644203186035,
+        8.737385749816895,
+        7.8748040199279785,
+        7.958981513977051,
+    ],
+    "optimizers.AdamW4bit": [
+        10.591089248657227,
+        9.774114608764648,
+        9.203450202941895,
+        8.729704856872559,
+        7.853945732116699,
+        7.9379167556762695,
+    ],
+    "optimizers.AdamWFp8": [
+        10.591089248657227,
+        9.774114608764648,
+        9.205183982849121,
+        8.732003211975098,
+        7.874123573303223,
+        7.959527492523193,
+    ],
+    "optimizers.AdamW": [
+        10.591089248657227,
+        9.774114608764648,
+        9.204625129699707,
+        8.737543106079102,
+        7.874739170074463,
+        7.958949565887451,
+    ],
 }
-RTOL = {"torch.optim.AdamW": RTOL_EXACT, "optimizers.AdamW": RTOL_EXACT, "optimizers.AdamW8bit": RTOL_QUANT,
-        "optimizers.AdamW4bit": RTOL_QUANT, "optimizers.AdamWFp8": RTOL_FP8}
+RTOL = {
+    "torch.optim.AdamW": RTOL_EXACT,
+    "optimizers.AdamW": RTOL_EXACT,
+    "optimizers.AdamW8bit": RTOL_QUANT,
+    "optimizers.AdamW4bit": RTOL_QUANT,
+    "optimizers.AdamWFp8": RTOL_FP8,
+}
 
-METRIC_KEYS = {"step", "epoch", "loss", "lr", "tokens_per_second", "tokens_per_second_per_gpu", "peak_rss_gib",
-               "peak_rss_gib_per_rank", "optimizer_step_ms", "optimizer_state_bytes",
-               "optimizer_state_bytes_per_rank", "grad_norm", "world_size"}
+METRIC_KEYS = {
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "tokens_per_second",
+    "tokens_per_second_per_gpu",
+    "peak_rss_gib",
+    "peak_rss_gib_per_rank",
+    "optimizer_step_ms",
+    "optimizer_state_bytes",
+    "optimizer_state_bytes_per_rank",
+    "grad_norm",
+    "world_size",
+}
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +181,15 @@ def test_checkpoint_layout_and_full_weights(runs):
     names = sorted(p.name for p in run.output_dir.iterdir() if p.is_dir())
     assert names == ["epoch_0", "step_3"]
     files = {p.name for p in (run.output_dir / "epoch_0").iterdir()}
-    assert files == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
-                     "recipe_state.pt", "recipe_state_rank0.pt", "recipe_state_rank1.pt"}
+    assert files == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "recipe_state.pt",
+        "recipe_state_rank0.pt",
+        "recipe_state_rank1.pt",
+    }
     weights = load_file(run.output_dir / "epoch_0" / "model.safetensors")
     config = json.loads((run.output_dir / "epoch_0" / "config.json").read_text())
     # Full (gathered) HF tensors, not shards.
@@ -153,8 +216,13 @@ def test_resume_on_two_ranks_continues_with_the_same_losses(runs, tmp_path, opti
 def test_full_torch_state_resumes_on_another_rank_count(runs, tmp_path):
     """torch.optim's state is saved in full, so 2 ranks x batch 2 resume on 1 rank x batch 4 (same global batch)."""
     full = runs("torch.optim.AdamW")
-    resumed = run_distributed(tmp_path / "out", "optimizer=torch.optim.AdamW", "batch_size=4",
-                              f"resume_from_checkpoint={full.output_dir / 'step_3'}", nproc=0)
+    resumed = run_distributed(
+        tmp_path / "out",
+        "optimizer=torch.optim.AdamW",
+        "batch_size=4",
+        f"resume_from_checkpoint={full.output_dir / 'step_3'}",
+        nproc=0,
+    )
     assert resumed.ok, resumed.stderr[-4000:]
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6] and resumed.metrics[0]["world_size"] == 1
     assert resumed.losses == pytest.approx(full.losses[3:], rel=RTOL_EXACT)
@@ -163,8 +231,9 @@ def test_full_torch_state_resumes_on_another_rank_count(runs, tmp_path):
 def test_per_rank_state_refuses_another_rank_count(runs, tmp_path):
     """A quantized state saved by 2 ranks cannot resume on 1 (launched without torchrun: a world of one)."""
     step3 = runs("optimizers.AdamW8bit").output_dir / "step_3"
-    run = run_distributed(tmp_path / "out", "optimizer=optimizers.AdamW8bit", f"resume_from_checkpoint={step3}",
-                          nproc=0)
+    run = run_distributed(
+        tmp_path / "out", "optimizer=optimizers.AdamW8bit", f"resume_from_checkpoint={step3}", nproc=0
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     assert "error: " in run.stderr and "--nproc_per_node 2" in run.stderr
 
@@ -249,8 +318,15 @@ def test_signal_on_one_rank_and_a_nonfinite_step_stop_both_at_one_boundary(tmp_p
     """Step 2's loss is NaN on rank 1: both ranks skip it. Rank 1 gets SIGTERM inside its second optimizer step
     (step 3), after step 3's all-reduce: both ranks learn it from step 4's, save step_4 together and exit 0 (acting on
     the local flag, rank 1 alone would save step_3 while rank 0 trains on, and both would hang)."""
-    run = run_distributed(tmp_path / "out", "optimizer._component_=faults.FaultyAdamW", "optimizer.sigterm_at=[2]",
-                          "loss._component_=faults.NaNCrossEntropy", "loss.nan_at=[2]", env=faults, timeout=240)
+    run = run_distributed(
+        tmp_path / "out",
+        "optimizer._component_=faults.FaultyAdamW",
+        "optimizer.sigterm_at=[2]",
+        "loss._component_=faults.NaNCrossEntropy",
+        "loss.nan_at=[2]",
+        env=faults,
+        timeout=240,
+    )
     assert run.ok, run.stderr[-4000:]
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
     assert [m["skipped_steps"] for m in run.metrics] == [0, 1, 1, 1] and run.metrics[1]["loss"] is None
@@ -268,11 +344,17 @@ def test_a_failed_write_on_one_rank_is_one_error_on_all_and_keeps_the_last_check
 
     Every rank exits 2; torchrun then reports the failed ranks itself and exits 1 (its ChildFailedError report comes
     after our line; without torchrun, test_per_rank_state_refuses_another_rank_count sees the 2)."""
-    run = run_distributed(tmp_path / "out", "optimizer._component_=faults.FaultyAdamW", "optimizer.enospc_in=step_4",
-                          "save_every_n_steps=2", env=faults, timeout=240)
+    run = run_distributed(
+        tmp_path / "out",
+        "optimizer._component_=faults.FaultyAdamW",
+        "optimizer.enospc_in=step_4",
+        "save_every_n_steps=2",
+        env=faults,
+        timeout=240,
+    )
     assert run.returncode != 0, run.stderr[-4000:]
     assert run.error.startswith(f"error: no space left on the disk of {tmp_path / 'out'} while writing step_4")
-    assert "full_finetune_distributed.py\", line" not in run.stderr  # no traceback through the recipe
+    assert 'full_finetune_distributed.py", line' not in run.stderr  # no traceback through the recipe
     assert sorted(p.name for p in run.output_dir.iterdir() if p.is_dir()) == ["step_2"]
     assert torch.load(run.output_dir / "step_2" / "recipe_state.pt", weights_only=True)["global_step"] == 2
 
@@ -289,7 +371,7 @@ def test_a_live_lock_stops_every_rank_with_one_line(tmp_path):
         holder.wait()
     assert run.returncode != 0, run.stderr[-4000:]  # (torchrun's 1 for the ranks' 2: see the test above)
     assert f"in use by a live run (PID {holder.pid}" in run.error
-    assert "full_finetune_distributed.py\", line" not in run.stderr
+    assert 'full_finetune_distributed.py", line' not in run.stderr
     assert json.loads((out / ".lock").read_text())["pid"] == holder.pid  # the other run's lock is left alone
 
 
@@ -332,9 +414,21 @@ def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(
     else:
         env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
     out = tmp_path / "out"
-    args = [*LAUNCH, "--nproc_per_node", "2", RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}",
-            f"output_dir={out}", *FAST, "metric_logger=null", "max_steps_per_epoch=200",
-            "optimizer._component_=faults.SlowSaveAdamW", f"optimizer.save_s={save_s}"]
+    args = [
+        *LAUNCH,
+        "--nproc_per_node",
+        "2",
+        RECIPE,
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={out}",
+        *FAST,
+        "metric_logger=null",
+        "max_steps_per_epoch=200",
+        "optimizer._component_=faults.SlowSaveAdamW",
+        f"optimizer.save_s={save_s}",
+    ]
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not read_metrics(out) and proc.poll() is None and time.monotonic() < deadline:
@@ -350,8 +444,14 @@ def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(
     assert len(steps) == 1 and steps[0].startswith("step_"), steps
     n = int(steps[0][5:])
     assert {p.name for p in (out / steps[0]).iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.model", "recipe_state.pt",
-        "recipe_state_rank0.pt", "recipe_state_rank1.pt"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "recipe_state.pt",
+        "recipe_state_rank0.pt",
+        "recipe_state_rank1.pt",
+    }
     assert torch.load(out / steps[0] / "recipe_state.pt", weights_only=True)["global_step"] == n
     assert [m["step"] for m in read_metrics(out)] == list(range(1, n + 1))
     assert f"Run stopped by {sig.name}: trained steps 1-{n}" in stdout

@@ -29,7 +29,6 @@ from omegaconf import OmegaConf
 
 import support
 from conftest import DATA_DIR, EVAL_CONFIG, REPO_ROOT, TINY_CONFIG, eval_recipe_module, read_metrics, recipe_env
-
 from finetune.checkpoint import hf_format
 
 RTOL = 1e-4
@@ -39,16 +38,61 @@ ROUND_TRIP = FINETUNED + ["qwen2_5_3b"]  # Qwen 2.5's small sizes tie their embe
 # Recorded from the runs below (6 steps of 2 packed rows of 256 tokens, torch AdamW at lr 1e-2 with clipping, fp32)
 # with conftest's pinned environment on one thread: (losses, trained tokens per step).
 RECORDED = {
-    "llama3_1_8b": ([6.9760026931762695, 6.7641682624816895, 6.6657795906066895,
-                     6.30583381652832, 6.279289722442627, 6.3631696701049805], [424, 308, 387, 187, 318, 442]),
-    "llama3_2_3b": ([7.028775691986084, 6.906717777252197, 6.671886920928955,
-                     6.260674953460693, 6.263761520385742, 6.404506206512451], [424, 308, 387, 187, 318, 442]),
-    "qwen2_5_7b": ([7.044110298156738, 6.918975353240967, 6.706796646118164,
-                    6.623137950897217, 6.309818267822266, 6.4032673835754395], [300, 225, 411, 367, 327, 356]),
-    "qwen3_8b": ([7.057321071624756, 6.997349262237549, 6.6935133934021,
-                  6.552544116973877, 6.382091999053955, 6.414689540863037], [300, 246, 427, 372, 332, 366]),
-    "mistral_7b": ([6.976432800292969, 6.917613983154297, 6.622755527496338,
-                    6.48940372467041, 6.3842902183532715, 6.433936595916748], [406, 237, 422, 281, 422, 300]),
+    "llama3_1_8b": (
+        [
+            6.9760026931762695,
+            6.7641682624816895,
+            6.6657795906066895,
+            6.30583381652832,
+            6.279289722442627,
+            6.3631696701049805,
+        ],
+        [424, 308, 387, 187, 318, 442],
+    ),
+    "llama3_2_3b": (
+        [
+            7.028775691986084,
+            6.906717777252197,
+            6.671886920928955,
+            6.260674953460693,
+            6.263761520385742,
+            6.404506206512451,
+        ],
+        [424, 308, 387, 187, 318, 442],
+    ),
+    "qwen2_5_7b": (
+        [
+            7.044110298156738,
+            6.918975353240967,
+            6.706796646118164,
+            6.623137950897217,
+            6.309818267822266,
+            6.4032673835754395,
+        ],
+        [300, 225, 411, 367, 327, 356],
+    ),
+    "qwen3_8b": (
+        [
+            7.057321071624756,
+            6.997349262237549,
+            6.6935133934021,
+            6.552544116973877,
+            6.382091999053955,
+            6.414689540863037,
+        ],
+        [300, 246, 427, 372, 332, 366],
+    ),
+    "mistral_7b": (
+        [
+            6.976432800292969,
+            6.917613983154297,
+            6.622755527496338,
+            6.48940372467041,
+            6.3842902183532715,
+            6.433936595916748,
+        ],
+        [406, 237, 422, 281, 422, 300],
+    ),
 }
 
 
@@ -84,9 +128,14 @@ def sources(tmp_path_factory, bpe):
 
 def chat_file(path: Path, n: int = 48) -> Path:
     """Conversations in OpenAI's format from the first Alpaca records; every third one has a second turn."""
-    records = json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:n + n // 3]
-    turns = [[{"role": "user", "content": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "")},
-              {"role": "assistant", "content": r["output"]}] for r in records]
+    records = json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[: n + n // 3]
+    turns = [
+        [
+            {"role": "user", "content": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "")},
+            {"role": "assistant", "content": r["output"]},
+        ]
+        for r in records
+    ]
     conversations, it = [], iter(turns)
     for i, turn in zip(range(n), it):
         conversations.append(turn + (next(it) if i % 3 == 2 else []))
@@ -96,14 +145,33 @@ def chat_file(path: Path, n: int = 48) -> Path:
 
 def finetune_args(key, source, hf, data, out, cache, *extra):
     spec = support.TOYS[key]
-    return ["--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", f"checkpoint_dir={source}",
-            "metric_logger=null", "batch_size=2", "max_steps_per_epoch=6", "optimizer.lr=1e-2",
-            "lr_scheduler.num_warmup_steps=0", "save_every_n_steps=3", f"pack_cache_dir={cache}",
-            "tokenizer._component_=finetune.data.HFTokenizer", f"tokenizer.path={source / 'tokenizer.json'}",
-            "~tokenizer.prompt_template", "tokenizer.max_seq_len=256", "tokenizer.chat_template=True",
-            "dataset._component_=torchtune.datasets.chat_dataset", f"dataset.data_files={data}",
-            "dataset.conversation_column=messages", "dataset.conversation_style=openai", "dataset.train_on_input=False",
-            "dataset.packed=True", *support.model_overrides(spec, hf), *extra]
+    return [
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={out}",
+        f"checkpoint_dir={source}",
+        "metric_logger=null",
+        "batch_size=2",
+        "max_steps_per_epoch=6",
+        "optimizer.lr=1e-2",
+        "lr_scheduler.num_warmup_steps=0",
+        "save_every_n_steps=3",
+        f"pack_cache_dir={cache}",
+        "tokenizer._component_=finetune.data.HFTokenizer",
+        f"tokenizer.path={source / 'tokenizer.json'}",
+        "~tokenizer.prompt_template",
+        "tokenizer.max_seq_len=256",
+        "tokenizer.chat_template=True",
+        "dataset._component_=torchtune.datasets.chat_dataset",
+        f"dataset.data_files={data}",
+        "dataset.conversation_column=messages",
+        "dataset.conversation_style=openai",
+        "dataset.train_on_input=False",
+        "dataset.packed=True",
+        *support.model_overrides(spec, hf),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -115,21 +183,40 @@ def runs(tmp_path_factory, sources):
     for key in FINETUNED:
         source, hf = sources[key]
         batch.append(finetune_args(key, source, hf, data, root / key / "full", cache))
-        batch.append(finetune_args(key, source, hf, data, root / key / "resumed", cache,
-                                   f"resume_from_checkpoint={root / key / 'full' / 'step_3'}"))
+        batch.append(
+            finetune_args(
+                key,
+                source,
+                hf,
+                data,
+                root / key / "resumed",
+                cache,
+                f"resume_from_checkpoint={root / key / 'full' / 'step_3'}",
+            )
+        )
     spec_file = root / "runs.json"
     spec_file.write_text(json.dumps(batch))
     # One thread: at these sizes a second one costs more in handing work over than it computes (and the recorded
     # losses are of one thread's summation order).
-    proc = subprocess.run([sys.executable, support.__file__, str(spec_file)], cwd=REPO_ROOT,
-                          env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), \
-        (proc.stdout + proc.stderr)[-4000:]
-    return {key: (read_metrics(root / key / "full"), read_metrics(root / key / "resumed"), root / key / "full")
-            for key in FINETUNED}
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec_file)],
+        cwd=REPO_ROOT,
+        env=recipe_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), (
+        proc.stdout + proc.stderr
+    )[-4000:]
+    return {
+        key: (read_metrics(root / key / "full"), read_metrics(root / key / "resumed"), root / key / "full")
+        for key in FINETUNED
+    }
 
 
 # -- the HF round trip --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("key", ROUND_TRIP)
 def test_hf_round_trip(key, sources, tmp_path):
@@ -166,8 +253,9 @@ def test_hf_round_trip(key, sources, tmp_path):
         expected = ours_bf16(tokens).float()
         # bf16's resolution: four of its steps (2^-7 relative) at the largest logit; the two implementations sum in
         # other orders
-        torch.testing.assert_close(reloaded(tokens).logits.float(), expected, rtol=0,
-                                   atol=4 * 2**-7 * expected.abs().max().item())
+        torch.testing.assert_close(
+            reloaded(tokens).logits.float(), expected, rtol=0, atol=4 * 2**-7 * expected.abs().max().item()
+        )
 
 
 def test_a_checkpoint_of_another_family_or_tying_is_refused(sources):
@@ -190,6 +278,7 @@ def test_eval_takes_every_family():
 
 # -- fine-tune, resume, the saved folder, eval ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("key", FINETUNED)
 def test_packed_chat_finetune_losses_and_exact_resume(key, runs):
     full, resumed, _ = runs[key]
@@ -208,7 +297,8 @@ def test_saved_checkpoint_is_the_model_in_transformers(key, runs, sources):
     spec, (_, hf), out = support.TOYS[key], sources[key], runs[key][2]
     ckpt = out / "epoch_0"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "recipe_state.pt"} <= {
-        p.name for p in ckpt.iterdir()}
+        p.name for p in ckpt.iterdir()
+    }
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model_type"] == hf["model_type"] and config["eos_token_id"] == hf["eos_token_id"]
     family = hf_format.family_of(support.model_overrides(spec, hf)[0].split("=", 1)[1])
@@ -226,8 +316,16 @@ def test_eval_of_the_saved_checkpoint_equals_lm_eval_hf(key, runs, tmp_path):
     from eval.parity import run_lm_eval_hf
 
     ckpt = runs[key][2] / "epoch_0"
-    cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(ckpt), "data_dir": str(DATA_DIR),
-                                                        "device": "cpu", "limit": 2, "output_dir": str(tmp_path)})
+    cfg = OmegaConf.merge(
+        OmegaConf.load(EVAL_CONFIG),
+        {
+            "checkpoint_dir": str(ckpt),
+            "data_dir": str(DATA_DIR),
+            "device": "cpu",
+            "limit": 2,
+            "output_dir": str(tmp_path),
+        },
+    )
     assert eval_recipe_module().recipe_main.__wrapped__(cfg) == 0
     (results_file,) = tmp_path.glob("results_*.json")
     ours = json.loads(results_file.read_text())["results"]["truthfulqa_mc2"]["acc,none"]

@@ -15,16 +15,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (RECIPE, REPO_ROOT, ctrl_c_as_in_a_shell, pinned_inductor_cache, read_metrics,
-                      recipe_command, recipe_env)
+from conftest import (
+    RECIPE,
+    REPO_ROOT,
+    ctrl_c_as_in_a_shell,
+    pinned_inductor_cache,
+    read_metrics,
+    recipe_command,
+    recipe_env,
+)
 from finetune.stops import StopSignal
 
 
 def test_ctrl_c_sums_up_names_the_checkpoint_to_resume_from_and_exits_130(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen(recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60"), cwd=REPO_ROOT,
-                            env=recipe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=ctrl_c_as_in_a_shell)
+    proc = subprocess.Popen(
+        recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60"),
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_shell,
+    )
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline and not any(m["step"] >= 3 for m in read_metrics(out)):
         time.sleep(0.05)
@@ -73,8 +86,15 @@ def test_a_ctrl_c_lost_in_a_callback_still_stops_the_run_at_the_next_step(tmp_pa
     out = tmp_path / "out"
     args = recipe_command(out, "max_steps_per_epoch=20")
     recipe = args.index(RECIPE)
-    run = subprocess.run([sys.executable, "-c", SWALLOWED_CTRL_C, *args[recipe:]], cwd=REPO_ROOT, env=recipe_env(),
-                         capture_output=True, text=True, timeout=300, preexec_fn=ctrl_c_as_in_a_shell)
+    run = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_CTRL_C, *args[recipe:]],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=ctrl_c_as_in_a_shell,
+    )
     assert run.returncode == 130, run.stderr[-3000:]  # (it trained all 20 steps and exited 0)
     assert "KeyboardInterrupt" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]

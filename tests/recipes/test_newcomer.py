@@ -39,10 +39,26 @@ def test_a_bad_input_under_torchrun_is_one_line_last_with_exit_2(tmp_path):
     out = tmp_path / "outputs" / "tiny"
     out.mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
-    proc = subprocess.run([TUNE, "run", "--nproc_per_node", "2", "recipes/full_finetune_distributed.py", "--config",
-                           TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", *FAST, "metric_logger=null"],
-                          cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            TUNE,
+            "run",
+            "--nproc_per_node",
+            "2",
+            "recipes/full_finetune_distributed.py",
+            "--config",
+            TINY_CONFIG,
+            f"data_dir={DATA_DIR}",
+            f"output_dir={out}",
+            *FAST,
+            "metric_logger=null",
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-4000:]
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: " in line]
     assert len(said) == 1 and said[0].startswith(f"error: output_dir={out} already holds a run (metrics.jsonl); ")
@@ -58,8 +74,22 @@ def test_tune_run_from_another_folder_runs_our_recipe(tmp_path, monkeypatch, cap
     recipe, config = (os.path.relpath(REPO_ROOT / p, tmp_path) for p in (RECIPE, TINY_CONFIG))
     assert recipe.startswith("..")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [TUNE, "run", recipe, "--config", config, f"data_dir={DATA_DIR}",
-                                      "output_dir=outputs/tiny", *FAST, "max_steps_per_epoch=1", "metric_logger=null"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            TUNE,
+            "run",
+            recipe,
+            "--config",
+            config,
+            f"data_dir={DATA_DIR}",
+            "output_dir=outputs/tiny",
+            *FAST,
+            "max_steps_per_epoch=1",
+            "metric_logger=null",
+        ],
+    )
     monkeypatch.setattr(sys, "path", list(sys.path))  # (tune run appends the current folder)
     with pytest.raises(SystemExit) as stop:
         main()
@@ -82,14 +112,27 @@ def test_another_recipe_outside_the_current_folder_is_one_error_line(tmp_path, c
     assert Run._convert_to_dotpath(None, "my_recipes/custom.py") == "my_recipes.custom"  # below the folder: as before
 
 
-@pytest.mark.parametrize("override, says", [
-    ("model.num_layer=2", "error: model.num_layer is not a key of torchtune.models.llama2.llama2; did you mean "
-                          "model.num_layers? its keys: attn_dropout, embed_dim, "),
-    ("metric_logger.projct=x", "error: metric_logger.projct is not a key of "
-                               "torchtune.training.metric_logging.WandBLogger; did you mean metric_logger.project? "),
-    ("profiler.enable=True", "error: profiler.enable is not a key of torchtune.training.setup_torch_profiler; did you "
-                             "mean profiler.enabled? "),
-], ids=["model", "metric_logger", "profiler"])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "model.num_layer=2",
+            "error: model.num_layer is not a key of torchtune.models.llama2.llama2; did you mean "
+            "model.num_layers? its keys: attn_dropout, embed_dim, ",
+        ),
+        (
+            "metric_logger.projct=x",
+            "error: metric_logger.projct is not a key of "
+            "torchtune.training.metric_logging.WandBLogger; did you mean metric_logger.project? ",
+        ),
+        (
+            "profiler.enable=True",
+            "error: profiler.enable is not a key of torchtune.training.setup_torch_profiler; did you "
+            "mean profiler.enabled? ",
+        ),
+    ],
+    ids=["model", "metric_logger", "profiler"],
+)
 def test_a_typo_in_a_component_key_is_one_line(tmp_path, override, says):
     code, lines = typed(tmp_path / "out", override)
     assert code == 2 and [line for line in lines if line.startswith("error: ")] == lines[-1:], lines
@@ -99,9 +142,15 @@ def test_a_typo_in_a_component_key_is_one_line(tmp_path, override, says):
 
 def test_cpu_offload_on_a_cpu_says_it_needs_a_gpu(tmp_path):
     """docs/recipes.md's CPU-offload overrides on the tiny config (device=cpu)."""
-    code, lines = typed(tmp_path / "out", "optimizer=torchao.optim.CPUOffloadOptimizer",
-                        "optimizer.offload_gradients=True", "clip_grad_norm=null")
+    code, lines = typed(
+        tmp_path / "out",
+        "optimizer=torchao.optim.CPUOffloadOptimizer",
+        "optimizer.offload_gradients=True",
+        "clip_grad_norm=null",
+    )
     assert code == 2 and [line for line in lines if line.startswith("error: ")] == lines[-1:], lines
-    assert lines[-1].startswith("error: optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from "
-                                "the GPU to the CPU and needs device=cuda (device=cpu)")
+    assert lines[-1].startswith(
+        "error: optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from "
+        "the GPU to the CPU and needs device=cuda (device=cpu)"
+    )
     assert not (tmp_path / "out").exists()

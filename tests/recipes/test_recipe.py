@@ -23,46 +23,119 @@ RTOL = 1e-4
 # torch.optim.AdamW.
 
 # The same with clip_grad_norm=null (recorded from a plain torch.optim.AdamW run).
-TORCH_ADAMW_NO_CLIP_LOSSES = [10.581151008605957, 9.88840389251709, 9.055660247802734, 8.4867525100708,
-                              8.535334587097168, 7.8871355056762695]
+TORCH_ADAMW_NO_CLIP_LOSSES = [
+    10.581151008605957,
+    9.88840389251709,
+    9.055660247802734,
+    8.4867525100708,
+    8.535334587097168,
+    7.8871355056762695,
+]
 
 # (id, overrides, expected losses, marks). Kwargs the class rejects (fused=True from the
 # config) are dropped by the recipe, so a swap is just optimizer=PATH.
 OPTIMIZER_CASES = [
     ("torch-fused", ["optimizer.fused=True"], TORCH_ADAMW_LOSSES, []),
     ("torch-foreach", ["optimizer.fused=False", "optimizer.foreach=True"], TORCH_ADAMW_LOSSES, []),
-    ("bnb-AdamW8bit", ["optimizer=bitsandbytes.optim.AdamW8bit"],
-     [10.581151008605957, 9.888405799865723, 9.05609130859375, 8.488571166992188, 8.54041576385498,
-      7.895923614501953], []),
+    (
+        "bnb-AdamW8bit",
+        ["optimizer=bitsandbytes.optim.AdamW8bit"],
+        [
+            10.581151008605957,
+            9.888405799865723,
+            9.05609130859375,
+            8.488571166992188,
+            8.54041576385498,
+            7.895923614501953,
+        ],
+        [],
+    ),
     # On CPU bitsandbytes falls back to non-paged state (it warns); the update is the same.
-    ("bnb-PagedAdamW8bit", ["optimizer=bitsandbytes.optim.PagedAdamW8bit"],
-     [10.581151008605957, 9.888405799865723, 9.05609130859375, 8.488571166992188, 8.54041576385498,
-      7.895923614501953], []),
+    (
+        "bnb-PagedAdamW8bit",
+        ["optimizer=bitsandbytes.optim.PagedAdamW8bit"],
+        [
+            10.581151008605957,
+            9.888405799865723,
+            9.05609130859375,
+            8.488571166992188,
+            8.54041576385498,
+            7.895923614501953,
+        ],
+        [],
+    ),
     # torchao's optimizers torch.compile their update; on CPU that works (inductor + gcc) but the
     # first step compiles for ~30 s, so each case takes about 45 s.
-    ("torchao-AdamW8bit", ["optimizer=torchao.optim.AdamW8bit"],
-     [10.581151008605957, 9.888410568237305, 9.057902336120605, 8.489923477172852, 8.548670768737793,
-      7.89932918548584], []),
-    ("torchao-AdamW4bit", ["optimizer=torchao.optim.AdamW4bit"],
-     [10.581151008605957, 9.888410568237305, 9.10706615447998, 8.58837890625, 8.647028923034668,
-      8.03925895690918], []),
-    ("torchao-AdamWFp8", ["optimizer=torchao.optim.AdamWFp8"],
-     [10.581151008605957, 9.888410568237305, 9.061450958251953, 8.493914604187012, 8.549219131469727,
-      7.910982608795166], []),
+    (
+        "torchao-AdamW8bit",
+        ["optimizer=torchao.optim.AdamW8bit"],
+        [
+            10.581151008605957,
+            9.888410568237305,
+            9.057902336120605,
+            8.489923477172852,
+            8.548670768737793,
+            7.89932918548584,
+        ],
+        [],
+    ),
+    (
+        "torchao-AdamW4bit",
+        ["optimizer=torchao.optim.AdamW4bit"],
+        [10.581151008605957, 9.888410568237305, 9.10706615447998, 8.58837890625, 8.647028923034668, 8.03925895690918],
+        [],
+    ),
+    (
+        "torchao-AdamWFp8",
+        ["optimizer=torchao.optim.AdamWFp8"],
+        [
+            10.581151008605957,
+            9.888410568237305,
+            9.061450958251953,
+            8.493914604187012,
+            8.549219131469727,
+            7.910982608795166,
+        ],
+        [],
+    ),
 ]
 
 # Ours, by key of optimizers.VARIANTS: on CPU the plain-PyTorch path (the Triton kernel is held to it in
 # tests/test_optimizers.py). Every registered variant gets a case (our_cases); one without recorded losses here fails
 # with the instruction to record them.
 OUR_LOSSES = {
-    "ours8": [10.581151008605957, 9.88840103149414, 9.05556583404541, 8.488266944885254, 8.5391845703125,
-              7.893004894256592],
-    "ours4": [10.581151008605957, 9.88840103149414, 9.054448127746582, 8.47649097442627, 8.524319648742676,
-              7.8692498207092285],
-    "oursfp8": [10.581151008605957, 9.88840103149414, 9.055978775024414, 8.488475799560547, 8.53968334197998,
-                7.895044803619385],
-    "ours16": [10.581151008605957, 9.88840103149414, 9.055523872375488, 8.488167762756348, 8.539460182189941,
-               7.893132209777832],
+    "ours8": [
+        10.581151008605957,
+        9.88840103149414,
+        9.05556583404541,
+        8.488266944885254,
+        8.5391845703125,
+        7.893004894256592,
+    ],
+    "ours4": [
+        10.581151008605957,
+        9.88840103149414,
+        9.054448127746582,
+        8.47649097442627,
+        8.524319648742676,
+        7.8692498207092285,
+    ],
+    "oursfp8": [
+        10.581151008605957,
+        9.88840103149414,
+        9.055978775024414,
+        8.488475799560547,
+        8.53968334197998,
+        7.895044803619385,
+    ],
+    "ours16": [
+        10.581151008605957,
+        9.88840103149414,
+        9.055523872375488,
+        8.488167762756348,
+        8.539460182189941,
+        7.893132209777832,
+    ],
 }
 
 
@@ -73,8 +146,16 @@ def our_cases() -> list:
 
 OPTIMIZER_CASES += our_cases()
 
-METRIC_KEYS = {"step", "loss", "lr", "tokens_per_second", "peak_rss_gib", "optimizer_step_ms",
-               "optimizer_state_bytes", "grad_norm"}
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "tokens_per_second",
+    "peak_rss_gib",
+    "optimizer_step_ms",
+    "optimizer_state_bytes",
+    "grad_norm",
+}
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +216,14 @@ def test_reference_run_metrics_and_checkpoints(reference_run):
     assert names == ["epoch_0", "step_2", "step_4"]
     for name in names:
         files = {p.name for p in (reference_run.output_dir / name).iterdir()}
-        assert files == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.model",
-                         "recipe_state.pt", "run.json"}  # (run.json: the wandb run that wrote it, for the eval)
+        assert files == {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.model",
+            "recipe_state.pt",
+            "run.json",
+        }  # (run.json: the wandb run that wrote it, for the eval)
     assert "step 6 | epoch 0 | loss" in reference_run.stdout
 
 
@@ -164,8 +251,11 @@ def test_wandb_folder_holds_a_copy_of_the_config_and_the_run_ends_with_a_summary
     losses = reference_run.losses
     assert summary.startswith("Run done: trained steps 1-6 (6 steps) in ")
     assert f"loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step 6" in summary
-    assert f"Metrics: {out / 'metrics.jsonl'}" in summary and f"Checkpoints: {out / 'epoch_0'} (latest; also " \
-        "step_2, step_4)" in summary and f"wandb: {run_dir}" in summary
+    assert (
+        f"Metrics: {out / 'metrics.jsonl'}" in summary
+        and f"Checkpoints: {out / 'epoch_0'} (latest; also step_2, step_4)" in summary
+        and f"wandb: {run_dir}" in summary
+    )
 
 
 def test_saved_checkpoint_lines_report_size_and_time(reference_run):
@@ -173,8 +263,14 @@ def test_saved_checkpoint_lines_report_size_and_time(reference_run):
     bench/pipeline.py reads these lines: tests/bench/test_harness.py.)"""
     from pathlib import Path
 
-    found = [m for m in map(re.compile(r"Saved checkpoint (\S+) \(([\d.]+) GB in ([\d.]+) s\)").search,
-                            reference_run.stdout.splitlines()) if m]
+    found = [
+        m
+        for m in map(
+            re.compile(r"Saved checkpoint (\S+) \(([\d.]+) GB in ([\d.]+) s\)").search,
+            reference_run.stdout.splitlines(),
+        )
+        if m
+    ]
     assert [Path(m.group(1)).name for m in found] == ["step_2", "step_4", "epoch_0"]
     for m in found:
         folder = Path(m.group(1))

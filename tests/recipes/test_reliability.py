@@ -24,14 +24,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (DATA_DIR, LOCK_HOLDER, REPO_ROOT, RecipeRun, read_metrics, recipe_command, recipe_env,
-                      run_in_process, run_recipe)
+from conftest import (
+    DATA_DIR,
+    LOCK_HOLDER,
+    REPO_ROOT,
+    RecipeRun,
+    read_metrics,
+    recipe_command,
+    recipe_env,
+    run_in_process,
+    run_recipe,
+)
 
 
 @pytest.fixture
 def run(tmp_path, capsys, monkeypatch):
     def go(*overrides, out=None):
         return run_in_process(out or tmp_path / "out", *overrides, capsys=capsys, monkeypatch=monkeypatch)
+
     return go
 
 
@@ -78,6 +88,7 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
     import io
 
     import bitsandbytes.optim
+
     import optimizers
     from finetune.checkpoint import checkpointer
 
@@ -87,14 +98,19 @@ def test_load_state_file_accepts_every_optimizer_state_we_write():
         buf.seek(0)
         return torch.load(buf, weights_only=True)
 
-    for make in (torch.optim.AdamW, optimizers.AdamW8bit, optimizers.AdamW4bit,
-                 lambda p: bitsandbytes.optim.AdamW8bit(p, min_8bit_size=1)):
+    for make in (
+        torch.optim.AdamW,
+        optimizers.AdamW8bit,
+        optimizers.AdamW4bit,
+        lambda p: bitsandbytes.optim.AdamW8bit(p, min_8bit_size=1),
+    ):
         model = torch.nn.Linear(256, 256)
         opt = make(model.parameters())
         model(torch.randn(2, 256)).sum().backward()
         opt.step()
         roundtrip(opt.state_dict())
     import numpy as np
+
     np.random.seed(3)
     state = roundtrip(checkpointer.rng_state())
     expected = np.random.rand()
@@ -160,25 +176,28 @@ def test_nonfinite_weights_are_never_written(tmp_path):
         check_finite_weights({"w": torch.ones(3), "v": torch.tensor([1.0, float("inf")])}, tmp_path / "step_1", 1)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("optimizer.lr=.nan", "optimizer.lr=nan must be a positive number"),  # (YAML spells NaN and inf with a dot)
-    ("optimizer.lr=.inf", "optimizer.lr=inf must be a positive number"),
-    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
-    ("optimizer.eps=0", "optimizer.eps=0 must be a positive number"),
-    ("lr_scheduler.num_warmup_steps=-1", "lr_scheduler.num_warmup_steps=-1 must be a finite number >= 0"),
-    ("clip_grad_norm=.inf", "clip_grad_norm=inf must be a positive number"),
-    ("save_every_n_steps=0", "save_every_n_steps=0 must be a positive integer or null"),
-    ("seed=-1", "seed=-1 must be a non-negative integer"),
-    ("seed=1.5", "seed=1.5 must be a non-negative integer"),
-    ("model.num_layers=0", "model.num_layers=0 must be a positive integer"),
-    ("max_consecutive_skipped_steps=0", "max_consecutive_skipped_steps=0 must be a positive integer"),
-    ("tokenizer.max_seq_len=0", "tokenizer.max_seq_len=0 must be a positive integer or null"),
-    ("tokenizer.max_seq_len=-1", "tokenizer.max_seq_len=-1 must be a positive integer or null"),
-    ("model.embed_dim=0", "model.embed_dim=0 must be a positive integer"),
-    ("model.embed_dim=65", "model.embed_dim=65 must be a multiple of model.num_heads=2"),
-    ("device=tpu", "device=tpu is not supported by these recipes; use device=cuda (a GPU) or device=cpu"),
-    ("optimizer.lr=1e30", "optimizer.lr=1e+30 must be at most 1"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("optimizer.lr=.nan", "optimizer.lr=nan must be a positive number"),  # (YAML spells NaN and inf with a dot)
+        ("optimizer.lr=.inf", "optimizer.lr=inf must be a positive number"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
+        ("optimizer.eps=0", "optimizer.eps=0 must be a positive number"),
+        ("lr_scheduler.num_warmup_steps=-1", "lr_scheduler.num_warmup_steps=-1 must be a finite number >= 0"),
+        ("clip_grad_norm=.inf", "clip_grad_norm=inf must be a positive number"),
+        ("save_every_n_steps=0", "save_every_n_steps=0 must be a positive integer or null"),
+        ("seed=-1", "seed=-1 must be a non-negative integer"),
+        ("seed=1.5", "seed=1.5 must be a non-negative integer"),
+        ("model.num_layers=0", "model.num_layers=0 must be a positive integer"),
+        ("max_consecutive_skipped_steps=0", "max_consecutive_skipped_steps=0 must be a positive integer"),
+        ("tokenizer.max_seq_len=0", "tokenizer.max_seq_len=0 must be a positive integer or null"),
+        ("tokenizer.max_seq_len=-1", "tokenizer.max_seq_len=-1 must be a positive integer or null"),
+        ("model.embed_dim=0", "model.embed_dim=0 must be a positive integer"),
+        ("model.embed_dim=65", "model.embed_dim=65 must be a multiple of model.num_heads=2"),
+        ("device=tpu", "device=tpu is not supported by these recipes; use device=cuda (a GPU) or device=cpu"),
+        ("optimizer.lr=1e30", "optimizer.lr=1e+30 must be at most 1"),
+    ],
+)
 def test_hyperparameters_are_checked(run, override, words):
     result = run(override)
     assert result.returncode == 2 and words in result.error
@@ -228,8 +247,12 @@ def test_fresh_run_into_a_used_folder_refuses_unless_overwrite(run, tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     result = run()
     assert result.returncode == 2
-    for words in ("already holds a run", f"(e.g. output_dir={out}-2)", "overwrite=True",
-                  f"resume_from_checkpoint={out}/step_N"):
+    for words in (
+        "already holds a run",
+        f"(e.g. output_dir={out}-2)",
+        "overwrite=True",
+        f"resume_from_checkpoint={out}/step_N",
+    ):
         assert words in result.error
     assert (out / "epoch_0" / "model.safetensors").read_bytes() == b"old"
 
@@ -260,8 +283,15 @@ def test_known_keys_cover_every_config_file():
     for path in [*(REPO_ROOT / "configs").glob("*.yaml"), *(REPO_ROOT / "configs" / "llama2").glob("*.yaml")]:
         keys = set(OmegaConf.load(path).keys())
         assert keys <= known, (path, keys - known)
-    for key in ("pack_cache_dir", "ac_mode", "ac_option", "enable_activation_offloading", "device_memory_limit_gib",
-                "overwrite", "max_consecutive_skipped_steps"):
+    for key in (
+        "pack_cache_dir",
+        "ac_mode",
+        "ac_option",
+        "enable_activation_offloading",
+        "device_memory_limit_gib",
+        "overwrite",
+        "max_consecutive_skipped_steps",
+    ):
         assert key in KNOWN_CONFIG_KEYS
 
 
@@ -273,10 +303,13 @@ def test_known_keys_cover_every_config_file():
 GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi."}
 
 
-@pytest.mark.parametrize("bad, words", [
-    ({"instruction": "a", "input": "", "output": True}, "record 1 of {f}: field 'output' is True"),
-    ({"instruction": 7, "input": "", "output": "x"}, "record 1 of {f}: field 'instruction' is 7"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"instruction": "a", "input": "", "output": True}, "record 1 of {f}: field 'output' is True"),
+        ({"instruction": 7, "input": "", "output": "x"}, "record 1 of {f}: field 'instruction' is 7"),
+    ],
+)
 def test_non_string_fields_are_refused(run, tmp_path, bad, words):
     f = tmp_path / "data.json"
     f.write_text(json.dumps([GOOD, bad, GOOD]))
@@ -339,11 +372,20 @@ def _tmpfs_mount_works(where: Path) -> str:
     if shutil.which("unshare") is None:
         return "no unshare(1) here"
     where.mkdir(exist_ok=True)
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(where)],
-                           capture_output=True, text=True, timeout=60)
-    return "" if probe.returncode == 0 else (
-        f"cannot mount a tmpfs as this user (unshare -rm + mount -t tmpfs: {probe.stderr.strip()[:200]}; user "
-        "namespaces disabled or restricted here): the fake-ENOSPC test above covers the message")
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(where)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return (
+        ""
+        if probe.returncode == 0
+        else (
+            f"cannot mount a tmpfs as this user (unshare -rm + mount -t tmpfs: {probe.stderr.strip()[:200]}; user "
+            "namespaces disabled or restricted here): the fake-ENOSPC test above covers the message"
+        )
+    )
 
 
 def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
@@ -358,8 +400,14 @@ def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     command = recipe_command(out, "save_every_n_steps=2")
     # In the namespace: mount, run, and copy what is left out of the tmpfs (it goes with the namespace).
     script = 'mount -t tmpfs -o size=80m tmpfs "$0" && "$@"; rc=$?; cp -r "$0/out" "$1"; exit $rc'
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script.replace('"$1"', shlex.quote(str(kept))), str(disk),
-                           *command], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script.replace('"$1"', shlex.quote(str(kept))), str(disk), *command],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     run = RecipeRun(proc.returncode, proc.stdout, proc.stderr, kept, read_metrics(kept))
     assert run.error.startswith(f"error: no space left on the disk of {out} while writing step_4 (")
@@ -404,8 +452,14 @@ def test_recovery_restores_old_and_removes_dead_tmp(tmp_path, other_process, mon
 
 def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(base, tmp_path, run):
     out = tmp_path / "out"
-    proc = subprocess.Popen(recipe_command(out), cwd=REPO_ROOT, env=recipe_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        recipe_command(out),
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if any(m["step"] >= 2 for m in read_metrics(out)):
@@ -419,7 +473,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(ba
     n = steps[0]
     resumed = run(f"resume_from_checkpoint={out / f'step_{n}'}", out=out)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    tail = resumed.metrics[-(6 - n):]
+    tail = resumed.metrics[-(6 - n) :]
     assert [m["step"] for m in tail] == list(range(n + 1, 7))
     assert [m["loss"] for m in tail] == pytest.approx(base.losses[n:], rel=1e-5)
 
@@ -429,12 +483,18 @@ def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(ba
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("override, words", [
-    ("batch_size=4", "batch_size x gradient_accumulation_steps = 4 samples per step differs from the checkpoint's 2"),
-    ("seed=1", "seed=1 differs from the checkpoint's 42"),
-    ("shuffle=False", "shuffle=False differs from the checkpoint's True"),
-    ("optimizer.lr=0.001", "optimizer.lr=0.001 differs from the checkpoint's 0.01"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (
+            "batch_size=4",
+            "batch_size x gradient_accumulation_steps = 4 samples per step differs from the checkpoint's 2",
+        ),
+        ("seed=1", "seed=1 differs from the checkpoint's 42"),
+        ("shuffle=False", "shuffle=False differs from the checkpoint's True"),
+        ("optimizer.lr=0.001", "optimizer.lr=0.001 differs from the checkpoint's 0.01"),
+    ],
+)
 def test_resume_with_changed_settings_is_refused(base, run, override, words):
     result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", override)
     assert result.returncode == 2 and words in result.error
@@ -459,10 +519,19 @@ def test_a_live_run_in_another_container_keeps_its_folder(run, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n')
-    owner = json.dumps({"host": "container-b", "boot_id": "other", "pid_ns": "pid:[4026532000]", "pid": dead_pid(),
-                        "start": "1", "token": "theirs"})
-    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), owner], stdout=subprocess.PIPE,
-                              text=True)
+    owner = json.dumps(
+        {
+            "host": "container-b",
+            "boot_id": "other",
+            "pid_ns": "pid:[4026532000]",
+            "pid": dead_pid(),
+            "start": "1",
+            "token": "theirs",
+        }
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(out / ".lock"), owner], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         result = run("overwrite=True")  # (what would delete the live run's results, were the folder taken)
@@ -515,15 +584,18 @@ def test_a_resume_into_another_runs_folder_is_refused(base, run, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("override, words", [
-    ("tokenizer.max_seq_len=32", "tokenizer.max_seq_len=32 differs from the checkpoint's 64"),
-    ("dataset.train_on_input=False", "dataset.train_on_input=False differs from the checkpoint's True"),
-    ("dtype=bf16", "dtype=bf16 differs from the checkpoint's fp32"),
-    ("lr_scheduler.num_warmup_steps=3", "lr_scheduler.num_warmup_steps=3 differs from the checkpoint's 0"),
-    ("optimizer.weight_decay=0.1", "optimizer.weight_decay=0.1 differs from the checkpoint's 0.01"),
-    ("optimizer.eps=1e-6", "optimizer.eps=1e-06 differs from the checkpoint's (unset)"),
-    ("EDITED", "the content of the data files (dataset.data_files) differs from the checkpoint's"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("tokenizer.max_seq_len=32", "tokenizer.max_seq_len=32 differs from the checkpoint's 64"),
+        ("dataset.train_on_input=False", "dataset.train_on_input=False differs from the checkpoint's True"),
+        ("dtype=bf16", "dtype=bf16 differs from the checkpoint's fp32"),
+        ("lr_scheduler.num_warmup_steps=3", "lr_scheduler.num_warmup_steps=3 differs from the checkpoint's 0"),
+        ("optimizer.weight_decay=0.1", "optimizer.weight_decay=0.1 differs from the checkpoint's 0.01"),
+        ("optimizer.eps=1e-6", "optimizer.eps=1e-06 differs from the checkpoint's (unset)"),
+        ("EDITED", "the content of the data files (dataset.data_files) differs from the checkpoint's"),
+    ],
+)
 def test_the_resume_table_refuses_what_changes_the_run(base, run, tmp_path, override, words):
     if override == "EDITED":  # the same file name and records, one character changed
         edited = tmp_path / "alpaca" / "alpaca_data.json"
@@ -537,8 +609,9 @@ def test_the_resume_table_refuses_what_changes_the_run(base, run, tmp_path, over
 def test_a_resume_may_split_a_step_into_more_micro_batches(base, run):
     """batch_size=1 x gradient_accumulation_steps=2 reads the same 2 samples a step as batch_size=2: it resumes,
     with the uninterrupted run's losses."""
-    result = run(f"resume_from_checkpoint={base.output_dir / 'step_2'}", "batch_size=1",
-                 "gradient_accumulation_steps=2")
+    result = run(
+        f"resume_from_checkpoint={base.output_dir / 'step_2'}", "batch_size=1", "gradient_accumulation_steps=2"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [m["step"] for m in result.metrics[-4:]] == [3, 4, 5, 6]
     assert [m["loss"] for m in result.metrics[-4:]] == pytest.approx(base.losses[2:], rel=1e-4)
@@ -583,7 +656,8 @@ def test_the_skip_limit_counts_across_a_resume(run, tmp_path, monkeypatch):
     first = run(poison, "save_every_n_steps=3", "max_steps_per_epoch=4", "max_consecutive_skipped_steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
     monkeypatch.setenv("POISON_AT", "[1]")  # (counted from the resumed process's first backward: step 4)
-    resumed = run(poison, f"resume_from_checkpoint={out / 'step_3'}", "max_steps_per_epoch=4",
-                  "max_consecutive_skipped_steps=3")
+    resumed = run(
+        poison, f"resume_from_checkpoint={out / 'step_3'}", "max_steps_per_epoch=4", "max_consecutive_skipped_steps=3"
+    )
     assert resumed.returncode == 2
     assert "3 steps in a row had a non-finite loss or gradient (last: step 4" in resumed.error

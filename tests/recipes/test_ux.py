@@ -14,8 +14,19 @@ from omegaconf import OmegaConf
 from conftest import DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, TUNE, read_metrics, recipe_env
 
 # The FAST model's size keys only: the manual's own step counts and checkpoint cadence must hold as written.
-SMALL_MODEL = [o for o in FAST if o.split("=")[0] in ("model.num_layers", "model.embed_dim", "model.num_heads",
-                                                      "model.num_kv_heads", "tokenizer.max_seq_len", "batch_size")]
+SMALL_MODEL = [
+    o
+    for o in FAST
+    if o.split("=")[0]
+    in (
+        "model.num_layers",
+        "model.embed_dim",
+        "model.num_heads",
+        "model.num_kv_heads",
+        "tokenizer.max_seq_len",
+        "batch_size",
+    )
+]
 
 
 # The page that holds the runnable checkpoint/resume example (the recipes' manual, which `--help` prints).
@@ -28,7 +39,7 @@ def doc_section_commands(page: str, title: str):
     text = (REPO_ROOT / page).read_text()
     start = text.index(f"\n## {title}\n") + 1
     end = text.find("\n## ", start + 1)
-    section = text[start:end if end != -1 else None]
+    section = text[start : end if end != -1 else None]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     return [[line for line in block.splitlines() if line.startswith("tune run ")] for block in blocks]
 
@@ -47,8 +58,14 @@ def test_manual_resume_commands_run_as_written(tmp_path):
     assert [len(b) for b in blocks] == [1, 1], blocks  # a run with periodic checkpoints, then a resume from one
     outputs = []
     for block in blocks:
-        proc = subprocess.run(as_test_command(block[0], tmp_path), cwd=REPO_ROOT, env=recipe_env(),
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            as_test_command(block[0], tmp_path),
+            cwd=REPO_ROOT,
+            env=recipe_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, (block[0], proc.stderr[-3000:])
         outputs.append(proc)
         out = tmp_path / "outputs" / re.search(r"output_dir=outputs/(\S+)", block[0]).group(1)
@@ -70,9 +87,11 @@ def test_manual_resume_commands_run_as_written(tmp_path):
         assert "resolved config" not in text and "\nbatch_size: " not in text
 
 
-RECIPES = [("recipes/full_finetune_single_device.py", TINY_CONFIG),
-           ("recipes/full_finetune_distributed.py", TINY_CONFIG),
-           ("recipes/evaluate.py", "configs/eval/truthfulqa_mc2.yaml")]
+RECIPES = [
+    ("recipes/full_finetune_single_device.py", TINY_CONFIG),
+    ("recipes/full_finetune_distributed.py", TINY_CONFIG),
+    ("recipes/evaluate.py", "configs/eval/truthfulqa_mc2.yaml"),
+]
 
 
 def flat_config(path):
@@ -82,6 +101,7 @@ def flat_config(path):
                 yield from walk(value, f"{prefix}{key}.")
             else:
                 yield f"{prefix}{key}", value
+
     return dict(walk(OmegaConf.to_container(OmegaConf.load(REPO_ROOT / path), resolve=False)))
 
 
@@ -105,11 +125,19 @@ def test_help_prints_the_manual_and_every_config_key(recipe, config, capsys, mon
 
 
 def test_help_reaches_the_recipe_through_tune_run():
-    proc = subprocess.run([TUNE, "run", RECIPES[0][0], "--config", TINY_CONFIG,
-                           "--help"], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [TUNE, "run", RECIPES[0][0], "--config", TINY_CONFIG, "--help"],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Skipping import of cpp extensions" not in proc.stdout + proc.stderr  # (torchao's, filtered in `tune`)
-    assert "Resume [resume_from_checkpoint]" in proc.stdout and re.search(r"\n  save_every_n_steps +null\n", proc.stdout)
+    assert "Resume [resume_from_checkpoint]" in proc.stdout and re.search(
+        r"\n  save_every_n_steps +null\n", proc.stdout
+    )
 
 
 def test_known_third_party_noise_is_dropped_by_message_only():
@@ -123,19 +151,23 @@ def test_known_third_party_noise_is_dropped_by_message_only():
 
     console.quiet_known_noise()
     handler = Keep()
-    loggers = [logging.getLogger(name) for name in ("torchao", "bitsandbytes.backends.cpu.ops",
-                                                    "lm_eval.models.huggingface")]
+    loggers = [
+        logging.getLogger(name) for name in ("torchao", "bitsandbytes.backends.cpu.ops", "lm_eval.models.huggingface")
+    ]
     for logger in loggers:
         logger.addHandler(handler)
     try:
         logging.getLogger("torchao").warning("Skipping import of cpp extensions due to incompatible torch version")
         logging.getLogger("torchao").warning("something else from torchao")
-        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("... Please make sure you already `pip install "
-                                                                   "kernels` and the kernels >= 0.11.1")
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "... Please make sure you already `pip install kernels` and the kernels >= 0.11.1"
+        )
         logging.getLogger("lm_eval.models.huggingface").warning("`pretrained` model kwarg is not of type `str`. Many")
         logging.getLogger("lm_eval.models.huggingface").warning("another lm-eval warning")
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
-    assert seen == [("torchao", "something else from torchao"),
-                    ("lm_eval.models.huggingface", "another lm-eval warning")]
+    assert seen == [
+        ("torchao", "something else from torchao"),
+        ("lm_eval.models.huggingface", "another lm-eval warning"),
+    ]

@@ -32,8 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import (DATA_DIR, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_command,
-                      recipe_env)
+from conftest import DATA_DIR, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_command, recipe_env
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "recipe_state.pt", "tokenizer.model"}
 
@@ -85,8 +84,17 @@ def run_here(output_dir: Path, *overrides: str) -> RecipeRun:
     """The recipe's entry point in this process (no ~8 s of imports per run), as `tune run` calls it."""
     from recipes.full_finetune_single_device import recipe_main
 
-    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={output_dir}", *FAST,
-            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    argv = [
+        RECIPE,
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={output_dir}",
+        *FAST,
+        "metric_logger=null",
+        "pack_cache_dir=off",
+        *overrides,
+    ]
     out, err, code = io.StringIO(), io.StringIO(), 0
     old_argv, old_cwd = sys.argv, os.getcwd()
     sys.argv = argv
@@ -147,8 +155,14 @@ def faults(tmp_path, monkeypatch):
 
 
 def start(output_dir: Path, env: dict, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(recipe_command(output_dir, *overrides), cwd=REPO_ROOT, env=recipe_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        recipe_command(output_dir, *overrides),
+        cwd=REPO_ROOT,
+        env=recipe_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 300) -> None:
@@ -227,8 +241,12 @@ def test_kill_9_during_a_background_write_keeps_the_previous_checkpoint_which_re
 
 def test_sigterm_during_a_background_write_saves_and_exits_0(runs, tmp_path, faults):
     out, marker, release = tmp_path / "out", tmp_path / "holding", tmp_path / "release"
-    proc = start(out, {**faults, "GATE_HOLD": "step_2", "GATE_MARKER": str(marker), "GATE_UNTIL_FILE": str(release)},
-                 "save_every_n_steps=2", GATED)
+    proc = start(
+        out,
+        {**faults, "GATE_HOLD": "step_2", "GATE_MARKER": str(marker), "GATE_UNTIL_FILE": str(release)},
+        "save_every_n_steps=2",
+        GATED,
+    )
     try:
         wait_for(proc, marker.exists, "the write of step_2 began")
         wait_for(proc, lambda: last_step(out) >= 3, "training went on to step 3")
@@ -256,11 +274,20 @@ def test_sigterm_during_a_background_write_saves_and_exits_0(runs, tmp_path, fau
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("failure, words", [
-    (OSError(errno.ENOSPC, "No space left on device"),
-     "error: no space left on the disk of {out} while writing step_4"),
-    (PermissionError(errno.EACCES, "Permission denied"), "error: could not write step_4 (PermissionError: [Errno 13]"),
-], ids=["full-disk", "permission"])
+@pytest.mark.parametrize(
+    "failure, words",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device"),
+            "error: no space left on the disk of {out} while writing step_4",
+        ),
+        (
+            PermissionError(errno.EACCES, "Permission denied"),
+            "error: could not write step_4 (PermissionError: [Errno 13]",
+        ),
+    ],
+    ids=["full-disk", "permission"],
+)
 def test_a_failed_background_write_is_one_error_after_training_went_on(tmp_path, monkeypatch, failure, words):
     """The write of step_4 fails (a full disk; a permission, as if the folder were made read-only under the run)
     after training has logged step 5 beside it: the run still stops with one line, before epoch_0, and step_2 stays.
@@ -328,8 +355,9 @@ def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, 
 
 
 @pytest.mark.parametrize("moment", ["before", "after"])
-def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it(tmp_path, monkeypatch, moment,
-                                                                                 python_ctrl_c):
+def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it(
+    tmp_path, monkeypatch, moment, python_ctrl_c
+):
     """Ctrl-C lands just {before, after} step_2, written in the background, is renamed into place: the moment a user
     (or a test) who waits for a step's metrics line most likely hits, since the publish follows that line. The run
     stops with 130, and step_2 is whole, announced, and named as the checkpoint to resume from."""
@@ -361,17 +389,21 @@ def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it
 
 def tensors_of_every_kind(device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(0)
-    return {
-        "layers.1.w": torch.randn(3, 5, generator=g).to(torch.bfloat16),
-        "layers.0.w": torch.randn(7, generator=g).to(torch.bfloat16),
-        "norm": torch.randn(4, generator=g),
-        "scalar": torch.tensor(2.5),
-        "empty": torch.zeros(0, 3),
-        "index": torch.arange(6, dtype=torch.int64).reshape(2, 3),
-        "codes": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
-        "mask": torch.tensor([True, False, True]),
-        "half": torch.randn(2, 2, generator=g).to(torch.float16),
-    } if device == "cpu" else {k: v.to(device) for k, v in tensors_of_every_kind().items()}
+    return (
+        {
+            "layers.1.w": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            "layers.0.w": torch.randn(7, generator=g).to(torch.bfloat16),
+            "norm": torch.randn(4, generator=g),
+            "scalar": torch.tensor(2.5),
+            "empty": torch.zeros(0, 3),
+            "index": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            "codes": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+            "mask": torch.tensor([True, False, True]),
+            "half": torch.randn(2, 2, generator=g).to(torch.float16),
+        }
+        if device == "cpu"
+        else {k: v.to(device) for k, v in tensors_of_every_kind().items()}
+    )
 
 
 def test_streamed_safetensors_are_byte_identical_to_save_file(tmp_path):
@@ -397,8 +429,15 @@ def test_a_snapshot_is_a_copy_that_keeps_views_sharing_and_subclasses(tmp_path):
     quantized = OptimState8bit.zeros((256,), signed=True, block_size=256)
     quantized.codes.random_(0, 255)
     shared = torch.ones(3)
-    state = {"a": flat[:4], "b": flat[4:].view(2, 3), "shared": [shared, shared], "q": quantized,
-             "lrs": [0.1, 0.2], "step": 7, "rng": (3, tuple(range(5)), None)}
+    state = {
+        "a": flat[:4],
+        "b": flat[4:].view(2, 3),
+        "shared": [shared, shared],
+        "q": quantized,
+        "lrs": [0.1, 0.2],
+        "step": 7,
+        "rng": (3, tuple(range(5)), None),
+    }
     original = io.BytesIO()
     torch.save(state, original)
 
@@ -444,8 +483,7 @@ def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path)
     assert [v.is_cuda for v in snap.values()] == [True, True, False, False]
     save_file(reference, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
     bounce = torch.empty(100_000, dtype=torch.uint8, pin_memory=True)  # (1 MiB tensors: 11 pieces each)
-    async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"},
-                                  bounce)
+    async_save.write_safetensors(tmp_path / "streamed.safetensors", dict(snap), lambda d: d, {"format": "pt"}, bounce)
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
     gpu_state = {k: v for k, v in snap.items() if v.is_cuda}
     async_save.pinned_torch_save(gpu_state, tmp_path / "state.pt")

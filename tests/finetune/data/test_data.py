@@ -18,18 +18,25 @@ from torchtune.data import Message
 
 import support
 from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG
-
 from finetune.base import BadInput
 from finetune.data import loading
 from finetune.data.packing import PackedSFTDataset
 from finetune.data.tokenizer import HFTokenizer
 
 FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
-CONVERSATION = [Message("user", "Name a colour.", masked=True), Message("assistant", "Blue."),
-                Message("user", "Another one?", masked=True), Message("assistant", " Green, then red.")]
+CONVERSATION = [
+    Message("user", "Name a colour.", masked=True),
+    Message("assistant", "Blue."),
+    Message("user", "Another one?", masked=True),
+    Message("assistant", " Green, then red."),
+]
 # What the loss sees of CONVERSATION, decoded: each answer (Llama 3's template trims it) and the end of its turn.
-TRAINED = {"llama3": "Blue.<|eot_id|>Green, then red.<|eot_id|>", "qwen2": "Blue.<|im_end|> Green, then red.<|im_end|>",
-           "qwen3": "Blue.<|im_end|> Green, then red.<|im_end|>", "mistral": " Blue.</s> Green, then red.</s>"}
+TRAINED = {
+    "llama3": "Blue.<|eot_id|>Green, then red.<|eot_id|>",
+    "qwen2": "Blue.<|im_end|> Green, then red.<|im_end|>",
+    "qwen3": "Blue.<|im_end|> Green, then red.<|im_end|>",
+    "mistral": " Blue.</s> Green, then red.</s>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +60,12 @@ def test_chat_template_trains_the_answers_and_their_end_of_turn(folders, family)
     assert tok.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False) == TRAINED[family]
     # The scaffolding is there, masked: headers, the default system prompt, Qwen3's empty think block.
     rendered = tok.decode(tokens, skip_special_tokens=False)
-    assert {"llama3": "<|start_header_id|>user<|end_header_id|>", "qwen2": "You are a helpful assistant.",
-            "qwen3": "<think>\n\n</think>", "mistral": "[INST] Name a colour.[/INST]"}[family] in rendered
+    assert {
+        "llama3": "<|start_header_id|>user<|end_header_id|>",
+        "qwen2": "You are a helpful assistant.",
+        "qwen3": "<think>\n\n</think>",
+        "mistral": "[INST] Name a colour.[/INST]",
+    }[family] in rendered
     # train_on_input: every message's text is trained
     both = tok.tokenize_messages([Message("user", "Name a colour.", masked=False), CONVERSATION[1]])
     assert "Name a colour." in tok.decode([t for t, m in zip(*both) if not m], skip_special_tokens=False)
@@ -68,8 +79,11 @@ def test_plain_format_is_bos_prompt_response_eos(folders, family):
     tokens, mask = tok.tokenize_messages([Message("user", prompt, masked=True), Message("assistant", answer)])
     bos = [] if tok.bos_id is None else [tok.bos_id]  # (Qwen has no BOS)
     assert tokens == bos + tok.encode(prompt, add_bos=False, add_eos=False) + tok.encode(answer, add_bos=False)
-    assert tok.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False) == answer + {
-        "llama3": "<|end_of_text|>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>", "mistral": "</s>"}[family]
+    assert (
+        tok.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+        == answer
+        + {"llama3": "<|end_of_text|>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>", "mistral": "</s>"}[family]
+    )
 
 
 def test_bad_tokenizer_files_and_templates_are_one_error_each(folders, tmp_path):
@@ -96,19 +110,32 @@ SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="t
 
 def build(cfg: dict, tok, packed=False):
     settings = SimpleNamespace(**vars(SETTINGS), packed=packed)  # (the settings read dataset.packed)
-    return loading.build_dataset(OmegaConf.create({**cfg, "packed": packed}), tok, settings, log=SimpleNamespace(
-        info=lambda *_: None, warning=lambda *_: None))
+    return loading.build_dataset(
+        OmegaConf.create({**cfg, "packed": packed}),
+        tok,
+        settings,
+        log=SimpleNamespace(info=lambda *_: None, warning=lambda *_: None),
+    )
 
 
 def chats(n=24):
     records = json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:n]
-    return [{"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
-            for r in records]
+    return [
+        {"messages": [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}]}
+        for r in records
+    ]
 
 
 def chat_cfg(path, style="openai", column="messages"):
-    return {"_component_": "torchtune.datasets.chat_dataset", "source": "json", "data_files": str(path),
-            "conversation_column": column, "conversation_style": style, "train_on_input": False, "split": "train"}
+    return {
+        "_component_": "torchtune.datasets.chat_dataset",
+        "source": "json",
+        "data_files": str(path),
+        "conversation_column": column,
+        "conversation_style": style,
+        "train_on_input": False,
+        "split": "train",
+    }
 
 
 def test_chat_dataset_packed_trains_on_exactly_the_answers(folders, tmp_path):
@@ -125,8 +152,14 @@ def test_chat_dataset_packed_trains_on_exactly_the_answers(folders, tmp_path):
 
     sharegpt = tmp_path / "sharegpt.json"
     role = {"user": "human", "assistant": "gpt"}
-    sharegpt.write_text(json.dumps([{"conversations": [{"from": role[m["role"]], "value": m["content"]}
-                                                       for m in c["messages"]]} for c in chats()]))
+    sharegpt.write_text(
+        json.dumps(
+            [
+                {"conversations": [{"from": role[m["role"]], "value": m["content"]} for m in c["messages"]]}
+                for c in chats()
+            ]
+        )
+    )
     other = build(chat_cfg(sharegpt, "sharegpt", "conversations"), tok)
     assert [s["tokens"] for s in other] == [s["tokens"] for s in samples]
 
@@ -138,26 +171,43 @@ def test_instruct_dataset_from_parquet_and_jsonl(folders, tmp_path):
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "qa.parquet"))
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     tok = tokenizer(folders, "llama3")
-    cfg = {"_component_": "torchtune.datasets.instruct_dataset", "column_map": {"input": "question", "output": "answer"},
-           "train_on_input": False, "split": "train"}
+    cfg = {
+        "_component_": "torchtune.datasets.instruct_dataset",
+        "column_map": {"input": "question", "output": "answer"},
+        "train_on_input": False,
+        "split": "train",
+    }
     from_parquet = build({**cfg, "source": "parquet", "data_files": str(tmp_path / "qa.parquet")}, tok)
     from_jsonl = build({**cfg, "source": "json", "data_files": str(tmp_path / "qa.jsonl")}, tok)
     assert len(from_parquet) == 8 and [s["tokens"] for s in from_parquet] == [s["tokens"] for s in from_jsonl]
-    assert tok.decode([t for t in from_jsonl[0]["labels"] if t != -100], skip_special_tokens=False) == \
-        records[0]["answer"] + "<|end_of_text|>"
+    assert (
+        tok.decode([t for t in from_jsonl[0]["labels"] if t != -100], skip_special_tokens=False)
+        == records[0]["answer"] + "<|end_of_text|>"
+    )
 
 
 BAD_CHATS = [
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
-     r"record 2 of .*: message 1 has role='bot'; use one of system, user, assistant"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
-     r"record 2 of .*: message 1 \(assistant\) has content=.None., not text"),
+    (
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
+        r"record 2 of .*: message 1 has role='bot'; use one of system, user, assistant",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
+        r"record 2 of .*: message 1 \(assistant\) has content=.None., not text",
+    ),
     ({"messages": []}, r"record 2 of .*: 'messages' is .*not a list of messages"),
     ({"messages": [{"role": "user", "content": "Hi"}]}, r"record 2 of .* has no assistant message"),
     ({"conversation": [{"role": "user", "content": "Hi"}]}, r"have no 'messages' field .*dataset.conversation_column"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hi?"},
-                   {"role": "assistant", "content": "Hello"}]},
-     r"record 2 of .*: messages 0 and 1 are both user messages \(torchtune's conversation rules\)"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "user", "content": "Hi?"},
+                {"role": "assistant", "content": "Hello"},
+            ]
+        },
+        r"record 2 of .*: messages 0 and 1 are both user messages \(torchtune's conversation rules\)",
+    ),
 ]
 
 
@@ -174,10 +224,17 @@ def test_a_bad_chat_record_is_one_error_naming_it(folders, tmp_path, bad, messag
 def test_a_bad_instruct_record_is_one_error_naming_it(folders, tmp_path):
     path = tmp_path / "qa.json"
     path.write_text(json.dumps([{"input": "a", "output": "b"}, {"input": "c", "output": None}]))
-    cfg = {"_component_": "torchtune.datasets.instruct_dataset", "source": "json", "data_files": str(path),
-           "split": "train"}
-    with pytest.raises(BadInput, match=r"record 1 of .* has no 'output'; fix or drop that record \(each needs input "
-                                       r"and output\)"):
+    cfg = {
+        "_component_": "torchtune.datasets.instruct_dataset",
+        "source": "json",
+        "data_files": str(path),
+        "split": "train",
+    }
+    with pytest.raises(
+        BadInput,
+        match=r"record 1 of .* has no 'output'; fix or drop that record \(each needs input "
+        r"and output\)",
+    ):
         build(cfg, tokenizer(folders, "llama3"))
     with pytest.raises(BadInput, match="conversation_style='alpaca' is not one of openai, sharegpt"):
         build({**chat_cfg(path), "conversation_style": "alpaca"}, tokenizer(folders, "llama3"))
@@ -188,11 +245,24 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
 
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in chats(3) + [BAD_CHATS[0][0]]))
-    monkeypatch.setattr(sys, "argv", [
-        RECIPE_PATH, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={tmp_path / 'out'}",
-        "metric_logger=null", "tokenizer._component_=finetune.data.HFTokenizer", "~tokenizer.prompt_template",
-        f"tokenizer.path={folders['qwen2'] / 'tokenizer.json'}", "tokenizer.chat_template=True",
-        *[f"dataset.{k}={v}" for k, v in chat_cfg(path).items()], "model.vocab_size=1024"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            RECIPE_PATH,
+            "--config",
+            TINY_CONFIG,
+            f"data_dir={DATA_DIR}",
+            f"output_dir={tmp_path / 'out'}",
+            "metric_logger=null",
+            "tokenizer._component_=finetune.data.HFTokenizer",
+            "~tokenizer.prompt_template",
+            f"tokenizer.path={folders['qwen2'] / 'tokenizer.json'}",
+            "tokenizer.chat_template=True",
+            *[f"dataset.{k}={v}" for k, v in chat_cfg(path).items()],
+            "model.vocab_size=1024",
+        ],
+    )
     monkeypatch.chdir(REPO_ROOT)
     with pytest.raises(SystemExit) as stop:
         recipe_main()
@@ -205,8 +275,13 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
 def test_a_family_config_without_its_tokenizer_names_the_file(tmp_path):
     from finetune.settings import read_settings
 
-    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "qwen3" / "8B_full_32gb.yaml"),
-                          {"checkpoint_dir": str(tmp_path), "device": "cpu", "data_dir": str(DATA_DIR)})
-    with pytest.raises(BadInput, match=r"tokenizer.path=.*tokenizer.json does not exist; set checkpoint_dir=DIR \(the "
-                                       r"HF model folder, which holds tokenizer.json\)"):
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs" / "qwen3" / "8B_full_32gb.yaml"),
+        {"checkpoint_dir": str(tmp_path), "device": "cpu", "data_dir": str(DATA_DIR)},
+    )
+    with pytest.raises(
+        BadInput,
+        match=r"tokenizer.path=.*tokenizer.json does not exist; set checkpoint_dir=DIR \(the "
+        r"HF model folder, which holds tokenizer.json\)",
+    ):
         read_settings(cfg)

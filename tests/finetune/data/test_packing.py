@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DATA_DIR, REPO_ROOT, kill_once_saved, pinned_inductor_cache, recipe_env, run_distributed,
-                      run_recipe)
-
+from conftest import (
+    DATA_DIR,
+    REPO_ROOT,
+    kill_once_saved,
+    pinned_inductor_cache,
+    recipe_env,
+    run_distributed,
+    run_recipe,
+)
 from finetune.data import packing as _packing
 
 RTOL = 1e-4
@@ -21,8 +27,14 @@ SPLIT = "dataset.split=train[:400]"
 PACKED = ["dataset.packed=True", "tokenizer.max_seq_len=256", SPLIT]
 
 # Recorded from the FAST config with PACKED (torch AdamW, 6 steps of 2 rows each) on the 2-core CPU machine.
-PACKED_LOSSES = [10.509599685668945, 10.110212326049805, 9.514917373657227, 9.290122032165527, 8.605596542358398,
-                 8.304932594299316]
+PACKED_LOSSES = [
+    10.509599685668945,
+    10.110212326049805,
+    9.514917373657227,
+    9.290122032165527,
+    8.605596542358398,
+    8.304932594299316,
+]
 PACKED_TOKENS = [505, 492, 507, 491, 507, 408]
 
 
@@ -30,10 +42,16 @@ def _samples(n=400, max_seq_len=256):
     from torchtune.datasets import alpaca_dataset
     from torchtune.models.llama2 import llama2_tokenizer
 
-    tok = llama2_tokenizer(str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=max_seq_len,
-                           prompt_template=None)
-    ds = alpaca_dataset(tok, source="json", data_files=str(DATA_DIR / "alpaca" / "alpaca_data.json"),
-                        split=f"train[:{n}]", train_on_input=True)
+    tok = llama2_tokenizer(
+        str(DATA_DIR / "llama2_tokenizer" / "tokenizer.model"), max_seq_len=max_seq_len, prompt_template=None
+    )
+    ds = alpaca_dataset(
+        tok,
+        source="json",
+        data_files=str(DATA_DIR / "alpaca" / "alpaca_data.json"),
+        split=f"train[:{n}]",
+        train_on_input=True,
+    )
     return ds, tok
 
 
@@ -100,8 +118,15 @@ def test_packed_and_unpacked_epochs_train_on_the_same_number_of_tokens(tmp_path)
     """A whole epoch over 16 records: unpacked in batches of 2 (none dropped), packed one row a step."""
     split = "dataset.split=train[:16]"
     unpacked = run_recipe(tmp_path / "u", split, "tokenizer.max_seq_len=256", "max_steps_per_epoch=null")
-    packed = run_recipe(tmp_path / "p", split, "dataset.packed=True", "tokenizer.max_seq_len=256", "batch_size=1",
-                        "max_steps_per_epoch=null", f"pack_cache_dir={tmp_path / 'c'}")
+    packed = run_recipe(
+        tmp_path / "p",
+        split,
+        "dataset.packed=True",
+        "tokenizer.max_seq_len=256",
+        "batch_size=1",
+        "max_steps_per_epoch=null",
+        f"pack_cache_dir={tmp_path / 'c'}",
+    )
     assert unpacked.ok and packed.ok, (unpacked.stderr + packed.stderr)[-3000:]
     assert len(unpacked.metrics) == 8 and len(packed.metrics) < 16  # rows hold several samples
     assert sum(m["tokens"] for m in packed.metrics) == sum(m["tokens"] for m in unpacked.metrics)
@@ -124,9 +149,18 @@ def test_packed_compile_with_selective_checkpointing_does_not_recompile(tmp_path
     the unpinned one (here a fresh pair of folders, so that what is there was compiled by this run)."""
     unpinned = tmp_path / "inductor"  # (recipe_env names the pinned cache after the unpinned one: test_interrupt.py)
     env = recipe_env(TORCHINDUCTOR_CACHE_DIR=pinned_inductor_cache("avx2", str(unpinned)))
-    run = run_recipe(tmp_path / "out", *PACKED, f"pack_cache_dir={tmp_path / 'c'}", "compile=True",
-                     "model.num_layers=2", "enable_activation_checkpointing=True", "ac_mode=selective",
-                     "ac_option=2", "max_steps_per_epoch=4", env=env)
+    run = run_recipe(
+        tmp_path / "out",
+        *PACKED,
+        f"pack_cache_dir={tmp_path / 'c'}",
+        "compile=True",
+        "model.num_layers=2",
+        "enable_activation_checkpointing=True",
+        "ac_mode=selective",
+        "ac_option=2",
+        "max_steps_per_epoch=4",
+        env=env,
+    )
     assert run.ok, run.stderr[-3000:]
     assert all(math.isfinite(x) for x in run.losses) and run.losses[-1] < run.losses[0]
     graphs = [m["compiled_graphs"] for m in run.metrics]
@@ -147,15 +181,21 @@ def test_in_backward_warmup_matches_the_one_optimizer_run(tmp_path):
     assert [m["lr"] for m in in_bwd.metrics] == pytest.approx([m["lr"] for m in plain.metrics])
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"ac_mode": "partial", "enable_activation_checkpointing": True}, "ac_mode"),
-    ({"ac_mode": "selective", "ac_option": 0, "enable_activation_checkpointing": True}, "ac_option"),
-    ({"enable_activation_offloading": True}, "enable_activation_offloading"),
-    ({"device_memory_limit_gib": 24}, "device_memory_limit_gib"),
-    ({"device_memory_limit_gib": -1}, "device_memory_limit_gib"),
-    ({"dataset": {"packed": "maybe"}}, "dataset.packed"),
-    ({"dataset": {"packed": True, "split": "train[:20]"}, "tokenizer": {"max_seq_len": None}}, "tokenizer.max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"ac_mode": "partial", "enable_activation_checkpointing": True}, "ac_mode"),
+        ({"ac_mode": "selective", "ac_option": 0, "enable_activation_checkpointing": True}, "ac_option"),
+        ({"enable_activation_offloading": True}, "enable_activation_offloading"),
+        ({"device_memory_limit_gib": 24}, "device_memory_limit_gib"),
+        ({"device_memory_limit_gib": -1}, "device_memory_limit_gib"),
+        ({"dataset": {"packed": "maybe"}}, "dataset.packed"),
+        (
+            {"dataset": {"packed": True, "split": "train[:20]"}, "tokenizer": {"max_seq_len": None}},
+            "tokenizer.max_seq_len",
+        ),
+    ],
+)
 def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
     """Checked in-process (the recipe's own classes, fast); the subprocess test below shows the one-line exit 2."""
     from omegaconf import OmegaConf
@@ -163,9 +203,11 @@ def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
     from finetune.base import BadInput
     from recipes.full_finetune_single_device import FullFinetuneRecipeSingleDevice
 
-    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / "configs" / "tiny.yaml"),
-                          {"data_dir": str(DATA_DIR), "output_dir": str(tmp_path / "out"), "metric_logger": None},
-                          overrides)
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs" / "tiny.yaml"),
+        {"data_dir": str(DATA_DIR), "output_dir": str(tmp_path / "out"), "metric_logger": None},
+        overrides,
+    )
     with pytest.raises(BadInput, match=key.replace(".", r"\.")):
         FullFinetuneRecipeSingleDevice(cfg).setup(cfg)
 

@@ -18,8 +18,7 @@ def tiny_model(num_kv_heads=4):
     from torchtune.models.llama2._component_builders import llama2
 
     torch.manual_seed(0)
-    return llama2(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, embed_dim=64,
-                  max_seq_len=64)
+    return llama2(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=num_kv_heads, embed_dim=64, max_seq_len=64)
 
 
 def packed_items(rows):
@@ -28,8 +27,14 @@ def packed_items(rows):
     items = []
     for lens in rows:
         n = sum(lens)
-        items.append({"tokens": torch.randint(0, 256, (n,), generator=gen), "labels": torch.zeros(n, dtype=torch.long),
-                      "input_pos": torch.cat([torch.arange(k) for k in lens]), "seq_lens": torch.tensor(lens)})
+        items.append(
+            {
+                "tokens": torch.randint(0, 256, (n,), generator=gen),
+                "labels": torch.zeros(n, dtype=torch.long),
+                "input_pos": torch.cat([torch.arange(k) for k in lens]),
+                "seq_lens": torch.tensor(lens),
+            }
+        )
     return items
 
 
@@ -89,11 +94,14 @@ def test_varlen_attention_refuses_another_mask():
         varlen_attention(q, q, q, mask=torch.ones(1, 4, 4, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"packed_attention": "flash"}, "packed_attention='flash' is not an attention of packed rows"),
-    ({"packed_attention": "varlen", "dataset": {"packed": False}}, "needs dataset.packed=True"),
-    ({"packed_attention": "varlen", "dataset": {"packed": True}}, "needs device=cuda"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"packed_attention": "flash"}, "packed_attention='flash' is not an attention of packed rows"),
+        ({"packed_attention": "varlen", "dataset": {"packed": False}}, "needs dataset.packed=True"),
+        ({"packed_attention": "varlen", "dataset": {"packed": True}}, "needs device=cuda"),
+    ],
+)
 def test_packed_attention_checks(settings, words):
     from finetune.base import BadInput
     from finetune.settings import read_packed_attention
@@ -104,11 +112,14 @@ def test_packed_attention_checks(settings, words):
     assert read_packed_attention(OmegaConf.create({}), torch.device("cpu"), packed=False) == "flex"
 
 
-@pytest.mark.parametrize("capability, available, words", [
-    ((7, 5), True, r"compute capability 8.0 or later"),
-    ((9, 0), False, r"needs torch.nn.attention.varlen"),
-    ((9, 0), True, None),
-])
+@pytest.mark.parametrize(
+    "capability, available, words",
+    [
+        ((7, 5), True, r"compute capability 8.0 or later"),
+        ((9, 0), False, r"needs torch.nn.attention.varlen"),
+        ((9, 0), True, None),
+    ],
+)
 def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
     """An older GPU, and a torch without the kernel, are one-line errors (checked with a stand-in GPU)."""
     from finetune.base import BadInput
@@ -134,18 +145,32 @@ def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
 
 
 # On the device: the real kernel, compile, packing, optimizer-in-backward. A 2-layer model at Llama2-7B's width.
-GPU_MODEL = ["device=cuda", "dtype=bf16", "model.num_layers=2", "model.embed_dim=4096", "model.num_heads=32",
-             "model.num_kv_heads=32", "tokenizer.max_seq_len=512", "dataset.packed=True", "batch_size=4",
-             "max_steps_per_epoch=8", "compile=True", "optimizer=optimizers.AdamW4bit", "optimizer_in_bwd=True",
-             "clip_grad_norm=null", "optimizer.lr=2e-4"]
+GPU_MODEL = [
+    "device=cuda",
+    "dtype=bf16",
+    "model.num_layers=2",
+    "model.embed_dim=4096",
+    "model.num_heads=32",
+    "model.num_kv_heads=32",
+    "tokenizer.max_seq_len=512",
+    "dataset.packed=True",
+    "batch_size=4",
+    "max_steps_per_epoch=8",
+    "compile=True",
+    "optimizer=optimizers.AdamW4bit",
+    "optimizer_in_bwd=True",
+    "clip_grad_norm=null",
+    "optimizer.lr=2e-4",
+]
 
 
 @pytest.mark.gpu
 def test_gpu_varlen_trains_as_flex(tmp_path):
     runs = {}
     for name, extra in (("flex", ["packed_attention=flex"]), ("fast", ["packed_attention=varlen"])):
-        runs[name] = run_recipe(tmp_path / name, *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", *extra,
-                                fast=False, timeout=900)
+        runs[name] = run_recipe(
+            tmp_path / name, *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", *extra, fast=False, timeout=900
+        )
         assert runs[name].ok, runs[name].stderr[-3000:]
     fast = runs["fast"]
     assert "packed_attention=varlen: 2 attention layers" in fast.stdout + fast.stderr
@@ -167,8 +192,7 @@ def test_gpu_varlen_kernel_matches_flex_on_one_layer():
     lens = [[100, 200, 150, 62], [512], [300, 212]]
     items = packed_items(lens)
     batch = _attention.collate_varlen(items)
-    q, k, v = (torch.randn(3, 8, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(3, 8, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     ref = flex_attention(q, k, v, block_mask=packed_block_causal_mask([torch.tensor(x) for x in lens]))
     out = _attention.varlen_attention(q, k, v, mask={"cu_seqlens": batch["mask"]["cu_seqlens"].cuda()})
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

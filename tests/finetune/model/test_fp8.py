@@ -19,11 +19,14 @@ def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("capability, compile_, words", [
-    ((8, 0), True, "needs FP8 tensor cores (compute capability 8.9 or later"),
-    ((9, 0), False, "needs compile=True on a GPU"),
-    ((9, 0), True, None),
-])
+@pytest.mark.parametrize(
+    "capability, compile_, words",
+    [
+        ((8, 0), True, "needs FP8 tensor cores (compute capability 8.9 or later"),
+        ((9, 0), False, "needs compile=True on a GPU"),
+        ((9, 0), True, None),
+    ],
+)
 def test_the_gpu_checks(monkeypatch, capability, compile_, words):
     """A GPU without FP8 tensor cores, and FP8 without compile, are one-line errors (checked with a stand-in GPU)."""
     from finetune.base import BadInput
@@ -88,10 +91,23 @@ def test_a_cpu_run_trains_like_bf16_matmuls_and_writes_the_same_checkpoint(tmp_p
 
 # On the device: FP8 tensor cores, compile, packing, optimizer-in-backward, activation checkpointing. A 2-layer model
 # at Llama2-7B's width (4096), so that every projection converts under both recipes.
-GPU_MODEL = ["device=cuda", "dtype=bf16", "model.num_layers=2", "model.embed_dim=4096", "model.num_heads=32",
-             "model.num_kv_heads=32", "tokenizer.max_seq_len=512", "dataset.packed=True", "batch_size=4",
-             "max_steps_per_epoch=8", "compile=True", "optimizer=optimizers.AdamW4bit", "optimizer_in_bwd=True",
-             "clip_grad_norm=null", "optimizer.lr=2e-4"]
+GPU_MODEL = [
+    "device=cuda",
+    "dtype=bf16",
+    "model.num_layers=2",
+    "model.embed_dim=4096",
+    "model.num_heads=32",
+    "model.num_kv_heads=32",
+    "tokenizer.max_seq_len=512",
+    "dataset.packed=True",
+    "batch_size=4",
+    "max_steps_per_epoch=8",
+    "compile=True",
+    "optimizer=optimizers.AdamW4bit",
+    "optimizer_in_bwd=True",
+    "clip_grad_norm=null",
+    "optimizer.lr=2e-4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +122,15 @@ def gpu_bf16_run(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe, ac", [("tensorwise", True), ("rowwise", False)])
 def test_gpu_fp8_with_compile_in_backward_and_checkpointing(gpu_bf16_run, tmp_path, recipe, ac):
-    fp8 = run_recipe(tmp_path / "fp8", *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", f"fp8={recipe}",
-                     f"enable_activation_checkpointing={ac}", fast=False, timeout=900)
+    fp8 = run_recipe(
+        tmp_path / "fp8",
+        *GPU_MODEL,
+        f"pack_cache_dir={tmp_path / 'cache'}",
+        f"fp8={recipe}",
+        f"enable_activation_checkpointing={ac}",
+        fast=False,
+        timeout=900,
+    )
     assert fp8.ok, fp8.stderr[-3000:]
     assert f"fp8={recipe}: 14 linear layers" in fp8.stdout + fp8.stderr
     assert all(map(math.isfinite, fp8.losses)) and fp8.losses[-1] < fp8.losses[0]

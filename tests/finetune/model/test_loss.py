@@ -9,7 +9,6 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
 from conftest import TORCH_ADAMW_LOSSES
-
 from finetune.base import BadInput
 from finetune.model.loss import LinearCrossEntropyLoss
 
@@ -18,8 +17,16 @@ RTOL = 1e-4  # as the recipe's recorded losses (tests/recipes/test_recipe.py)
 
 def model(tied: bool):
     torch.manual_seed(0)
-    return llama3_2(vocab_size=500, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=64,
-                    intermediate_dim=128, tie_word_embeddings=tied)
+    return llama3_2(
+        vocab_size=500,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=64,
+        max_seq_len=64,
+        intermediate_dim=128,
+        tie_word_embeddings=tied,
+    )
 
 
 def loss_and_grads(m, loss_fn, tokens, labels):
@@ -56,7 +63,9 @@ def test_bad_settings_are_one_error_each():
         LinearCrossEntropyLoss(impl="fast")
     with pytest.raises(BadInput, match="loss.num_chunks=0 must be a positive integer"):
         LinearCrossEntropyLoss(num_chunks=0)
-    with pytest.raises(BadInput, match="loss.impl=cce runs Triton kernels on a CUDA GPU; on the CPU use loss.impl=torch"):
+    with pytest.raises(
+        BadInput, match="loss.impl=cce runs Triton kernels on a CUDA GPU; on the CPU use loss.impl=torch"
+    ):
         LinearCrossEntropyLoss(impl="cce").set_model_output(model(False))
 
 

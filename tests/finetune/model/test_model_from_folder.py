@@ -16,10 +16,8 @@ from torchtune import config
 
 import support
 from conftest import DATA_DIR, LLAMA2_TOKENIZER
-
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
-from finetune.model import from_hf_config
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +28,10 @@ def bpe():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, bpe):
     root = tmp_path_factory.mktemp("any")
-    return {key: (root / key, support.make_any_folder(root / key, key, bpe, LLAMA2_TOKENIZER))
-            for key in support.ANY_FOLDERS}
+    return {
+        key: (root / key, support.make_any_folder(root / key, key, bpe, LLAMA2_TOKENIZER))
+        for key in support.ANY_FOLDERS
+    }
 
 
 def build(built: dict) -> torch.nn.Module:
@@ -79,15 +79,33 @@ def test_llama_2_or_3_from_the_folder():
 def test_transformers_4_spelling_and_left_out_fields():
     """rope_theta / rope_scaling with "type" (transformers 4), no head_dim, no num_key_value_heads: transformers'
     own reading of the file (its defaults) is what the model is built with."""
-    src = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-           "rope_theta": 70000.0, "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 512}}
+    src = {
+        "model_type": "llama",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 70000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    }
     family, built = hf_format.resolve_model(src, None)
     assert family.name == "llama3"
     assert (built["head_dim"], built["num_kv_heads"], built["rope_base"]) == (16, 4, 70000.0)
-    assert built["rope_scaling"] == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 512}
+    assert built["rope_scaling"] == {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
     written = hf_format.hf_config(build(built), torch.bfloat16, src, family)
     assert {k: written[k] for k in src} == src and written["torch_dtype"] == "bfloat16"
     # what it adds (the class, the fields the family always has, the left-out defaults) changes nothing else
@@ -95,16 +113,25 @@ def test_transformers_4_spelling_and_left_out_fields():
     ours, theirs = (transformers.AutoConfig.for_model(**c).to_dict() for c in (written, src))
     assert ours.pop("architectures") == ["LlamaForCausalLM"]
     assert {k: v for k, v in ours.items() if "dtype" not in k} == {
-        k: v for k, v in theirs.items() if "dtype" not in k and k != "architectures"}
+        k: v for k, v in theirs.items() if "dtype" not in k and k != "architectures"
+    }
 
 
 def test_the_config_s_model_keys_must_say_what_config_json_says():
     src = source("llama3_1")
-    given = {"_component_": "torchtune.models.llama3_1.llama3_1", "num_layers": 3, "norm_eps": 2e-5,
-             "scale_factor": 16, "rope_base": 250000}
+    given = {
+        "_component_": "torchtune.models.llama3_1.llama3_1",
+        "num_layers": 3,
+        "norm_eps": 2e-5,
+        "scale_factor": 16,
+        "rope_base": 250000,
+    }
     assert hf_format.resolve_model(src, given)[1]["num_layers"] == 3
-    with pytest.raises(BadInput, match=r"^model.num_layers=2 but checkpoint_dir's config.json has "
-                                       r"num_hidden_layers=3.*remove model.num_layers"):
+    with pytest.raises(
+        BadInput,
+        match=r"^model.num_layers=2 but checkpoint_dir's config.json has "
+        r"num_hidden_layers=3.*remove model.num_layers",
+    ):
         hf_format.resolve_model(src, {**given, "num_layers": 2})
     with pytest.raises(BadInput, match=r"model.scale_factor=8 but .* rope_scaling.factor=16.0"):
         hf_format.resolve_model(src, {**given, "scale_factor": 8})
@@ -121,18 +148,32 @@ def test_a_builder_of_another_family_or_none_is_refused():
         hf_format.resolve_model({**source("qwen3"), "model_type": "gemma"}, None)
 
 
-@pytest.mark.parametrize("key,fields,named", [
-    ("qwen2_5", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, "use_sliding_window=True"),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}, "use_sliding_window=True"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window=4096"),
-    ("llama3_1", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
-     "rope_scaling={'rope_type': 'yarn'"),
-    ("qwen2_5", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling={'rope_type': 'linear'"),
-    ("llama2", {"attention_bias": True}, "attention_bias=True"),
-    ("llama3_2", {"mlp_bias": True}, "mlp_bias=True"),
-    ("qwen3", {"attention_bias": True}, "attention_bias=True"),
-    ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-])
+@pytest.mark.parametrize(
+    "key,fields,named",
+    [
+        (
+            "qwen2_5",
+            {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0},
+            "use_sliding_window=True",
+        ),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0},
+            "use_sliding_window=True",
+        ),
+        ("mistral", {"sliding_window": 4096}, "sliding_window=4096"),
+        (
+            "llama3_1",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+            "rope_scaling={'rope_type': 'yarn'",
+        ),
+        ("qwen2_5", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling={'rope_type': 'linear'"),
+        ("llama2", {"attention_bias": True}, "attention_bias=True"),
+        ("llama3_2", {"mlp_bias": True}, "mlp_bias=True"),
+        ("qwen3", {"attention_bias": True}, "attention_bias=True"),
+        ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
 def test_a_field_the_family_cannot_honour_is_one_line(key, fields, named):
     with pytest.raises(BadInput) as e:
         hf_format.resolve_model(source(key, **fields), None)
@@ -150,4 +191,5 @@ def test_written_config_json_loads_as_the_source_in_transformers(folders, tmp_pa
     ours, theirs = (transformers.AutoConfig.from_pretrained(p).to_dict() for p in (tmp_path, folder))
     assert ours.pop("dtype") == "bfloat16"
     assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {
-        k: v for k, v in theirs.items() if k not in ("_name_or_path", "dtype")}
+        k: v for k, v in theirs.items() if k not in ("_name_or_path", "dtype")
+    }

@@ -18,15 +18,29 @@ import torch
 
 from conftest import DATA_DIR, FAST, REPO_ROOT, TINY_CONFIG, read_metrics
 
-PROFILE = ["profiler.enabled=True", "profiler.wait_steps=1", "profiler.warmup_steps=1", "profiler.active_steps=2",
-           "profiler.num_cycles=1"]
+PROFILE = [
+    "profiler.enabled=True",
+    "profiler.wait_steps=1",
+    "profiler.warmup_steps=1",
+    "profiler.active_steps=2",
+    "profiler.num_cycles=1",
+]
 
 
 def run_in_process(recipe: str, out: Path, *overrides: str):
     """``tune run recipes/<recipe>.py --config configs/tiny.yaml ...`` in this process: (exit status, stdout)."""
     module = __import__(f"recipes.{recipe}", fromlist=["recipe_main"])
-    argv = [f"recipes/{recipe}.py", "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", *FAST,
-            "metric_logger=null", "pack_cache_dir=off", *overrides]
+    argv = [
+        f"recipes/{recipe}.py",
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={out}",
+        *FAST,
+        "metric_logger=null",
+        "pack_cache_dir=off",
+        *overrides,
+    ]
     stdout, code = io.StringIO(), 0
     with mock.patch.object(sys, "argv", argv), contextlib.chdir(REPO_ROOT), contextlib.redirect_stdout(stdout):
         try:
@@ -90,21 +104,43 @@ def test_kernels_and_ops_are_sorted_by_name():
     from finetune.reporting.profiler import breakdown, classify
 
     expected = {
-        "matmuls": ["aten::mm", "aten::addmm", "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", "nvjet_tst_192x192",
-                    "sm90_xmma_gemm_bf16bf16_bf16f32", "triton_tem_fused_mm_0"],
-        "attention": ["aten::_scaled_dot_product_flash_attention", "flash_fwd_kernel", "aten::_softmax",
-                      "triton_tem_fused_flex_attention_0"],
+        "matmuls": [
+            "aten::mm",
+            "aten::addmm",
+            "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn",
+            "nvjet_tst_192x192",
+            "sm90_xmma_gemm_bf16bf16_bf16f32",
+            "triton_tem_fused_mm_0",
+        ],
+        "attention": [
+            "aten::_scaled_dot_product_flash_attention",
+            "flash_fwd_kernel",
+            "aten::_softmax",
+            "triton_tem_fused_flex_attention_0",
+        ],
         # (inductor's fused kernels compute unless they only cast, concatenate or move: RoPE, RMSNorm, a transpose)
-        "elementwise": ["aten::mul", "aten::_log_softmax", "triton_poi_fused_add_mul_0",
-                        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
-                        "triton_poi_fused__to_copy_add_index_mul_neg_select_select_backward_transpose_view_1",
-                        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0"],
-        "copies": ["aten::copy_", "aten::_to_copy", "Memcpy HtoD (Pageable -> Device)", "Memset (Device)",
-                   "aten::cat", "triton_poi_fused_cat_4", "triton_poi_fused__unsafe_view_clone_transpose_view_0"],
+        "elementwise": [
+            "aten::mul",
+            "aten::_log_softmax",
+            "triton_poi_fused_add_mul_0",
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+            "triton_poi_fused__to_copy_add_index_mul_neg_select_select_backward_transpose_view_1",
+            "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0",
+        ],
+        "copies": [
+            "aten::copy_",
+            "aten::_to_copy",
+            "Memcpy HtoD (Pageable -> Device)",
+            "Memset (Device)",
+            "aten::cat",
+            "triton_poi_fused_cat_4",
+            "triton_poi_fused__unsafe_view_clone_transpose_view_0",
+        ],
         "communication": ["nccl:all_reduce", "ncclDevKernel_AllGather_RING_LL", "gloo:all_reduce"],
     }
-    assert {c: [classify(n) for n in names] for c, names in expected.items()} == \
-        {c: [c] * len(names) for c, names in expected.items()}
+    assert {c: [classify(n) for n in names] for c, names in expected.items()} == {
+        c: [c] * len(names) for c, names in expected.items()
+    }
 
     # Real events: a step of a small attention model under the profiler, its optimizer step counted as one.
     model = torch.nn.Linear(32, 96)
@@ -132,23 +168,39 @@ def test_gpu_kernels_are_counted_once_by_the_op_that_launched_them():
     from finetune.reporting.profiler import breakdown
 
     def event(name, start, end, parent=None, kernels=(), device=DeviceType.CPU, annotation=False):
-        return Event(name=name, device_type=device, is_async=False, cpu_parent=parent, is_user_annotation=annotation,
-                     kernels=[Event(name=k, duration=us) for k, us in kernels], self_cpu_time_total=0.0,
-                     time_range=Event(elapsed_us=lambda: end - start))
+        return Event(
+            name=name,
+            device_type=device,
+            is_async=False,
+            cpu_parent=parent,
+            is_user_annotation=annotation,
+            kernels=[Event(name=k, duration=us) for k, us in kernels],
+            self_cpu_time_total=0.0,
+            time_range=Event(elapsed_us=lambda: end - start),
+        )
 
     step = event("ProfilerStep#3", 0, 1000, annotation=True)
     optimizer_step = event("Optimizer.step#AdamW4bit.step", 700, 800, step, annotation=True)
     events = [
-        step, event("ProfilerStep#3", 0, 900, device=DeviceType.CUDA, annotation=True),
+        step,
+        event("ProfilerStep#3", 0, 900, device=DeviceType.CUDA, annotation=True),
         event("aten::mm", 10, 20, step, [("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_NTN", 300)]),
         event("aten::_scaled_dot_product_cudnn_attention", 20, 30, step, [("cudnn_generated_sdpa_fprop", 100)]),
         event("aten::_softmax", 30, 40, step, [("cunn_SoftMaxForward<4, float>", 50)]),  # (by its op)
         event("aten::mul", 40, 50, step, [("vectorized_elementwise_kernel<4, MulFunctor>", 100)]),
         event("aten::copy_", 50, 60, step, [("direct_copy_kernel_cuda", 50)]),
-        optimizer_step, event("Optimizer.step#AdamW4bit.step", 700, 800, device=DeviceType.CUDA, annotation=True),
+        optimizer_step,
+        event("Optimizer.step#AdamW4bit.step", 700, 800, device=DeviceType.CUDA, annotation=True),
         event("triton_", 710, 790, optimizer_step, [("_adamw_lowbit_kernel", 200)]),
     ]
     got = breakdown(events)
     assert got["gpu"] and got["steps"] == 1 and got["wall_us"] == 1000
-    assert got["us"] == {"matmuls": 300, "attention": 150, "elementwise": 100, "optimizer": 200, "copies": 50,
-                         "communication": 0, "idle": 200}
+    assert got["us"] == {
+        "matmuls": 300,
+        "attention": 150,
+        "elementwise": 100,
+        "optimizer": 200,
+        "copies": 50,
+        "communication": 0,
+        "idle": 200,
+    }

@@ -23,11 +23,21 @@ from omegaconf import OmegaConf
 
 import support
 from conftest import DATA_DIR, EVAL_CONFIG, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics
+
 VARIANTS = {"torch.optim.AdamW": "torch.AdamW", "optimizers.AdamW8bit": "AdamW8bit"}
 STEPS = 4
 # The numbers every run's summary holds, in summary.json and in its wandb run alike (finetune/reporting/metrics.py).
-SUMMARY_KEYS = ("steps", "last_step", "tokens_per_second_median", "peak_rss_gib", "optimizer_state_gib",
-                "first_step_s", "epoch_time_s", "final_loss", "skipped_steps")
+SUMMARY_KEYS = (
+    "steps",
+    "last_step",
+    "tokens_per_second_median",
+    "peak_rss_gib",
+    "optimizer_state_gib",
+    "first_step_s",
+    "epoch_time_s",
+    "final_loss",
+    "skipped_steps",
+)
 
 
 @contextlib.contextmanager
@@ -42,11 +52,24 @@ def train(out: Path, *overrides: str) -> RecipeRun:
     """``tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml ...``, in this process."""
     from recipes.full_finetune_single_device import recipe_main
 
-    argv = [RECIPE, "--config", TINY_CONFIG, f"data_dir={DATA_DIR}", f"output_dir={out}", *FAST,
-            f"max_steps_per_epoch={STEPS}", "pack_cache_dir=off", *overrides]
+    argv = [
+        RECIPE,
+        "--config",
+        TINY_CONFIG,
+        f"data_dir={DATA_DIR}",
+        f"output_dir={out}",
+        *FAST,
+        f"max_steps_per_epoch={STEPS}",
+        "pack_cache_dir=off",
+        *overrides,
+    ]
     stdout, code = io.StringIO(), 0
-    with user_env(), mock.patch.object(sys, "argv", argv), contextlib.chdir(REPO_ROOT), \
-            contextlib.redirect_stdout(stdout):
+    with (
+        user_env(),
+        mock.patch.object(sys, "argv", argv),
+        contextlib.chdir(REPO_ROOT),
+        contextlib.redirect_stdout(stdout),
+    ):
         try:
             recipe_main()
         except SystemExit as e:
@@ -58,8 +81,10 @@ def evaluate(checkpoint: Path, **overrides) -> str:
     """``tune run recipes/evaluate.py --config configs/eval/truthfulqa_mc2.yaml checkpoint_dir=... limit=2``."""
     from recipes import evaluate as eval_recipe
 
-    cfg = OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), {"checkpoint_dir": str(checkpoint), "data_dir": str(DATA_DIR),
-                                                        "device": "cpu", "limit": 2, **overrides})
+    cfg = OmegaConf.merge(
+        OmegaConf.load(EVAL_CONFIG),
+        {"checkpoint_dir": str(checkpoint), "data_dir": str(DATA_DIR), "device": "cpu", "limit": 2, **overrides},
+    )
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert eval_recipe.recipe_main.__wrapped__(cfg) == 0
@@ -95,8 +120,12 @@ def test_run_name_group_tags_and_summary_read_back_from_the_offline_files(runs):
         assert summary["final_loss"] == run.losses[-1] and summary["steps"] == STEPS
         assert summary["peak_rss_gib"] == max(m["peak_rss_gib"] for m in run.metrics)
         assert summary["first_step_s"] == run.metrics[0]["first_step_s"]
-        assert summary["tokens_per_second_median"] == pytest.approx(  # the steps after the first 2
-            statistics.median(m["tokens_per_second"] for m in run.metrics[2:]))
+        assert (
+            summary["tokens_per_second_median"]
+            == pytest.approx(  # the steps after the first 2
+                statistics.median(m["tokens_per_second"] for m in run.metrics[2:])
+            )
+        )
         assert summary["epoch_time_s"] == pytest.approx(sum(m["step_time_s"] for m in run.metrics))
         assert summary["optimizer_state_gib"] == run.metrics[-1]["optimizer_state_bytes"] / 2**30
         assert (summary["name"], summary["group"], summary["tags"]) == (wandb_run["name"], "tiny", ["cpu", variant])
@@ -122,22 +151,30 @@ def test_eval_score_lands_in_the_training_run(runs):
         score = json.loads(results_file.read_text())["results"]["truthfulqa_mc2"]["acc,none"]
         # Offline, the eval resumed the run by its id: a second run file of the same id, beside the first, which
         # `wandb sync` appends to it; merged as sync merges them, the training keys and the score share a summary.
-        assert len(wandb_run["files"]) == 2 and all(Path(f).parent == run.output_dir / "wandb"
-                                                     for f in wandb_run["files"])
+        assert len(wandb_run["files"]) == 2 and all(
+            Path(f).parent == run.output_dir / "wandb" for f in wandb_run["files"]
+        )
         assert wandb_run["summary"]["eval/truthfulqa_mc2"] == score and "final_loss" in wandb_run["summary"]
         eval_rows = [row for row in wandb_run["history"] if "eval/truthfulqa_mc2" in row]
-        assert eval_rows == [pytest.approx({**eval_rows[0], "eval/truthfulqa_mc2": score, "global_step": STEPS,
-                                            "_step": STEPS})]  # after the training rows' _step 0..3
+        assert eval_rows == [
+            pytest.approx({**eval_rows[0], "eval/truthfulqa_mc2": score, "global_step": STEPS, "_step": STEPS})
+        ]  # after the training rows' _step 0..3
         summary = json.loads((run.output_dir / "summary.json").read_text())
         assert summary["eval/truthfulqa_mc2"] == score and summary["eval/checkpoint"] == "epoch_0"
-        assert f"the scores are in the training run {wandb_run['name']} (id {wandb_run['id']})" in \
-            runs[optimizer]["eval"]
+        assert (
+            f"the scores are in the training run {wandb_run['name']} (id {wandb_run['id']})" in runs[optimizer]["eval"]
+        )
 
 
 def table(folders, source: str, out_dir: Path) -> dict:
     """``python bench/table.py --from SOURCE FOLDERS --out-dir OUT_DIR``, as a user runs it: its table.json."""
-    proc = subprocess.run([sys.executable, "bench/table.py", "--from", source, *map(str, folders), "--out-dir",
-                           str(out_dir)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/table.py", "--from", source, *map(str, folders), "--out-dir", str(out_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.loads((out_dir / "table.json").read_text())
 
@@ -174,12 +211,21 @@ def test_a_checkpoint_without_a_run_id_still_evaluates(runs, tmp_path):
 
 
 def test_metric_logger_name_group_tags_override_the_defaults():
-    from finetune.settings import read_settings
     from finetune.reporting.wandb_run import run_identity, variant_label
+    from finetune.settings import read_settings
 
-    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), OmegaConf.from_dotlist(
-        [f"data_dir={DATA_DIR}", "metric_logger.name=mine", "metric_logger.tags=[a,b]", "compile=True",
-         "dataset.packed=True"]))
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / TINY_CONFIG),
+        OmegaConf.from_dotlist(
+            [
+                f"data_dir={DATA_DIR}",
+                "metric_logger.name=mine",
+                "metric_logger.tags=[a,b]",
+                "compile=True",
+                "dataset.packed=True",
+            ]
+        ),
+    )
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
         identity = run_identity(cfg, read_settings(cfg))
     assert (identity["name"], identity["group"], identity["tags"]) == ("mine", "7B_full_24gb", ["a", "b"])
@@ -187,6 +233,12 @@ def test_metric_logger_name_group_tags_override_the_defaults():
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
         identity = run_identity(cfg, read_settings(cfg))
     assert identity["tags"] == ["24gb", "torch.AdamW", "packed", "compiled"]
-    assert [variant_label(p) for p in ("optimizers.AdamW4bit", "torchao.optim.AdamW8bit",
-                                       "bitsandbytes.optim.PagedAdamW8bit", "my.pkg.MyAdamW")] == [
-        "AdamW4bit", "ao.AdamW8bit", "bnb.PagedAdamW8bit", "my.MyAdamW"]
+    assert [
+        variant_label(p)
+        for p in (
+            "optimizers.AdamW4bit",
+            "torchao.optim.AdamW8bit",
+            "bitsandbytes.optim.PagedAdamW8bit",
+            "my.pkg.MyAdamW",
+        )
+    ] == ["AdamW4bit", "ao.AdamW8bit", "bnb.PagedAdamW8bit", "my.MyAdamW"]
