@@ -27,7 +27,6 @@ The keys that differ:
 import contextlib
 import math
 import os
-import socket
 import sys
 import time
 from typing import Any, Dict, Optional
@@ -42,7 +41,7 @@ from finetune.reporting import console
 console.quiet_known_noise()  # before torchtune imports torchao, in each rank (see console.KNOWN_NOISE)
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -61,6 +60,7 @@ from finetune.model.prepare import (  # noqa: E402
     prepare_device,
     wire_loss,
 )
+from finetune.model.sharding import init_process_group, optimizer_state_layout, scatter_full_weights  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
@@ -72,41 +72,6 @@ log = utils.get_logger("INFO")
 
 RECIPE_PATH = "recipes/full_finetune_distributed.py"
 MANUAL = "docs/recipes.md"
-
-
-def init_process_group(device: torch.device) -> None:
-    """NCCL for GPUs, gloo for the CPU. Without torchrun's variables, a world of one (handy for debugging)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(training.get_distributed_backend(device.type))
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def optimizer_state_layout(optimizer: torch.optim.Optimizer) -> str:
-    """``"full"`` if the state can be gathered into one unsharded state dict, else ``"per_rank"``.
-
-    torch.optim keeps states shaped like the parameter (DTensors here), which torch's distributed state-dict
-    utilities gather and re-shard for any rank count. Quantized states (ours: codes and block scales of the local
-    shard, in flat buffers) are plain per-rank tensors with no global shape: only the rank that made them can
-    load them.
-    """
-    for t in _tensors(dict(optimizer.state)):
-        if t.dim() > 0 and not isinstance(t, DTensor):
-            return "per_rank"
-    return "full"
 
 
 class FullFinetuneRecipeDistributed:
@@ -213,7 +178,7 @@ class FullFinetuneRecipeDistributed:
             reshard_after_forward=s.reshard_after_forward,
             dp_mesh=mesh["dp"],
         )
-        self._load_full_weights(model, self._full_state_dict(cfg, meta_sd))
+        scatter_full_weights(model, self._full_state_dict(cfg, meta_sd), main=self._rank0, device=self._device)
         with training.set_default_dtype(self._dtype), self._device:
             for m in model.modules():
                 if hasattr(m, "rope_init"):  # RoPE's cache is a buffer outside the state dict
@@ -261,22 +226,6 @@ class FullFinetuneRecipeDistributed:
             log.info(f"Loading weights from {weights}")
         self._ranks.agree(error)
         return sd
-
-    def _load_full_weights(self, model: torch.nn.Module, full_sd: Dict[str, torch.Tensor]) -> None:
-        """Scatter rank 0's full weights into the shards, one tensor at a time.
-
-        The other ranks pass an empty tensor of the full shape, which distribute_tensor ignores (it scatters
-        rank 0's data), so no rank but 0 ever holds more than one full tensor.
-        """
-        sharded = {}
-        for name, meta in model.state_dict().items():
-            full = full_sd.pop(name) if self._rank0 else torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
-            full = full.to(self._device, meta.dtype)
-            sharded[name] = torch.nn.Parameter(
-                distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=0), requires_grad=True
-            )
-            del full
-        model.load_state_dict(sharded, strict=True, assign=True)
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps (``resume.RESUME_TABLE``), with the rank count: a resume compares

@@ -1,16 +1,10 @@
-"""The config, checked once into one ``Settings`` object before anything is built or written.
+"""The config, checked once into one ``Settings`` object before anything is built or written (``read_settings``).
 
-Every check a config value gets lives here: unknown keys, numbers (one vocabulary: "a positive integer", "a positive
-number", "a non-negative integer", "a finite number >= 0"), flag combinations, paths, the optimizer (its class
-imported once, its kwargs checked against its signature, a wrapper's inner class), activation checkpointing. A bad
-value is one ``BadInput`` naming the key and the fix; the recipes print it as ``error: ...`` and exit 2.
-Checks that need something built (the tokenizer's length against the model's, the dataset's records) are in the
-component that builds it.
+Flag combinations, the optimizer (its class imported once, its kwargs checked against its signature, a wrapper's
+inner class), activation checkpointing and the model (the folder's, with checkpoint_dir) are read here; the key and
+number vocabulary is in checks.py, the machine-dependent keys in hardware.py, the paths in paths.py.
 """
 
-import difflib
-import inspect
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +13,15 @@ from typing import Any, List, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training, utils
-from torchtune.config._utils import _get_component_from_path
 
-from finetune.base import BadInput, first_line, hf_weight_files  # noqa: F401  (first_line: the recipes' too)
+from finetune.base import BadInput
 from finetune.checkpoint import hf_format
-from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
-from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 from finetune.data import packing
-from finetune.model import attention
 from finetune.optimizer import OptimizerSpec, resolve_optimizer
-
-log = utils.get_logger("INFO")
+from finetune.settings.checks import check_component_keys, check_config_keys, flag, number
+from finetune.settings.hardware import read_fp8, read_packed_attention
+from finetune.settings.paths import check_paths
 
 # Every top-level key the fine-tune recipes read (unknown ones are refused, with the closest of these suggested).
 KNOWN_CONFIG_KEYS = (
@@ -86,140 +77,7 @@ MODEL_SIZES = {
     "model.intermediate_dim": 512,
 }
 
-# Loaders of HF `datasets` that read local files named in `data_files`.
-LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
-
 AC_MODES = ("full", "selective")
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (dynamic scaling)
-
-
-# The component sections whose keys are checked against what their _component_ accepts (a typo is one error naming
-# the valid keys, not a TypeError from deep inside the build), with the component used when a section names none.
-# The dataset is left to its builder: alpaca_dataset passes unknown keys on to datasets.load_dataset's builders.
-CHECKED_COMPONENTS = {
-    "model": None,
-    "tokenizer": None,
-    "loss": None,
-    "lr_scheduler": None,
-    "metric_logger": None,
-    "profiler": "torchtune.training.setup_torch_profiler",
-}
-# A component that hands its **kwargs on: the keys of that callable are valid too.
-KWARGS_GO_TO = {"torchtune.training.metric_logging.WandBLogger": "wandb.init"}
-
-
-def check_config_keys(cfg: DictConfig, known) -> None:
-    """Refuse a top-level key no recipe reads (a typo would otherwise be silently ignored).
-
-    Component sections (optimizer.*, model.*) are checked by their instantiation; this looks at the top level only.
-    """
-    known = sorted(set(known))
-    for key in cfg.keys():
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else f"the known keys are: {', '.join(known)}"
-            raise BadInput(f"{key} is not a config key of this recipe; {hint} (remove it with ~{key})")
-
-
-def accepted_keys(target, path: str = "") -> Optional[set]:
-    """The keyword arguments ``target`` takes (a class: its constructor's), or None when that cannot be known: no
-    signature, or ``**kwargs`` that go nowhere KWARGS_GO_TO knows."""
-    try:
-        params = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return None
-    named = {
-        k
-        for k, p in params.items()
-        if k != "self" and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    }
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return named
-    if path in KWARGS_GO_TO:
-        forwarded = accepted_keys(_get_component_from_path(KWARGS_GO_TO[path]))
-        return None if forwarded is None else named | forwarded
-    return None
-
-
-def check_component_keys(cfg: DictConfig) -> None:
-    """Refuse a key a component section's ``_component_`` does not take (``model.num_layer=2``), naming the valid
-    ones (CHECKED_COMPONENTS; the optimizer's keys are checked by resolve_optimizer)."""
-    for section, default in CHECKED_COMPONENTS.items():
-        node = cfg.get(section)
-        path = (node.get("_component_") or default) if OmegaConf.is_dict(node) else None
-        if not path:
-            continue
-        try:
-            keys = accepted_keys(_get_component_from_path(path), path)
-        except Exception as e:  # the path does not import
-            raise BadInput(
-                f"{section}._component_={path} cannot be imported ({first_line(e.__cause__ or e)}); check "
-                "the dotted path"
-            ) from None
-        for key in node.keys() if keys is not None else ():
-            if key == "_component_" or key in keys:
-                continue
-            close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
-            hint = f"did you mean {section}.{close[0]}? " if close else ""
-            raise BadInput(
-                f"{section}.{key} is not a key of {path}; {hint}its keys: {', '.join(sorted(keys))} "
-                f"(remove it with ~{section}.{key})"
-            )
-
-
-# ------------------------------------------------------------------------------------------------
-# numbers: one vocabulary
-# ------------------------------------------------------------------------------------------------
-
-
-def number(
-    cfg: DictConfig,
-    key: str,
-    *,
-    integer: bool,
-    low: float,
-    strict: bool,
-    allow_none: bool = False,
-    default: Any = None,
-    example: Any = 1,
-    high: Optional[float] = None,
-    why_high: str = "",
-):
-    """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: a whole one)
-    above ``low`` (``>= low`` when not ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not
-    numbers."""
-    value = OmegaConf.select(cfg, key, default=default)
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if strict else value >= low) and (not integer or float(value).is_integer())
-    if ok and high is not None and value > high:
-        raise BadInput(f"{key}={value!r} must be at most {high:g} ({why_high}); set e.g. {key}={example}")
-    if not ok:
-        if integer:
-            rule = {(0, True): "a positive integer", (0, False): "a non-negative integer"}.get(
-                (low, strict), f"an integer {'>' if strict else '>='} {low:g}"
-            )
-        else:
-            rule = (
-                "a positive number"
-                if (low, strict) == (0, True)
-                else f"a finite number {'>' if strict else '>='} {low:g}"
-            )
-        raise BadInput(f"{key}={value!r} must be {rule}{' or null' if allow_none else ''}; set e.g. {key}={example}")
-    return int(value) if integer else float(value)
-
-
-def flag(cfg: DictConfig, key: str, default: bool = False) -> bool:
-    value = cfg.get(key, default)
-    if value not in (True, False):
-        raise BadInput(f"{key}={value!r} must be True or False")
-    return bool(value)
-
-
-# ------------------------------------------------------------------------------------------------
-# the settings
-# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -431,7 +289,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                 "the optimizer state across GPUs instead: use the single-device recipe or another optimizer"
             )
 
-    paths = _check_paths(cfg)
+    paths = check_paths(cfg)
     if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
         raise BadInput(
             f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
@@ -530,136 +388,3 @@ def lr_scheduler(cfg: DictConfig) -> Optional[DictConfig]:
     if section is None or not section.get("_component_"):
         return None
     return section
-
-
-def read_packed_attention(cfg: DictConfig, device: torch.device, *, packed: bool) -> str:
-    """``packed_attention``: ``flex`` (torchtune's BlockMask, the default) or ``varlen`` (FlashAttention's
-    variable-length kernel, finetune/model/attention.py): a packed dataset on a CUDA GPU of compute capability 8.0 or later,
-    with a torch that has ``torch.nn.attention.varlen``."""
-    value = cfg.get("packed_attention", "flex")
-    if value not in attention.PACKED_ATTENTION:
-        raise BadInput(
-            f"packed_attention={value!r} is not an attention of packed rows; use packed_attention=flex "
-            "(torchtune's flex-attention block mask) or packed_attention=varlen (FlashAttention's "
-            "variable-length kernel, CUDA)"
-        )
-    if value == "flex":
-        return value
-    if not packed:
-        raise BadInput(
-            "packed_attention=varlen computes the attention of packed rows and needs dataset.packed=True; "
-            "set dataset.packed=True, or packed_attention=flex"
-        )
-    if device.type != "cuda":
-        raise BadInput(
-            f"packed_attention=varlen runs FlashAttention's CUDA kernel and needs device=cuda "
-            f"(device={device}); set packed_attention=flex"
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
-        raise BadInput(
-            f"packed_attention=varlen needs FlashAttention-2's GPUs (compute capability 8.0 or later: "
-            f"Ampere, Hopper); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
-            "set packed_attention=flex"
-        )
-    if not attention.varlen_available():  # (a module attribute: tests stand in for the kernel)
-        raise BadInput(
-            f"packed_attention=varlen needs torch.nn.attention.varlen (torch 2.9 or later; this is torch "
-            f"{torch.__version__}); set packed_attention=flex"
-        )
-    return value
-
-
-def read_fp8(cfg: DictConfig, device: torch.device, compile_: bool) -> Optional[str]:
-    """``fp8``: null (bf16 matmuls), ``tensorwise`` or ``rowwise`` (torchao's float8 training recipes).
-
-    On a GPU it needs FP8 tensor cores (compute capability 8.9: Ada, Hopper and later) and ``compile=True``: eager,
-    every cast is a kernel of its own and FP8 runs slower than bf16. On the CPU, torch emulates the FP8 matmuls
-    (correct, slow): allowed with or without compile, for tests and debugging.
-    """
-    value = cfg.get("fp8")
-    if value in (None, False, "off"):
-        return None
-    if value not in FP8_RECIPES:
-        raise BadInput(
-            f"fp8={value!r} is not an FP8 recipe; use fp8=tensorwise (one scale per tensor, the fastest), "
-            "fp8=rowwise (one scale per row), or fp8=null for bf16 matmuls"
-        )
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise BadInput(
-                f"fp8={value} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); "
-                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: set fp8=null"
-            )
-        if not compile_:
-            raise BadInput(
-                f"fp8={value} needs compile=True on a GPU (eager, each FP8 cast is a kernel of its own and "
-                "the step is slower than in bf16); set compile=True, or fp8=null"
-            )
-    return value
-
-
-def _check_paths(cfg: DictConfig) -> dict:
-    """The tokenizer file, the dataset's local files, checkpoint_dir and resume_from_checkpoint exist and look right."""
-
-    def fix_for(section: str, key: str, what: str) -> str:
-        # Name the key the user actually sets: the folder the path is built from, if any.
-        raw = str(OmegaConf.to_container(cfg[section], resolve=False).get(key, ""))
-        if "${data_dir}" in raw:
-            return f"set data_dir=DIR (the folder holding {what}, e.g. ../shared/data)"
-        if "${checkpoint_dir}" in raw:
-            return f"set checkpoint_dir=DIR (the HF model folder, which holds {Path(raw).name})"
-        return f"set {section}.{key}=FILE"
-
-    tok = Path(cfg.tokenizer.path)
-    if not tok.is_file():
-        raise BadInput(
-            f"tokenizer.path={tok} does not exist; " + fix_for("tokenizer", "path", "llama2_tokenizer/tokenizer.model")
-        )
-
-    source, data_files = cfg.dataset.get("source"), []
-    if source in LOCAL_DATASET_SOURCES:
-        files = cfg.dataset.get("data_files")
-        if files is None:
-            raise BadInput(f"dataset.source={source} needs dataset.data_files=FILE")
-        if isinstance(files, str):
-            files = [files]
-        elif OmegaConf.is_dict(files):
-            files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
-        data_files = [str(f) for f in files]
-        for f in data_files:
-            if not Path(f).is_file():
-                raise BadInput(
-                    f"dataset.data_files={f} does not exist; "
-                    + fix_for("dataset", "data_files", "alpaca/alpaca_data.json")
-                    + ", or take Alpaca from the hub with dataset.source=tatsu-lab/alpaca ~dataset.data_files"
-                )
-
-    ckpt = cfg.get("checkpoint_dir")
-    checkpoint_dir = Path(ckpt) if ckpt else None
-    if checkpoint_dir is not None and (not checkpoint_dir.is_dir() or not hf_weight_files(checkpoint_dir)):
-        raise BadInput(
-            f"checkpoint_dir={ckpt} is not a folder with HF weights (*.safetensors or pytorch_model*.bin); "
-            "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
-            "init"
-        )
-    source_config = read_source_config(checkpoint_dir)
-
-    resume = cfg.get("resume_from_checkpoint")
-    resume_dir = Path(resume) if resume else None
-    if resume_dir is not None:
-        missing = [f for f in (WEIGHTS_FILE, RECIPE_STATE_FILE) if not (resume_dir / f).is_file()]
-        if missing:
-            raise BadInput(
-                f"resume_from_checkpoint={resume} lacks {', '.join(missing)}; point it at a step_N or "
-                "epoch_E folder this recipe wrote (or use checkpoint_dir=... to start a new run from its "
-                "weights)"
-            )
-    return dict(
-        tokenizer_path=tok,
-        data_files=data_files,
-        checkpoint_dir=checkpoint_dir,
-        resume_dir=resume_dir,
-        source_config=source_config,
-    )

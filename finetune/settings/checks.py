@@ -1,0 +1,136 @@
+"""The vocabulary every config check speaks: unknown keys (top level and component sections, with the closest
+valid key suggested), numbers ("a positive integer", "a positive number", "a non-negative integer", "a finite number
+>= 0") and flags. Each failure is one ``BadInput`` naming the key and the fix."""
+
+import difflib
+import inspect
+import math
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from torchtune.config._utils import _get_component_from_path
+
+from finetune.base import BadInput, first_line
+
+# The component sections whose keys are checked against what their _component_ accepts (a typo is one error naming
+# the valid keys, not a TypeError from deep inside the build), with the component used when a section names none.
+# The dataset is left to its builder: alpaca_dataset passes unknown keys on to datasets.load_dataset's builders.
+CHECKED_COMPONENTS = {
+    "model": None,
+    "tokenizer": None,
+    "loss": None,
+    "lr_scheduler": None,
+    "metric_logger": None,
+    "profiler": "torchtune.training.setup_torch_profiler",
+}
+# A component that hands its **kwargs on: the keys of that callable are valid too.
+KWARGS_GO_TO = {"torchtune.training.metric_logging.WandBLogger": "wandb.init"}
+
+
+def check_config_keys(cfg: DictConfig, known) -> None:
+    """Refuse a top-level key no recipe reads (a typo would otherwise be silently ignored).
+
+    Component sections (optimizer.*, model.*) are checked by their instantiation; this looks at the top level only.
+    """
+    known = sorted(set(known))
+    for key in cfg.keys():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"the known keys are: {', '.join(known)}"
+            raise BadInput(f"{key} is not a config key of this recipe; {hint} (remove it with ~{key})")
+
+
+def accepted_keys(target, path: str = "") -> Optional[set]:
+    """The keyword arguments ``target`` takes (a class: its constructor's), or None when that cannot be known: no
+    signature, or ``**kwargs`` that go nowhere KWARGS_GO_TO knows."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+    named = {
+        k
+        for k, p in params.items()
+        if k != "self" and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return named
+    if path in KWARGS_GO_TO:
+        forwarded = accepted_keys(_get_component_from_path(KWARGS_GO_TO[path]))
+        return None if forwarded is None else named | forwarded
+    return None
+
+
+def check_component_keys(cfg: DictConfig) -> None:
+    """Refuse a key a component section's ``_component_`` does not take (``model.num_layer=2``), naming the valid
+    ones (CHECKED_COMPONENTS; the optimizer's keys are checked by resolve_optimizer)."""
+    for section, default in CHECKED_COMPONENTS.items():
+        node = cfg.get(section)
+        path = (node.get("_component_") or default) if OmegaConf.is_dict(node) else None
+        if not path:
+            continue
+        try:
+            keys = accepted_keys(_get_component_from_path(path), path)
+        except Exception as e:  # the path does not import
+            raise BadInput(
+                f"{section}._component_={path} cannot be imported ({first_line(e.__cause__ or e)}); check "
+                "the dotted path"
+            ) from None
+        for key in node.keys() if keys is not None else ():
+            if key == "_component_" or key in keys:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(keys), n=1, cutoff=0.6)
+            hint = f"did you mean {section}.{close[0]}? " if close else ""
+            raise BadInput(
+                f"{section}.{key} is not a key of {path}; {hint}its keys: {', '.join(sorted(keys))} "
+                f"(remove it with ~{section}.{key})"
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# numbers: one vocabulary
+# ------------------------------------------------------------------------------------------------
+
+
+def number(
+    cfg: DictConfig,
+    key: str,
+    *,
+    integer: bool,
+    low: float,
+    strict: bool,
+    allow_none: bool = False,
+    default: Any = None,
+    example: Any = 1,
+    high: Optional[float] = None,
+    why_high: str = "",
+):
+    """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: a whole one)
+    above ``low`` (``>= low`` when not ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not
+    numbers."""
+    value = OmegaConf.select(cfg, key, default=default)
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if strict else value >= low) and (not integer or float(value).is_integer())
+    if ok and high is not None and value > high:
+        raise BadInput(f"{key}={value!r} must be at most {high:g} ({why_high}); set e.g. {key}={example}")
+    if not ok:
+        if integer:
+            rule = {(0, True): "a positive integer", (0, False): "a non-negative integer"}.get(
+                (low, strict), f"an integer {'>' if strict else '>='} {low:g}"
+            )
+        else:
+            rule = (
+                "a positive number"
+                if (low, strict) == (0, True)
+                else f"a finite number {'>' if strict else '>='} {low:g}"
+            )
+        raise BadInput(f"{key}={value!r} must be {rule}{' or null' if allow_none else ''}; set e.g. {key}={example}")
+    return int(value) if integer else float(value)
+
+
+def flag(cfg: DictConfig, key: str, default: bool = False) -> bool:
+    value = cfg.get(key, default)
+    if value not in (True, False):
+        raise BadInput(f"{key}={value!r} must be True or False")
+    return bool(value)
