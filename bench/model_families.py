@@ -50,6 +50,18 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import _harness as harness
+from finetune.reporting import console
+
+console.quiet_known_noise()  # (before finetune.model imports torchtune, and torchtune torchao, with its noise: console.KNOWN_NOISE)
+from finetune.model.toy_folder import MODELS  # noqa: E402
+from finetune.model.toy_tokenizer import (  # noqa: E402
+    STAND_INS,
+    StandIn,
+    alpaca_texts,
+    token_ids,
+    train_bpe,
+    with_specials,
+)
 
 REPO_ROOT = harness.REPO_ROOT
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
@@ -57,51 +69,8 @@ ALPACA = Path("alpaca") / "alpaca_data.json"  # inside --data-dir
 LLAMA2_TOKENIZER = Path("llama2_tokenizer") / "tokenizer.model"
 
 # -- the families ---------------------------------------------------------------------------------------------------
-
-# The special tokens of the stand-in tokenizers: those the family's chat format uses and those torchtune's own
-# tokenizer for the family looks up (the stock rows read them from our tokenizer.json: special_tokens_path).
-LLAMA3_SPECIALS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|python_tag|>",
-    "<|image|>",
-    "<|step_id|>",
-    "<|finetune_right_pad_id|>",
-]
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
-
-# Chat templates of the stand-in tokenizers: the families' own structure, shortened (Llama 3's headers and trimmed
-# content; Qwen 2.5's ChatML with a default system prompt; Qwen 3's empty think block on the last answer, which makes
-# its rendering of a conversation not a prefix of the rendering of a longer one; Mistral's [INST], refusing roles it
-# does not know).
-TEMPLATES = {
-    "llama3": (
-        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
-        " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-    ),
-    "qwen2": (
-        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
-        "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-    "qwen3": (
-        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
-        "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
-        " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-    "mistral": (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
-        "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
-        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-    ),
-}
+# Their real config.json values are finetune/model/toy_folder.py's MODELS (the models the configs/ folders are for);
+# their stand-in tokenizers finetune/model/toy_tokenizer.py's STAND_INS.
 
 
 @dataclass(frozen=True)
@@ -115,24 +84,15 @@ class Spec:
     builder: str  # our configs' model._component_ (a sized builder)
     sizes_builder: str  # a builder taking the sizes (the toy models)
     configs: Dict[str, str]  # memory class -> our config under configs/
-    specials: List[str]
-    bos: Optional[str]
-    eos: str
     stock: Optional[tuple] = None  # (torchtune config under recipes/configs, overrides) or None: no stock config
     builder_extra: Dict = field(default_factory=dict)  # sizes_builder keywords beyond the sizes
 
     @property
-    def template(self) -> str:
-        return TEMPLATES["llama3" if self.family == "llama3" else self.family]
+    def stand_in(self) -> StandIn:
+        """The family's stand-in tokenizer: its special tokens, BOS, EOS, padding, chat template."""
+        return STAND_INS[self.family]
 
 
-_LLAMA31_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 SPECS: Dict[str, Spec] = {
     s.key: s
     for s in [
@@ -140,25 +100,10 @@ SPECS: Dict[str, Spec] = {
             "llama3_1_8b",
             "llama3",
             "LlamaConfig",
-            dict(
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                max_position_embeddings=131072,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                rope_scaling=_LLAMA31_ROPE,
-                tie_word_embeddings=False,
-            ),
+            MODELS["llama3_1"]["hf"],
             "torchtune.models.llama3_1.llama3_1_8b",
             "torchtune.models.llama3_1.llama3_1",
             {"80gb": "llama3_1/8B_full_80gb", "32gb": "llama3_1/8B_full_32gb"},
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
             ("llama3_1/8B_full_single_device", []),
             {"scale_factor": 8},
         ),
@@ -166,26 +111,10 @@ SPECS: Dict[str, Spec] = {
             "llama3_2_3b",
             "llama3",
             "LlamaConfig",
-            dict(
-                vocab_size=128256,
-                hidden_size=3072,
-                intermediate_size=8192,
-                num_hidden_layers=28,
-                num_attention_heads=24,
-                num_key_value_heads=8,
-                head_dim=128,
-                max_position_embeddings=131072,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
-                tie_word_embeddings=True,
-            ),
+            MODELS["llama3_2"]["hf"],
             "torchtune.models.llama3_2.llama3_2_3b",
             "torchtune.models.llama3_2.llama3_2",
             {"80gb": "llama3_2/3B_full_80gb", "24gb": "llama3_2/3B_full_24gb"},
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
             ("llama3_2/3B_full_single_device", []),
             {"scale_factor": 32, "tie_word_embeddings": True},
         ),
@@ -193,34 +122,18 @@ SPECS: Dict[str, Spec] = {
             "qwen2_5_7b",
             "qwen2",
             "Qwen2Config",
-            dict(
-                vocab_size=152064,
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                max_position_embeddings=131072,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                tie_word_embeddings=False,
-                use_sliding_window=False,
-                sliding_window=131072,
-                max_window_layers=28,
-            ),
+            MODELS["qwen2_5"]["hf"],
             "torchtune.models.qwen2_5.qwen2_5_7b_base",
             "torchtune.models.qwen2.qwen2",
             {"80gb": "qwen2_5/7B_full_80gb", "32gb": "qwen2_5/7B_full_32gb"},
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
             ("qwen2_5/7B_full_single_device", ["model._component_=torchtune.models.qwen2_5.qwen2_5_7b_base"]),
         ),
         Spec(
             "qwen2_5_3b",
             "qwen2",
             "Qwen2Config",
-            dict(
+            dict(  # (the 7B's, at the 3B's sizes and tied)
+                MODELS["qwen2_5"]["hf"],
                 vocab_size=151936,
                 hidden_size=2048,
                 intermediate_size=11008,
@@ -228,19 +141,13 @@ SPECS: Dict[str, Spec] = {
                 num_attention_heads=16,
                 num_key_value_heads=2,
                 max_position_embeddings=32768,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
                 tie_word_embeddings=True,
-                use_sliding_window=False,
                 sliding_window=32768,
                 max_window_layers=36,
             ),
             "torchtune.models.qwen2_5.qwen2_5_3b",
             "torchtune.models.qwen2.qwen2",
             {"80gb": "qwen2_5/3B_full_80gb", "24gb": "qwen2_5/3B_full_24gb"},
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
             ("qwen2_5/3B_full_single_device", []),
             {"tie_word_embeddings": True},
         ),
@@ -248,25 +155,10 @@ SPECS: Dict[str, Spec] = {
             "qwen3_8b",
             "qwen3",
             "Qwen3Config",
-            dict(
-                vocab_size=151936,
-                hidden_size=4096,
-                intermediate_size=12288,
-                num_hidden_layers=36,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                head_dim=128,
-                max_position_embeddings=40960,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                tie_word_embeddings=False,
-            ),
+            MODELS["qwen3"]["hf"],
             "finetune.model.qwen3_8b",
             "finetune.model.qwen3",
             {"80gb": "qwen3/8B_full_80gb", "32gb": "qwen3/8B_full_32gb"},
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
             None,
             {"head_dim": 32},
         ),  # (the toy's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
@@ -274,25 +166,10 @@ SPECS: Dict[str, Spec] = {
             "mistral_7b",
             "mistral",
             "MistralConfig",
-            dict(
-                vocab_size=32768,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                max_position_embeddings=32768,
-                rms_norm_eps=1e-5,
-                rope_theta=1000000.0,
-                sliding_window=None,
-                tie_word_embeddings=False,
-            ),
+            MODELS["mistral"]["hf"],
             "finetune.model.mistral_7b_v0_3",
             "torchtune.models.mistral.mistral",
             {"80gb": "mistral/7B_full_80gb", "32gb": "mistral/7B_full_32gb"},
-            MISTRAL_SPECIALS,
-            "<s>",
-            "</s>",
             (
                 "mistral/7B_full_low_memory",
                 [
@@ -372,62 +249,23 @@ def n_params(spec: Spec) -> int:
 # -- the stand-in tokenizer -------------------------------------------------------------------------------------------
 
 
-def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
-    records = json.loads((Path(data_dir) / ALPACA).read_text())[:limit]
-    return [" ".join(r[k] for k in ("instruction", "input", "output") if r.get(k)) for r in records]
-
-
-# Qwen's pre-tokenizer (Llama 3's differs only in taking digits three at a time): words, single digits, punctuation
-# runs, newlines and spaces, split before the byte-level BPE.
-PRETOKENIZE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def train_bpe(texts: List[str], vocab_size: int):
-    """A byte-level BPE (every byte in its alphabet, and Qwen's pre-tokenizer, as Llama 3's and Qwen's
-    tokenizer.json) trained on ``texts``: deterministic. transformers' own tokenizer classes for the families
-    (Qwen2Tokenizer) encode with it exactly as the ``tokenizers`` library does."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
 def write_tokenizer(folder: Path, spec: Spec, bpe) -> Dict[str, Optional[int]]:
     """The family's tokenizer.json (the BPE plus its special tokens, appended) and tokenizer_config.json (BOS, EOS,
-    padding, chat template) into ``folder``; returns the bos/eos ids."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_str(bpe.to_str())
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.specials])
+    padding, chat template) into ``folder``, written as plain files; returns the bos/eos ids."""
+    stand_in = spec.stand_in
+    tok = with_specials(bpe, stand_in)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": spec.bos,
-        "eos_token": spec.eos,
-        "pad_token": spec.eos if spec.family != "llama3" else "<|finetune_right_pad_id|>",
+        "bos_token": stand_in.bos,
+        "eos_token": stand_in.eos,
+        "pad_token": stand_in.pad,
         "model_max_length": 131072,
-        "chat_template": spec.template,
+        "chat_template": stand_in.template,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return {
-        "bos_token_id": None if spec.bos is None else tok.token_to_id(spec.bos),
-        "eos_token_id": tok.token_to_id(spec.eos),
-    }
+    return token_ids(tok, stand_in)
 
 
 def write_stock_tokenizer(folder: Path, spec: Spec, bpe, data_dir) -> List[str]:

@@ -4,9 +4,10 @@ A checkpoint folder (docs/CONVENTIONS.md) holds config.json, model.safetensors (
 model.safetensors.index.json) and the tokenizer: Llama 2's SentencePiece tokenizer.model, or the tokenizer.json and
 tokenizer_config.json of the other families (Llama 3.x, Qwen 2.5 / 3, Mistral). Everything is checked before
 anything heavy is loaded, so a partial or foreign checkpoint fails with one message that says what to change: a
-config.json without the model's sizes (transformers would build its default 7B model in fp32), weights of another
-width than config.json says, a shard named outside the folder, a pytorch_model.bin that holds anything but tensors,
-and, once loaded, non-finite weights.
+config.json without the model's sizes (transformers would build its default 7B model in fp32), sizes (the layer count
+included) that are not those of the weight files (eval/weight_shapes.py reads them from the files' headers: a
+config.json of 200,000 layers over the weights of 2 is refused before transformers builds anything), a shard named
+outside the folder, a pytorch_model.bin that holds anything but tensors, and, once loaded, non-finite weights.
 """
 
 import json
@@ -17,10 +18,10 @@ from pathlib import Path
 import sentencepiece
 import torch
 import transformers
-from safetensors import safe_open
 
 from eval.errors import EvalInputError
-from finetune.base import BadInput, hf_weight_files, load_state_file
+from eval.weight_shapes import check_sizes, read_shapes
+from finetune.base import BadInput, hf_weight_files
 
 # The model_types of the fine-tune recipes' families (finetune/checkpoint/hf_format.py FAMILIES; a test holds the two together):
 # transformers' AutoModelForCausalLM loads each.
@@ -28,6 +29,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # config.json keys without which transformers falls back to its defaults (a 7B model): required, positive integers.
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+FIX_CONFIG = "restore the config.json the weights were saved with"
 FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format folder of a supported family)"
 
 
@@ -60,26 +62,19 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
     if missing:
         raise EvalInputError(
             f"checkpoint_dir={ckpt}: config.json lacks the model's sizes ({', '.join(f'{k}={config.get(k)!r}' for k in missing)}; "
-            "without them transformers would build its default 7B model): restore the config.json the weights were saved with"
+            f"without them transformers would build its default 7B model): {FIX_CONFIG}"
         )
 
-    for shard in _weight_files(ckpt):
-        if shard.suffix != ".safetensors":
-            # Read here with weights_only=True (tensors only), so a planted pickle is refused by name rather than
-            # failing inside transformers' loader with torch's "set weights_only=False" advice.
-            try:
-                load_state_file(shard, mmap=True, fix=FIX_CHECKPOINT)
-            except BadInput as e:
-                raise EvalInputError(f"checkpoint_dir={ckpt}: {e}") from None
-            continue
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        except Exception as e:  # safetensors raises its own error type for truncated or garbled files
-            raise EvalInputError(
-                f"checkpoint_dir={ckpt}: weights file {shard.name} is unreadable ({e}) (a partial write?): {FIX_CHECKPOINT}"
-            )
-        _check_shapes(ckpt, config, shapes)
+    # The sizes against the weight files' headers, then config.json as transformers reads it, both before anything
+    # is built or the tokenizer is loaded (AutoTokenizer reads config.json too, and would blame tokenizer.json).
+    check_sizes(ckpt, config, read_shapes(ckpt, _weight_files(ckpt), FIX_CHECKPOINT))
+    try:
+        transformers.AutoConfig.from_pretrained(ckpt)
+    except Exception as e:  # transformers' validators raise ValueError, TypeError, its own StrictDataclass errors
+        raise EvalInputError(
+            f"checkpoint_dir={ckpt}: config.json is not a {model_type} config transformers accepts "
+            f"({' '.join(str(e).split())[:300]}): {FIX_CONFIG}"
+        ) from None
 
     tokenizer = Path(tokenizer_path) if tokenizer_path else _tokenizer_file(ckpt)
     if not tokenizer.is_file():
@@ -96,7 +91,7 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
             tokenizer_vocab = len(load_tokenizer(tokenizer, add_bos=False))
         except Exception as e:  # tokenizers and transformers raise several types for a file they cannot read
             raise EvalInputError(
-                f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({str(e)[:200]}): copy the model's tokenizer.json and tokenizer_config.json into the checkpoint"
+                f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({' '.join(str(e).split())[:200]}): copy the model's tokenizer.json and tokenizer_config.json into the checkpoint"
             )
     else:
         try:
@@ -121,26 +116,6 @@ def _tokenizer_file(ckpt: Path) -> Path:
         if sentencepiece_model.is_file() or not (ckpt / "tokenizer.json").is_file()
         else ckpt / "tokenizer.json"
     )
-
-
-def _check_shapes(ckpt: Path, config: dict, shapes: dict) -> None:
-    """The embedding's shape and the layer indices against config.json (weights of another model would otherwise
-    fail inside transformers with a table of every tensor)."""
-    embed = shapes.get("model.embed_tokens.weight")
-    want = (config["vocab_size"], config["hidden_size"])
-    if embed is not None and embed != want:
-        raise EvalInputError(
-            f"checkpoint_dir={ckpt}: model.embed_tokens.weight is {list(embed)} but config.json says vocab_size x "
-            f"hidden_size = {list(want)} (weights of another model size?): {FIX_CHECKPOINT}"
-        )
-    layers = {
-        int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.") and name.split(".")[2].isdigit()
-    }
-    if layers and max(layers) >= config["num_hidden_layers"]:
-        raise EvalInputError(
-            f"checkpoint_dir={ckpt} holds weights of layer {max(layers)} but config.json says num_hidden_layers="
-            f"{config['num_hidden_layers']} (weights of another model?): {FIX_CHECKPOINT}"
-        )
 
 
 def _weight_files(ckpt: Path) -> list[Path]:

@@ -18,50 +18,19 @@ from typing import Any, Dict, List, Optional
 
 # -- toy models of the families ---------------------------------------------------------------------------------------
 
-# The special tokens of the stand-in tokenizers: those the family's chat format uses and those torchtune's own
-# tokenizer for the family looks up.
-LLAMA3_SPECIALS = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|python_tag|>",
-    "<|image|>",
-    "<|step_id|>",
-    "<|finetune_right_pad_id|>",
-]
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+# The stand-in tokenizers (their special tokens, templates, the BPE) are finetune/model/toy_tokenizer.py's, read
+# through this module (``support.LLAMA3_SPECIALS``, ``support.train_bpe``) but imported only when first asked for:
+# finetune.model imports torchtune, which must not come before the recipe's own imports in ``run_batch``.
+_FROM_TOY_TOKENIZER = ("LLAMA3_SPECIALS", "QWEN_SPECIALS", "MISTRAL_SPECIALS", "TEMPLATES", "alpaca_texts", "train_bpe")
 
-# Chat templates of the stand-in tokenizers: the families' own structure, shortened (Llama 3's headers and trimmed
-# content; Qwen 2.5's ChatML with a default system prompt; Qwen 3's empty think block on the last answer, which makes
-# its rendering of a conversation not a prefix of the rendering of a longer one; Mistral's [INST], refusing roles it
-# does not know).
-TEMPLATES = {
-    "llama3": (
-        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
-        " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-    ),
-    "qwen2": (
-        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>"
-        "\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-    "qwen3": (
-        "{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}{{ '<|im_start|>assistant\\n"
-        "<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']"
-        " + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-    "mistral": (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
-        "'[/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% else %}"
-        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
-    ),
-}
+
+def __getattr__(name: str):
+    if name in _FROM_TOY_TOKENIZER:
+        from finetune.model import toy_tokenizer
+
+        return getattr(toy_tokenizer, name)
+    raise AttributeError(f"module 'support' has no attribute {name!r}")
+
 
 # Every toy: 2 layers of width 64, 4 query heads of 16 in 2 key/value groups, a 1,024-token vocabulary, positions
 # up to 16,384; the rest (RoPE and its scaling, tying, norms, biases, windows) is the family's real config.json.
@@ -94,14 +63,15 @@ class Toy:
     config_class: str  # transformers' config class
     hf: Dict[str, Any]  # config.json's values
     sizes_builder: str  # the recipe's model._component_: a builder taking the sizes
-    specials: List[str]
-    bos: Optional[str]
-    eos: str
     builder_extra: Dict[str, Any] = field(default_factory=dict)  # sizes_builder keywords beyond the sizes
 
     @property
-    def template(self) -> str:
-        return TEMPLATES[self.family]
+    def stand_in(self):
+        """The family's stand-in tokenizer (finetune/model/toy_tokenizer.py's STAND_INS; Llama 2 has none: its
+        toys carry its SentencePiece tokenizer.model)."""
+        from finetune.model.toy_tokenizer import STAND_INS
+
+        return STAND_INS[self.family]
 
 
 TOYS: Dict[str, Toy] = {
@@ -115,9 +85,6 @@ TOYS: Dict[str, Toy] = {
                 TOY_SIZES, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False
             ),
             "torchtune.models.llama3_1.llama3_1",
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
             {"scale_factor": 8},
         ),
         Toy(
@@ -132,9 +99,6 @@ TOYS: Dict[str, Toy] = {
                 tie_word_embeddings=True,
             ),
             "torchtune.models.llama3_2.llama3_2",
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
             {"scale_factor": 32, "tie_word_embeddings": True},
         ),
         Toy(
@@ -151,9 +115,6 @@ TOYS: Dict[str, Toy] = {
                 max_window_layers=2,
             ),
             "torchtune.models.qwen2.qwen2",
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
         ),
         Toy(
             "qwen2_5_3b",
@@ -169,9 +130,6 @@ TOYS: Dict[str, Toy] = {
                 max_window_layers=2,
             ),
             "torchtune.models.qwen2.qwen2",
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
             {"tie_word_embeddings": True},
         ),
         # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
@@ -181,9 +139,6 @@ TOYS: Dict[str, Toy] = {
             "Qwen3Config",
             dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, head_dim=32),
             "finetune.model.builders.qwen3",
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
             {"head_dim": 32},
         ),
         Toy(
@@ -192,9 +147,6 @@ TOYS: Dict[str, Toy] = {
             "MistralConfig",
             dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
             "torchtune.models.mistral.mistral",
-            MISTRAL_SPECIALS,
-            "<s>",
-            "</s>",
         ),
     ]
 }
@@ -225,64 +177,14 @@ def model_overrides(toy: Toy, hf: Dict[str, Any]) -> List[str]:
 # -- the stand-in tokenizer -----------------------------------------------------------------------------------------
 
 
-def alpaca_texts(data_dir, limit: Optional[int] = None) -> List[str]:
-    """The first ``limit`` Alpaca records as plain text (instruction, input, output)."""
-    records = json.loads((Path(data_dir) / "alpaca" / "alpaca_data.json").read_text())[:limit]
-    return [" ".join(r[k] for k in ("instruction", "input", "output") if r.get(k)) for r in records]
-
-
-# Qwen's pre-tokenizer (Llama 3's differs only in taking digits three at a time): words, single digits, punctuation
-# runs, newlines and spaces, split before the byte-level BPE.
-PRETOKENIZE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def train_bpe(texts: List[str], vocab_size: int):
-    """A byte-level BPE (every byte in its alphabet, Qwen's pre-tokenizer, as Llama 3's and Qwen's tokenizer.json)
-    trained on ``texts`` with the ``tokenizers`` library: deterministic."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
 def write_tokenizer(folder: Path, toy: Toy, bpe) -> Dict[str, Optional[int]]:
     """The toy's tokenizer saved by transformers into ``folder``, as a user saves one: the BPE with the family's
-    special tokens, its BOS, EOS, padding and chat template (tokenizer.json, tokenizer_config.json). Returns the
-    bos/eos ids for config.json."""
-    from tokenizers import AddedToken, Tokenizer
-    from transformers import PreTrainedTokenizerFast
+    special tokens, its BOS, EOS, padding and chat template (tokenizer.json, tokenizer_config.json). The template
+    inside tokenizer_config.json, where finetune.data.HFTokenizer reads it (transformers 5 writes it into a
+    chat_template.jinja of its own by default). Returns the bos/eos ids for config.json."""
+    from finetune.model import toy_tokenizer
 
-    tok = Tokenizer.from_str(bpe.to_str())
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in toy.specials])
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=toy.bos,
-        eos_token=toy.eos,
-        pad_token=toy.eos if toy.family != "llama3" else "<|finetune_right_pad_id|>",
-        model_max_length=131072,
-    )
-    hf_tok.chat_template = toy.template
-    # The template inside tokenizer_config.json, where finetune.data.HFTokenizer reads it (transformers 5 writes it
-    # into a chat_template.jinja of its own by default).
-    hf_tok.save_pretrained(folder, save_jinja_files=False)
-    return {
-        "bos_token_id": None if toy.bos is None else tok.token_to_id(toy.bos),
-        "eos_token_id": tok.token_to_id(toy.eos),
-    }
+    return toy_tokenizer.write_tokenizer(folder, bpe, toy.stand_in, template_file=False)
 
 
 # -- the toy checkpoint ---------------------------------------------------------------------------------------------
@@ -354,9 +256,6 @@ ANY_FOLDERS: Dict[str, tuple] = {
             "LlamaConfig",
             dict(_ODD, vocab_size=32000, rms_norm_eps=3e-6, rope_theta=20000.0, tie_word_embeddings=False),
             "",
-            [],
-            "<s>",
-            "</s>",
         ),
         "configs/llama2/7B_full_80gb.yaml",
     ),
@@ -380,9 +279,6 @@ ANY_FOLDERS: Dict[str, tuple] = {
                 },
             ),
             "",
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
         ),
         "configs/llama3_1/8B_full_80gb.yaml",
     ),
@@ -400,9 +296,6 @@ ANY_FOLDERS: Dict[str, tuple] = {
                 rope_scaling=dict(_LLAMA31_ROPE, factor=4.0, original_max_position_embeddings=2048),
             ),
             "",
-            LLAMA3_SPECIALS,
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
         ),
         "configs/llama3_2/3B_full_80gb.yaml",
     ),
@@ -423,9 +316,6 @@ ANY_FOLDERS: Dict[str, tuple] = {
                 use_sliding_window=False,
             ),
             "",
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
         ),
         "configs/qwen2_5/7B_full_80gb.yaml",
     ),
@@ -436,9 +326,6 @@ ANY_FOLDERS: Dict[str, tuple] = {
             "Qwen3Config",
             dict(_ODD, vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True),
             "",
-            QWEN_SPECIALS,
-            None,
-            "<|endoftext|>",
         ),
         "configs/qwen3/8B_full_80gb.yaml",
     ),
@@ -456,30 +343,10 @@ ANY_FOLDERS: Dict[str, tuple] = {
                 tie_word_embeddings=False,
             ),
             "",
-            MISTRAL_SPECIALS,
-            "<s>",
-            "</s>",
         ),
         "configs/mistral/7B_full_80gb.yaml",
     ),
 }
-
-# What a shipped 80 GB config needs on this CPU besides checkpoint_dir (its GPU settings off, a few short steps on a
-# slice of Alpaca): nothing of the model.
-CPU_OVERRIDES = [
-    "device=cpu",
-    "dtype=fp32",
-    "compile=False",
-    "optimizer._component_=torch.optim.AdamW",
-    "optimizer_in_bwd=False",
-    "packed_attention=flex",
-    "metric_logger=null",
-    "batch_size=2",
-    "max_steps_per_epoch=2",
-    "tokenizer.max_seq_len=64",
-    "lr_scheduler.num_warmup_steps=0",
-    "optimizer.lr=1e-3",
-]
 
 
 def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **fields: Any) -> Dict[str, Any]:
@@ -574,6 +441,24 @@ def run_batch(path: str) -> None:
         except SystemExit as e:
             codes.append(0 if e.code is None else e.code if isinstance(e.code, int) else 1)  # (config.parse exits)
     print(json.dumps(codes))
+
+
+# -- a folder in shards -----------------------------------------------------------------------------------------------
+
+
+def make_sharded(source: Path, folder: Path, max_shard_size: str) -> List[str]:
+    """HF folder ``source`` re-saved by transformers into ``folder`` in shards of at most ``max_shard_size``
+    (model-00001-of-0000N.safetensors ... and model.safetensors.index.json), as large published models come; its
+    tokenizer files copied beside them. Returns the shards' names."""
+    import shutil
+
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_pretrained(source).save_pretrained(folder, max_shard_size=max_shard_size)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        if (Path(source) / name).is_file():
+            shutil.copy(Path(source) / name, Path(folder) / name)
+    return sorted(p.name for p in Path(folder).glob("model-*.safetensors"))
 
 
 if __name__ == "__main__":

@@ -32,11 +32,14 @@ LAYERS = [
         "finetune.checkpoint.lock",
         "finetune.model.builders",
         "finetune.model.from_hf_config",
+        "finetune.model.toy_tokenizer",
         "finetune.model.loss",
         "finetune.model.attention",
         "finetune.model.sharding",
         "finetune.data.tokenizer",
         "finetune.data.packing",
+        "finetune.data.records",
+        "finetune.data.chat_template",
         "finetune.reporting.wandb_run",
         "finetune.reporting.console",
         "finetune.reporting.profiler",
@@ -45,7 +48,13 @@ LAYERS = [
         "finetune.launch",
     },
     {"finetune.checkpoint.run_folder", "finetune.checkpoint.hf_format", "finetune.settings.hardware"},
-    {"finetune.reporting.metrics", "finetune.checkpoint.checkpointer", "finetune.settings.paths"},
+    {
+        "finetune.reporting.metrics",
+        "finetune.checkpoint.checkpointer",
+        "finetune.settings.paths",
+        "finetune.reporting.out_of_memory",
+        "finetune.model.toy_folder",
+    },
     {"finetune.checkpoint.resume", "finetune.stops"},
     {"finetune.settings.read"},
     {"finetune.model.prepare", "finetune.data.loading", "finetune.services"},
@@ -198,3 +207,17 @@ def test_only_the_bench_tests_reach_into_bench(path):
             assert "bench" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
     imported = {name.split(".")[0] for name in imported_modules(path)}
     assert not imported & scripts, f"{path.name} imports bench/'s {sorted(imported & scripts)}"
+
+
+def test_docs_and_comments_name_test_files_that_exist():
+    """A test file named in the docs, the README or a comment exists (a move of tests/ updates its readers)."""
+    sources = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").rglob("*.md")]
+    for folder in ("finetune", "recipes", "optimizers", "eval", "bench", "tests"):
+        sources += [p for p in (REPO_ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts]
+    missing = [
+        f"{path.relative_to(REPO_ROOT)}: {name}"
+        for path in sources
+        for name in sorted(set(re.findall(r"\btests/[\w/]+\.py", path.read_text())))
+        if not (REPO_ROOT / name).is_file()
+    ]
+    assert not missing, missing

@@ -10,7 +10,9 @@ Three kinds of dataset, each torchtune's builder reading local JSON, JSONL or Pa
   ``dataset.conversation_column``, ``conversation_style: openai`` (``{role, content}``) or ``sharegpt``
   (``{from, value}``); the tokenizer's chat template formats them (``tokenizer.chat_template: True``).
 
-Every record is checked when the dataset is built, so a bad one is one ``error:`` line naming it, before training.
+Every record is checked when the dataset is built (``finetune/data/records.py``: readable UTF-8 and JSON, complete,
+conversations in an order the tokenizer formats, tool messages included), so a bad one is one ``error:`` line naming
+it (its file and line, or its index), before training.
 """
 
 from functools import partial
@@ -24,13 +26,12 @@ from torchtune import config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from finetune.base import BadInput
+from finetune.data import records
 from finetune.data.packing import pack_dataset
+from finetune.data.records import ALPACA_REQUIRED, ALPACA_TEXT_FIELDS, CHAT_STYLES, INSTRUCT_FIELDS
 from finetune.model import attention
 from finetune.settings import Settings, first_line
 
-ALPACA_TEXT_FIELDS = ("instruction", "input", "output")
-ALPACA_REQUIRED = ("instruction", "output")
-INSTRUCT_FIELDS = ("input", "output")
 # The dataset kinds whose records are checked, by a name in dataset._component_, and what their records hold.
 KINDS = {"alpaca": "alpaca", "instruct": "instruct_dataset", "chat": "chat_dataset"}
 RECORDS = {
@@ -38,11 +39,6 @@ RECORDS = {
     "instruct": "JSON, JSONL or Parquet records with input and output text (dataset.column_map renames columns)",
     "chat": "JSON, JSONL or Parquet records, each with a list of messages in dataset.conversation_column",
     None: "records the dataset builder reads",
-}
-# Per conversation_style: the keys of a message, and the roles it may have.
-CHAT_STYLES = {
-    "openai": ("role", "content", ("system", "user", "assistant", "ipython", "tool")),
-    "sharegpt": ("from", "value", ("system", "human", "gpt")),
 }
 
 
@@ -57,11 +53,21 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
             f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
             "or sharegpt (from, value)"
         )
+    # Local text files are read byte by byte first: a byte that is not UTF-8 would otherwise pass datasets' JSON
+    # reader inside a string and fail when the sampler reaches its record, mid-run.
+    text_files = records.local_text_files(cfg_dataset)
+    for path in text_files:
+        records.check_utf8(path)
     # The samples are built unpacked and packed here (finetune/data/packing.py: best-fit rows, a token cache).
     cfg_samples = OmegaConf.merge(cfg_dataset, {"packed": False})
     try:
         ds = config.instantiate(cfg_samples, tokenizer)
     except Exception as e:  # datasets wraps parse errors in several types; all mean bad data here
+        if cfg_dataset.get("source") == "json":  # name the line datasets could not parse
+            for path in text_files:
+                problem = records.json_error(path, cfg_dataset.get("field"))
+                if problem:
+                    raise BadInput(f"dataset.data_files={path} {problem}; fix or drop that record") from None
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
@@ -69,18 +75,24 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
             f"could not load the dataset {where} ({first_line(cause)}); it must be {RECORDS[kind]} (or a hub name "
             "reachable from here)"
         ) from None
+    if not text_files:  # Parquet, Arrow, the hub: their strings are checked as loaded
+        records.check_table_utf8(ds, where)
     column_map = cfg_dataset.get("column_map") or {}
     if kind == "alpaca":
-        check_text_records(ds, column_map, where, ALPACA_TEXT_FIELDS, ALPACA_REQUIRED)
+        records.check_text_records(ds, column_map, where, ALPACA_TEXT_FIELDS, ALPACA_REQUIRED)
     elif kind == "instruct":
-        check_text_records(ds, column_map, where, INSTRUCT_FIELDS, INSTRUCT_FIELDS)
+        records.check_text_records(ds, column_map, where, INSTRUCT_FIELDS, INSTRUCT_FIELDS)
     elif kind == "chat":
-        check_chat_records(
+        style = cfg_dataset.get("conversation_style")
+        if style == "openai":  # tool messages and tool calls, formatted as transformers' apply_chat_template does
+            records.chat_transform(ds, tokenizer, cfg_dataset)
+        records.check_chat_records(
             ds,
             cfg_dataset.get("conversation_column"),
-            cfg_dataset.get("conversation_style"),
+            style,
             bool(cfg_dataset.get("train_on_input", False)),
             where,
+            templated=getattr(tokenizer, "chat_template", None) is not None,
         )
     if not settings.packed:
         return ds
@@ -103,108 +115,6 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
         cache_parts=cache_parts,
         log=log,
     )
-
-
-def check_text_records(ds, column_map: dict, where, fields=ALPACA_TEXT_FIELDS, required=ALPACA_REQUIRED) -> None:
-    """Instruction data (Alpaca's instruction, input and output; instruct_dataset's input and output): the
-    ``required`` fields are present in every record, and ``fields`` are text. The whole table is checked now (Arrow
-    null counts, milliseconds) rather than fail at some step mid-run."""
-    table = getattr(ds, "_data", None)
-    if not hasattr(table, "column_names"):
-        return
-    needs = " and ".join(required)
-    for field in fields:  # text, not numbers or booleans
-        column = column_map.get(field, field)
-        if column not in table.column_names:
-            continue
-        feature = getattr(table, "features", {}).get(column)
-        if getattr(feature, "dtype", None) in ("string", "large_string", "null"):
-            continue  # an Arrow string column: every value is text or missing
-        # Numbers, booleans, or a mix (datasets then stores the column as JSON): find the first non-text.
-        bad = next(((i, v) for i, v in enumerate(table[column]) if v is not None and not isinstance(v, str)), None)
-        if bad is not None:
-            raise BadInput(
-                f"record {bad[0]} of {where}: field '{column}' is {bad[1]!r} ({type(bad[1]).__name__}), not a "
-                f"string; fix or drop that record ({', '.join(fields)} are text)"
-            )
-    for field in required:
-        column = column_map.get(field, field)
-        if column not in table.column_names:
-            raise BadInput(
-                f"the records in {where} have no '{column}' field; each needs {needs} (map other names "
-                "with dataset.column_map)"
-            )
-        values = table.data.column(column)
-        if values.null_count:
-            row = values.is_null().to_pylist().index(True)
-            raise BadInput(f"record {row} of {where} has no '{column}'; fix or drop that record (each needs {needs})")
-
-
-def check_chat_records(ds, column, style, train_on_input: bool, where) -> None:
-    """Conversations: every record's ``column`` is a non-empty list of messages with the style's keys, text
-    content and a known role, and (unless ``train_on_input``) an assistant message, so there is something to train
-    on. Read once in Python (about a second per 50,000 conversations)."""
-    table = getattr(ds, "_data", None)
-    if not hasattr(table, "column_names"):
-        return
-    role_key, text_key, roles = CHAT_STYLES[style]
-    trained_role = "assistant" if style == "openai" else "gpt"
-    if column not in table.column_names:
-        raise BadInput(
-            f"the records in {where} have no '{column}' field (dataset.conversation_column); its columns "
-            f"are {', '.join(table.column_names)}: set dataset.conversation_column to the one that holds "
-            "the messages"
-        )
-    for i, conversation in enumerate(table[column]):
-        if not isinstance(conversation, list) or not conversation:
-            raise BadInput(
-                f"record {i} of {where}: '{column}' is {str(conversation)[:80]!r}, not a list of "
-                "messages; fix or drop that record"
-            )
-        for j, message in enumerate(conversation):
-            role = message.get(role_key) if isinstance(message, dict) else None
-            text = message.get(text_key) if isinstance(message, dict) else None
-            if role not in roles:
-                raise BadInput(
-                    f"record {i} of {where}: message {j} has {role_key}={role!r}; use one of "
-                    f"{', '.join(roles)} ({style} style), or fix or drop that record"
-                )
-            if not (isinstance(text, str) or (style == "openai" and isinstance(text, list))):
-                raise BadInput(
-                    f"record {i} of {where}: message {j} ({role}) has {text_key}={str(text)[:80]!r}, "
-                    "not text; fix or drop that record"
-                )
-        if not train_on_input and not any(m[role_key] == trained_role for m in conversation):
-            raise BadInput(
-                f"record {i} of {where} has no {trained_role} message, so nothing to train on; fix or drop "
-                "that record (or set dataset.train_on_input=True)"
-            )
-        turn_error = _turn_order([TORCHTUNE_ROLES.get(m[role_key], m[role_key]) for m in conversation])
-        if turn_error:
-            raise BadInput(
-                f"record {i} of {where}: {turn_error} (torchtune's conversation rules); fix or drop that record"
-            )
-
-
-# ShareGPT's roles as torchtune's messages name them.
-TORCHTUNE_ROLES = {"human": "user", "gpt": "assistant"}
-
-
-def _turn_order(roles) -> str:
-    """What torchtune's validate_messages would refuse in a conversation (it checks each sample only when it is
-    read: mid-run, or while packing), or "" when the order is fine."""
-    if len(roles) < 2:
-        return f"{len(roles)} message, at least a user and an assistant message are needed"
-    last = "assistant"
-    for j, role in enumerate(roles):
-        if role == "assistant" and last != "user":
-            return f"message {j} is an assistant message that follows no user message"
-        if role == "user" and last == "user":
-            return f"messages {j - 1} and {j} are both user messages"
-        if role == "system" and j > 0:
-            return f"message {j} is a system message after the first"
-        last = role
-    return ""
 
 
 def build_dataloader(

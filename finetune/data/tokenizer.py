@@ -30,11 +30,14 @@ Two formats for a sample's messages:
 import datetime
 import hashlib
 import json
+import os
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torchtune.data import Message
 from torchtune.data._utils import truncate
@@ -42,10 +45,16 @@ from torchtune.modules.transforms import Transform
 from torchtune.modules.transforms.tokenizers import ModelTokenizer
 
 from finetune.base import BadInput
+from finetune.data.chat_template import ChatTemplate
 
 TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves a folder's chat template here, not in CONFIG_FILE
+# Text that makes a backtracking pre-tokenizer regex (tokenizer.json's Split pattern) show itself: a run of each
+# character class its patterns tell apart, ended by each other class (a catastrophic pattern backtracks where a run
+# fails to match at its end). A published tokenizer encodes it in milliseconds.
+PROBE_TEXT = "".join(c * 500 + d for c in "a1 !é\n" for d in "a1 !é\n" if c != d) + "Hello, world! It's 42."
+PROBE_SECONDS = 5.0
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -84,6 +93,7 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "it at the model folder's tokenizer.json (Llama 2's tokenizer.model goes with "
                 "torchtune.models.llama2.llama2_tokenizer)"
             ) from None
+        self._probe_tokenizer()
         config_file = self.path.with_name(CONFIG_FILE)
         self._config_bytes = config_file.read_bytes() if config_file.is_file() else b""
         try:
@@ -112,20 +122,19 @@ class HFTokenizer(ModelTokenizer, Transform):
             raise BadInput(f"tokenizer.chat_template={chat_template!r} must be True or False")
         if chat_template:
             source, where = self._read_template(config_file)
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            # (compiled and rendered with a time and size bound, in finetune/data/chat_template.py's sandbox)
+            self.chat_template = ChatTemplate(
+                source,
+                where,
+                variables={
+                    k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v)
+                },
+                functions=dict(
+                    raise_exception=self._template_error, strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt)
+                ),
             )
-            env.globals.update(
-                raise_exception=self._template_error, strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt)
-            )
-            try:
-                self.chat_template = env.from_string(source)
-            except TemplateError as e:
-                raise BadInput(f"the chat template in {where} does not parse ({e})") from None
+            self.chat_template.probe()
             self._template_source = source
-            self._template_vars = {
-                k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and _token_text(v)
-            }
 
     def _read_template(self, config_file: Path) -> Tuple[str, Path]:
         """The chat template's source and its file: chat_template.jinja beside tokenizer.json, else
@@ -147,6 +156,41 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "format samples as plain text"
             )
         return source, config_file
+
+    def _ids(self, text: str) -> List[int]:
+        """The text's token ids. A pre-tokenizer regex that backtracks past its limit makes the Rust library panic:
+        a PanicException, which derives from BaseException (so ``except Exception`` lets it through) and is caught
+        here by its name (pyo3 exports no class to import)."""
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            raise BadInput(
+                f"{self.path} failed to tokenize a text of {len(text):,} characters ({str(e)[:200]}): its "
+                "pre_tokenizer's Split regex backtracks without bound; re-copy tokenizer.json from the model's "
+                "published folder"
+            ) from None
+
+    def _probe_tokenizer(self) -> None:
+        """Encode PROBE_TEXT once, now: a pre-tokenizer regex that backtracks without bound is refused before any
+        data is read. The Rust library's panic prints its own report to the process's stderr, which is silenced
+        for this one call (the error line says what happened).
+
+        The bound on a merely slow regex is measured after the fact rather than enforced: a call into Rust cannot
+        be interrupted from Python, and a worker process to run it in would cost every run a process start.
+        Oniguruma's own retry limit turns the usual catastrophic patterns into a panic within a fraction of a
+        second, so what remains is a slow but finishing regex, refused here before it slows a whole dataset."""
+        start = time.monotonic()
+        with _quiet_stderr():
+            self._ids(PROBE_TEXT)
+        took = time.monotonic() - start
+        if took > PROBE_SECONDS:
+            raise BadInput(
+                f"{self.path} took {took:.1f} s to tokenize {len(PROBE_TEXT):,} characters (a published tokenizer "
+                "takes milliseconds): its pre_tokenizer's regex backtracks; re-copy tokenizer.json from the model's "
+                "published folder"
+            )
 
     def _id_of(self, key: str) -> Optional[int]:
         text = _token_text(self.config.get(key))
@@ -174,7 +218,7 @@ class HFTokenizer(ModelTokenizer, Transform):
     # -- encoding ---------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True, **_) -> List[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._ids(text)
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
         return bos + ids + ([self.eos_id] if add_eos else [])
 
@@ -227,8 +271,17 @@ class HFTokenizer(ModelTokenizer, Transform):
         except that a reply may lose the scaffolding before its text once later turns follow (Qwen3 drops the think
         block of past replies): its tokens must then directly follow its generation prompt (the first i messages
         rendered with ``add_generation_prompt=True``). Otherwise the conversation is refused, rather than some other
-        tokens trained."""
-        chat = [{"role": "tool" if m.role == "ipython" else m.role, "content": m.text_content} for m in messages]
+        tokens trained.
+
+        Tool use reaches the template as transformers' ``apply_chat_template`` passes it: a message's
+        ``template_fields`` (finetune/data/records.py sets an assistant's ``tool_calls``, a tool message's
+        ``tool_call_id`` and ``name``) are keys of its dict. An assistant's tool calls are trained with its text:
+        emptying message i empties both."""
+        chat = [
+            {"role": "tool" if m.role == "ipython" else m.role, "content": m.text_content}
+            | getattr(m, "template_fields", {})
+            for m in messages
+        ]
         tokens = self._render(chat)
         mask = [True] * len(tokens)
         for i, message in enumerate(messages):
@@ -238,21 +291,12 @@ class HFTokenizer(ModelTokenizer, Transform):
         return tokens, mask
 
     def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
-        try:
-            text = self.chat_template.render(
-                messages=chat, add_generation_prompt=generation_prompt, **self._template_vars
-            )
-        except TemplateError as e:
-            raise BadInput(
-                f"the chat template of {self.path.parent} refused a conversation ({e}); roles "
-                f"{[m['role'] for m in chat]}"
-            ) from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._ids(self.chat_template.render(chat, generation_prompt))
 
     def _find_message(self, chat: List[Dict[str, str]], i: int, tokens: List[int]) -> Tuple[int, List[int]]:
         """Where message ``i``'s trained tokens start in ``tokens`` (the whole conversation's), and what they are."""
         upto = self._render(chat[: i + 1])
-        blank = self._render(chat[:i] + [{**chat[i], "content": ""}])
+        blank = self._render(chat[:i] + [{k: v for k, v in chat[i].items() if k != "tool_calls"} | {"content": ""}])
         start = _common_prefix(upto, blank)
         after = _common_suffix(upto, blank, min(len(upto), len(blank)) - start)
         closing = upto[len(upto) - after :]
@@ -276,6 +320,20 @@ class HFTokenizer(ModelTokenizer, Transform):
         tokens, mask = self.tokenize_messages(messages, add_end_tokens=not inference)
         sample["tokens"], sample["mask"] = tokens, mask
         return sample
+
+
+@contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the duration (what native code writes there too)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def check_fits_model(tokenizer, hf: dict, tokenizer_path: Path) -> None:

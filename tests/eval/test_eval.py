@@ -259,18 +259,19 @@ def test_partial_checkpoint(capsys, tmp_path, tiny_checkpoint, damage, message):
 
 
 def test_checkpoint_missing_tensors(capsys, tmp_path, tiny_checkpoint):
-    """A weights file that lacks tensors config.json needs is an error, not a silently random-init layer."""
+    """A weights file that lacks tensors config.json needs is an error, not a silently random-init layer. (A whole
+    layer lacking is a layer count other than config.json's: tests/eval/test_eval_folder_checks.py.)"""
     from safetensors.torch import load_file, save_file
 
     ckpt = _copy(tiny_checkpoint, tmp_path / "epoch_0")
     tensors = load_file(ckpt / "model.safetensors")
     save_file(
-        {k: v for k, v in tensors.items() if ".layers.1." not in k},
+        {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
         ckpt / "model.safetensors",
         metadata={"format": "pt"},
     )
     err = _run_recipe(capsys, checkpoint_dir=str(ckpt))
-    assert "lacks" in err and "model.layers.1." in err
+    assert "lacks 1 weights" in err and "model.layers.1.mlp.up_proj.weight" in err
 
 
 def test_checkpoint_of_another_architecture(capsys, tmp_path, tiny_checkpoint):

@@ -5,7 +5,8 @@ each, before any score (and before transformers builds anything large).
   (27 GB: killed for memory on a 24 GB host);
 - weights of another width than config.json's (transformers' error is a table of every tensor);
 - a shard named by model.safetensors.index.json outside the folder;
-- a planted pytorch_model.bin (a pickle that runs code: torch's refusal would advise weights_only=False);
+- a planted pytorch_model.bin (a pickle that runs code: torch's refusal would advise weights_only=False; the
+  wording: tests/eval/test_eval_folder_checks.py);
 - NaN weights (the score would be nan, with exit status 0).
 """
 
@@ -75,7 +76,8 @@ def test_weights_of_another_width(capsys, checkpoint, tmp_path):
     (ckpt / "config.json").write_text(json.dumps({**config, "hidden_size": 128, "head_dim": 32}))
     err = evaluate(capsys, ckpt)
     assert (
-        "model.embed_tokens.weight is [32000, 64] but config.json says vocab_size x hidden_size = [32000, 128]" in err
+        "config.json says hidden_size=128 but model.safetensors holds model.embed_tokens.weight of shape [32000, 64]"
+        in err
     )
 
 
@@ -107,7 +109,7 @@ def test_a_planted_pytorch_model_bin(capsys, checkpoint, tmp_path):
     marker = tmp_path / "ran"
     torch.save({**tensors, "extra": _Planted(marker)}, ckpt / "pytorch_model.bin")
     err = evaluate(capsys, ckpt)
-    assert "pytorch_model.bin holds a reference to" in err and "refused to load it" in err
+    assert "pytorch_model.bin is a pickle that names" in err and "refused" in err
     assert "weights_only=False" not in err and not marker.exists()
 
 

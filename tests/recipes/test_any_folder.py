@@ -1,18 +1,23 @@
 """Any Hugging Face folder of a supported family, any size, with the family's shipped 80 GB config and only
-``checkpoint_dir=`` (plus what the CPU needs, support.CPU_OVERRIDES): the model is the folder's.
+``checkpoint_dir=`` plus the CPU overrides docs/models.md gives ("Try a family on the CPU in a minute"): the model is
+the folder's.
 
-The folders are tests/support.py's ANY_FOLDERS, saved by transformers: per family a config.json that no released
-model has (width 48 with head_dim 16, 3 layers, RoPE bases and norm eps no release has, Llama 3.1's RoPE scaling
-with every number changed, tying flipped against the config's builder). Each trains for 2 steps; its epoch_0 holds
+The folders are made as the docs make them, by ``python -m finetune.model.toy_folder --family <key>`` (transformers'
+AutoConfig, from_config, save_pretrained), with tests/support.py's ANY_FOLDERS fields set on top: per family a
+config.json that no released model has (width 48 with head_dim 16, 3 layers, RoPE bases and norm eps no release
+has, Llama 3.1's RoPE scaling with every number changed, tying flipped against the config's builder). Each runs the
+docs' command (its overrides read from the page) on a slice of Alpaca of 8 records (2-3 steps); its epoch_0 holds
 the source's config.json (only the dtype is the run's), the tokenizer's files, and weights that transformers loads
 into the model the recipe trained (same logits). A folder the family cannot honour is refused before anything is
 tokenized. The six fine-tunes run in one subprocess (support.run_batch); about 40 s on 2 cores.
 """
 
 import json
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +25,44 @@ import transformers
 from omegaconf import OmegaConf
 
 import support
-from conftest import DATA_DIR, LLAMA2_TOKENIZER, REPO_ROOT, recipe_env, run_command
+from conftest import DATA_DIR, REPO_ROOT, recipe_env, run_command
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
+from finetune.model import from_hf_config, toy_folder
 from finetune.settings import read_settings
 
 KEYS = list(support.ANY_FOLDERS)
+MODELS_DOC = REPO_ROOT / "docs" / "models.md"
+
+
+def documented_command() -> list:
+    """The fine-tune command of docs/models.md's "Try a family on the CPU in a minute", as the shell splits it."""
+    section = MODELS_DOC.read_text().split("## Try a family on the CPU in a minute", 1)[1].split("\n## ", 1)[0]
+    lines = iter(section.splitlines())
+    command = next((line for line in lines if line.startswith("    tune run ")), None)
+    assert command, "docs/models.md: no `tune run` command in the section"
+    while command.endswith("\\"):
+        command = command[:-1] + next(lines)
+    return shlex.split(command)
+
+
+def documented_cpu_overrides() -> list:
+    """The overrides the docs give beside checkpoint_dir= and output_dir=."""
+    command = documented_command()
+    return [
+        a for a in command[command.index("--config") + 2 :] if a.split("=")[0] not in ("checkpoint_dir", "output_dir")
+    ]
+
+
+def test_the_docs_give_the_overrides_the_toy_folder_command_prints():
+    """The docs' command is the one ``toy_folder`` prints for its folder, overrides included (so the runs below,
+    which take the docs' list, test what a newcomer types)."""
+    command = documented_command()
+    folder = next(a.split("=", 1)[1] for a in command if a.startswith("checkpoint_dir="))
+    config = command[command.index("--config") + 1]
+    assert command == toy_folder.train_command(config, Path(folder))
+    assert documented_cpu_overrides() == toy_folder.CPU_OVERRIDES
+    assert config == f"configs/{toy_folder.MODELS['qwen3']['config']}.yaml"
 
 
 def build(built: dict) -> torch.nn.Module:
@@ -37,26 +74,26 @@ def build(built: dict) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Each family's odd folder, with the chat template also in chat_template.jinja (where transformers 5 keeps
-    it) for the families with a tokenizer.json."""
+    """Each family's odd folder, made by toy_folder (as the docs make one) with ANY_FOLDERS' fields set; the
+    tokenizer's (and, but for Llama 2's SentencePiece, its chat_template.jinja, where transformers 5 keeps it) are
+    toy_folder's."""
     root = tmp_path_factory.mktemp("folders")
-    bpe = support.train_bpe(support.alpaca_texts(DATA_DIR, 500), support.TOY_BPE_SIZE)
     made = {}
     for key in KEYS:
-        folder = root / key
-        made[key] = (folder, support.make_any_folder(folder, key, bpe, LLAMA2_TOKENIZER))
         toy, _ = support.ANY_FOLDERS[key]
-        if toy.family != "llama2":
-            (folder / "chat_template.jinja").write_text(toy.template)
-    return made
+        fields = {k: v for k, v in toy.hf.items() if k != "vocab_size"}  # (the vocabulary is the tokenizer's)
+        made[key] = (root / key, toy_folder.make_toy_folder(root / key, family=key, fields=fields, data_dir=DATA_DIR))
+        assert made[key][1]["config"] == support.ANY_FOLDERS[key][1]
+    return {key: (folder, summary["config_json"]) for key, (folder, summary) in made.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, folders):
-    """Per family: its 80 GB config, checkpoint_dir and the CPU overrides; one process for the six."""
+    """Per family: the docs' command (its 80 GB config, checkpoint_dir, the documented CPU overrides) on 8 Alpaca
+    records; one process for the six."""
     root = tmp_path_factory.mktemp("runs")
     data = root / "alpaca.json"
-    data.write_text(json.dumps(json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:48]))
+    data.write_text(json.dumps(json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:8]))
     batch = [
         [
             "--config",
@@ -66,7 +103,7 @@ def runs(tmp_path_factory, folders):
             f"data_dir={DATA_DIR}",
             f"dataset.data_files={data}",
             f"pack_cache_dir={root / 'cache'}",
-            *support.CPU_OVERRIDES,
+            *documented_cpu_overrides(),
         ]
         for key in KEYS
     ]
@@ -90,10 +127,17 @@ def runs(tmp_path_factory, folders):
 def test_the_80gb_config_trains_the_folders_model(key, folders, runs):
     (folder, src), out = folders[key], runs[0][key]
     assert f"built from {folder / 'config.json'}" in runs[1]
+    toy, _ = support.ANY_FOLDERS[key]
+    as_read = from_hf_config.read_config(src)  # (the odd fields reached config.json, as transformers reads it)
+    assert from_hf_config.rope_of(as_read)["rope_theta"] == toy.hf["rope_theta"]
+    assert (as_read.rms_norm_eps, as_read.hidden_size, as_read.num_hidden_layers) == tuple(
+        toy.hf[k] for k in ("rms_norm_eps", "hidden_size", "num_hidden_layers")
+    )
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) >= 2
     ckpt = out / "epoch_0"
     written = json.loads((ckpt / "config.json").read_text())
     assert written == src  # (fp32 run, fp32 source: not even the dtype differs)
-    toy, _ = support.ANY_FOLDERS[key]
     tokenizer_files = (
         {"tokenizer.model"}
         if toy.family == "llama2"
@@ -116,7 +160,7 @@ def test_the_80gb_config_trains_the_folders_model(key, folders, runs):
 
 
 def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path, folders):
-    """Qwen2.5's 80 GB config on a folder with a sliding window, all of Alpaca to tokenize: one error line naming
+    """Qwen2.5's 80 GB config on a folder with a sliding window, with the docs' CPU overrides: one error line naming
     the field, exit 2, nothing tokenized, built or written; the check itself well under 10 s."""
     folder, src = folders["qwen2_5"]
     bad = tmp_path / "windowed"
@@ -132,7 +176,7 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
         f"data_dir={DATA_DIR}",
         f"output_dir={tmp_path / 'out'}",
         f"pack_cache_dir={tmp_path / 'cache'}",
-        *support.CPU_OVERRIDES,
+        *documented_cpu_overrides(),
     ]
     # The check itself, in this process (the subprocess below also pays for importing torch and torchtune)
     cfg = OmegaConf.merge(
@@ -169,7 +213,7 @@ def test_the_model_section_is_optional_with_a_folder(folders, tmp_path):
         f"checkpoint_dir={folder}",
         f"data_dir={DATA_DIR}",
         f"output_dir={tmp_path / 'out'}",
-        *support.CPU_OVERRIDES,
+        *documented_cpu_overrides(),
     ]
     cfg = OmegaConf.merge(
         OmegaConf.load(REPO_ROOT / "configs/mistral/7B_full_80gb.yaml"), OmegaConf.from_dotlist(overrides)

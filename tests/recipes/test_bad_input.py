@@ -102,7 +102,7 @@ CASES = [
     (
         "malformed-data-file",
         lambda t: [f"dataset.data_files={t / 'bad.json'}"],
-        ["could not load the dataset {t}/bad.json", "JSON list of records"],
+        ["dataset.data_files={t}/bad.json line 1 is not valid JSON (Expecting value at column 55)", "fix or drop"],
     ),
     (
         "record-without-output",

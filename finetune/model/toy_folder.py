@@ -1,0 +1,361 @@
+"""A toy Hugging Face folder of a model family, to try the family's config on a CPU in a minute.
+
+    python -m finetune.model.toy_folder --family qwen3 --out /tmp/toy-qwen3
+    python -m finetune.model.toy_folder --config /path/to/Qwen2.5-7B/config.json --out /tmp/toy-qwen2_5
+
+The folder is what transformers saves (``AutoConfig``, ``AutoModelForCausalLM.from_config``, ``save_pretrained``):
+the model's own config.json at toy sizes, with random values, and a tokenizer. The sizes shrink (2 layers, a width
+of 64-128, heads of 16 keeping the model's ratio of query to key/value heads, the MLP keeping its ratio to the
+width); every other architecture field stays the model's: ``rope_theta``, Llama 3.1's ``rope_scaling``, norm eps,
+tied embeddings, Qwen's window fields, max positions. ``--set key=value`` changes any config.json field after that
+(``--set rope_theta=20000 --set num_hidden_layers=3``).
+
+``--family`` takes a folder name of ``configs/`` (the model its shipped configs are for: Llama 2 7B, Llama 3.1 8B,
+Llama 3.2 3B, Qwen2.5 7B, Qwen3 8B, Mistral 7B v0.3); ``--config`` a config.json of your own (or the folder that
+holds it: a model's folder downloaded without its weights will do). The tokenizer:
+
+- Llama 2: its SentencePiece ``tokenizer.model`` from ``--data-dir`` (``llama2_tokenizer/``), as configs/tiny.yaml;
+- the others: a byte-level BPE of 1,024 tokens trained on Alpaca (``--data-dir``'s ``alpaca/``) with the family's
+  special tokens, BOS/EOS and a short chat template in the family's format (``chat_template.jinja``), so both
+  ``tokenizer.chat_template=False`` and ``True`` run;
+- with ``--config``, the model's own tokenizer files when they sit beside its config.json (and its vocabulary size).
+
+It then prints the command that fine-tunes the folder with the family's shipped 80 GB config and ``CPU_OVERRIDES``
+(docs/models.md, "Try a family on the CPU in a minute"). A config.json the family's recipe cannot honour (a sliding
+window, another RoPE scaling) is refused here, with the recipe's own message.
+"""
+
+import argparse
+import copy
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from finetune.base import BadInput
+from finetune.checkpoint import hf_format
+from finetune.model import from_hf_config, toy_tokenizer
+from finetune.model.toy_tokenizer import (
+    CHATML,
+    LLAMA3_CHAT_SPECIALS,
+    QWEN_CHAT_SPECIALS,
+    STAND_INS,
+    TEMPLATES,
+    StandIn,
+)
+
+RECIPE = "recipes/full_finetune_single_device.py"
+
+# What a shipped 80 GB config needs on a CPU besides checkpoint_dir and output_dir (docs/models.md gives the same
+# list; tests/recipes/test_any_folder.py runs every family's 80 GB config with it): its GPU settings off (bf16,
+# compile, the 4-bit AdamW whose CPU path is slow, FlashAttention's varlen kernel of the Llama 2 config, wandb) and
+# a short run that shows the loss falling: 20 steps of 2 packed rows of 128 tokens from the first 500 Alpaca
+# records (not all 52K to tokenize), at a learning rate of 1e-3 without warmup. Nothing of the model: that is the
+# folder's.
+CPU_OVERRIDES = [
+    "device=cpu",
+    "dtype=fp32",
+    "compile=False",
+    "optimizer._component_=torch.optim.AdamW",
+    "packed_attention=flex",
+    "metric_logger=null",
+    "dataset.split=train[:500]",
+    "tokenizer.max_seq_len=128",
+    "batch_size=2",
+    "max_steps_per_epoch=20",
+    "lr_scheduler.num_warmup_steps=0",
+    "optimizer.lr=1e-3",
+]
+
+# Per configs/ folder: the config.json of the model its configs are for (the fields that matter; transformers fills
+# in the rest, as it does for the released file) and the folder's shipped 80 GB config.
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _model(model_type, config, vocab, width, mlp, layers, heads, kv, positions, eps, theta, **rest):
+    return dict(
+        model_type=model_type,
+        config=config,
+        hf=dict(
+            zip(_SIZES, (vocab, width, mlp, layers, heads)),
+            num_key_value_heads=kv,
+            max_position_embeddings=positions,
+            rms_norm_eps=eps,
+            rope_theta=theta,
+            **rest,
+        ),
+    )
+
+
+# fmt: off
+MODELS: Dict[str, Dict[str, Any]] = {
+    # key: _model(model_type, its 80 GB config, vocab, width, MLP, layers, heads, kv heads, positions, eps, rope_theta)
+    "llama2":   _model("llama", "llama2/7B_full_80gb",   32000,  4096, 11008, 32, 32, 32, 4096, 1e-5, 10000.0),
+    "llama3_1": _model("llama", "llama3_1/8B_full_80gb", 128256, 4096, 14336, 32, 32, 8, 131072, 1e-5, 500000.0,
+                       rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False),
+    "llama3_2": _model("llama", "llama3_2/3B_full_80gb", 128256, 3072, 8192, 28, 24, 8, 131072, 1e-5, 500000.0,
+                       head_dim=128, rope_scaling={**_LLAMA31_ROPE, "factor": 32.0}, tie_word_embeddings=True),
+    "qwen2_5":  _model("qwen2", "qwen2_5/7B_full_80gb",  152064, 3584, 18944, 28, 28, 4, 131072, 1e-6, 1000000.0,
+                       use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+                       tie_word_embeddings=False),
+    "qwen3":    _model("qwen3", "qwen3/8B_full_80gb",    151936, 4096, 12288, 36, 32, 8, 40960, 1e-6, 1000000.0,
+                       head_dim=128, tie_word_embeddings=False),
+    "mistral":  _model("mistral", "mistral/7B_full_80gb", 32768, 4096, 14336, 32, 32, 8, 32768, 1e-5, 1000000.0,
+                       sliding_window=None, tie_word_embeddings=False),
+}
+# fmt: on
+
+# A folder made from a config.json of your own trains with its family's config (any of a family's configs trains
+# any folder of the family).
+FAMILY_CONFIG = {
+    "llama2": "llama2/7B_full_80gb",
+    "llama3": "llama3_1/8B_full_80gb",
+    "qwen2": "qwen2_5/7B_full_80gb",
+    "qwen3": "qwen3/8B_full_80gb",
+    "mistral": "mistral/7B_full_80gb",
+}
+
+# The toy folders' stand-in tokenizers (finetune/model/toy_tokenizer.py): the family's special tokens of its chat
+# format only (BOS, EOS, then the chat format's), EOS as padding, Qwen3's template without the think block. (The
+# tests' and the benchmark's STAND_INS carry more; a toy folder's tokenizer stays as it was, so that its tokens, and
+# the losses recorded from them, do not move.)
+TOKENIZERS = {
+    "llama3": StandIn(tuple(LLAMA3_CHAT_SPECIALS), "<|begin_of_text|>", "<|end_of_text|>", "<|end_of_text|>",
+                      TEMPLATES["llama3"]),
+    "qwen2": StandIn(tuple(QWEN_CHAT_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", TEMPLATES["qwen2"]),
+    "qwen3": StandIn(tuple(QWEN_CHAT_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", CHATML),
+    "mistral": STAND_INS["mistral"],
+}  # fmt: skip
+TOY_VOCAB = 1024
+TOY_HEAD_DIM = 16
+TOY_LAYERS = 2
+# config.json fields that describe a saved file, not the model (transformers writes them again)
+_NOT_ARCHITECTURE = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "auto_map")
+
+
+def shrink(source: Dict[str, Any]) -> Dict[str, Any]:
+    """``source`` (config.json's fields) at toy sizes: 2 layers; key/value heads and query heads of 16 keeping the
+    source's ratio (4 to 8 query heads); the width their product; the MLP's ratio to the width kept; a head_dim
+    of its own where the source's differs from its width's share; every other field as it was."""
+    # (a deep copy: transformers' config classes edit rope_scaling in place, and MODELS' dicts must stay as written)
+    hf = copy.deepcopy({k: v for k, v in source.items() if k not in _NOT_ARCHITECTURE and k != "quantization_config"})
+    heads = int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    ratio = max(1, heads // kv)
+    toy_kv = -(-4 // ratio) if ratio <= 8 else 1  # (at least 4 query heads)
+    toy_heads = toy_kv * min(ratio, 8)
+    width = toy_heads * TOY_HEAD_DIM
+    own_head_dim = hf.get("head_dim") and hf["head_dim"] != hf["hidden_size"] // heads
+    mlp = max(16, round(hf["intermediate_size"] / hf["hidden_size"] * width / 16) * 16)
+    hf.update(
+        hidden_size=width,
+        intermediate_size=mlp,
+        num_hidden_layers=TOY_LAYERS,
+        num_attention_heads=toy_heads,
+        num_key_value_heads=toy_kv,
+    )
+    if "head_dim" in hf:
+        hf["head_dim"] = 2 * TOY_HEAD_DIM if own_head_dim else TOY_HEAD_DIM
+    if "max_window_layers" in hf:
+        hf["max_window_layers"] = min(int(hf["max_window_layers"]), TOY_LAYERS)
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:TOY_LAYERS]
+    return hf
+
+
+def parse_sets(items: Sequence[str]) -> Dict[str, Any]:
+    """``--set key=value`` pairs; a value is read as JSON (numbers, true/false/null, objects) or else kept as text."""
+    fields = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"--set {item!r} is not key=value; e.g. --set rope_theta=20000")
+        try:
+            fields[key] = json.loads(text)
+        except ValueError:
+            fields[key] = text
+    return fields
+
+
+def read_source(family: Optional[str], config: Optional[str]) -> tuple:
+    """(config.json's fields, the folder holding them or None) for ``--family`` or ``--config``."""
+    if family is not None:
+        if family not in MODELS:
+            raise BadInput(f"--family {family!r} is not a folder of configs/; use one of: {', '.join(MODELS)}")
+        return {"model_type": MODELS[family]["model_type"], **MODELS[family]["hf"]}, None
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        source = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        text = " ".join(str(e).split())[:200]
+        raise BadInput(f"--config {config}: cannot read a config.json there ({type(e).__name__}: {text})") from None
+    if not isinstance(source, dict) or "model_type" not in source or "num_attention_heads" not in source:
+        raise BadInput(f"--config {path} is not a model's config.json (no model_type or num_attention_heads)")
+    return source, path.parent
+
+
+def check_family(hf: Dict[str, Any]) -> hf_format.Family:
+    """The family the recipe reads ``hf`` as, and the model it builds (a field it cannot honour: the recipe's
+    BadInput, now rather than at training)."""
+    family = hf_format.source_family(hf)
+    family.from_config(from_hf_config.read_config(hf))
+    return family
+
+
+# -- the tokenizer ----------------------------------------------------------------------------------------------------
+
+
+def write_bpe(out: Path, family: str, data_dir: Path) -> Dict[str, Optional[int]]:
+    """A byte-level BPE of TOY_VOCAB tokens (trained on the first 2,000 Alpaca records with the ``tokenizers``
+    library: deterministic) with the family's special tokens and chat template, saved by transformers
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja). Returns config.json's token ids."""
+    stand_in = TOKENIZERS[family]
+    texts = toy_tokenizer.alpaca_texts(data_dir, 2000, skip_empty=False)
+    bpe = toy_tokenizer.train_bpe(texts, TOY_VOCAB - len(stand_in.specials))
+    return toy_tokenizer.write_tokenizer(out, bpe, stand_in)
+
+
+def write_tokenizer(out: Path, family: str, hf: Dict[str, Any], source_dir: Optional[Path], data_dir: Path) -> str:
+    """The folder's tokenizer (see the module's docstring); updates ``hf``'s vocabulary and token ids. Returns what
+    it wrote, in words."""
+    own = [n for n in hf_format.TOKENIZER_FILES if source_dir is not None and (source_dir / n).is_file()]
+    main = "tokenizer.model" if family == "llama2" else "tokenizer.json"
+    if main in own:
+        for name in own:
+            shutil.copyfile(source_dir / name, out / name)
+        return f"the model's own ({', '.join(own)}, from {source_dir})"
+    if family == "llama2":
+        sentencepiece = data_dir / "llama2_tokenizer" / "tokenizer.model"
+        if not sentencepiece.is_file():
+            raise BadInput(
+                f"no Llama 2 tokenizer at {sentencepiece}; pass --data-dir, the folder holding "
+                "llama2_tokenizer/tokenizer.model (the configs' data_dir)"
+            )
+        shutil.copyfile(sentencepiece, out / "tokenizer.model")
+        hf.update(vocab_size=32000, bos_token_id=1, eos_token_id=2)
+        return f"Llama 2's SentencePiece tokenizer.model (32,000 tokens, from {sentencepiece.parent})"
+    hf.update(write_bpe(out, family, data_dir), vocab_size=TOY_VOCAB)
+    return f"a byte-level BPE of {TOY_VOCAB:,} tokens trained on Alpaca, the family's special tokens and chat template"
+
+
+# -- the folder -------------------------------------------------------------------------------------------------------
+
+
+def make_toy_folder(
+    out: Path,
+    *,
+    family: Optional[str] = None,
+    config: Optional[str] = None,
+    fields: Optional[Dict[str, Any]] = None,
+    data_dir: Path = Path("../shared/data"),
+    seed: int = 0,
+) -> Dict[str, Any]:
+    """Write the toy folder of ``family`` (a configs/ folder name) or of ``config`` (a config.json or its folder)
+    into ``out``, with ``fields`` changed in its config.json; transformers' initialisation, seeded. Returns a summary
+    (``config_json``: what was written, ``family``, ``config``: the shipped config that trains it, ``tokenizer``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # (save_pretrained's bar, for one small file)
+    if (family is None) == (config is None):
+        raise BadInput("give one of --family NAME or --config PATH (a config.json)")
+    source, source_dir = read_source(family, config)
+    hf = shrink(source)
+    hf_family = check_family({**hf, **(fields or {})}).name  # (before any file is written)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise BadInput(f"--out {out} is not empty; name a new folder (a toy folder is written whole)")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = write_tokenizer(out, hf_family, hf, source_dir, Path(data_dir))
+        hf.update(fields or {})
+        model_type = hf.pop("model_type")
+        try:
+            cfg = AutoConfig.for_model(model_type, **hf)
+        except Exception as e:  # transformers' own validation of the fields
+            text = " ".join(str(e).split())[:300]
+            raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text}); fix --set") from None
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(out)
+        written = json.loads((out / "config.json").read_text())
+        check_family(written)
+    except BaseException:
+        shutil.rmtree(out)  # (no half-written folder: the next try starts clean)
+        raise
+    return dict(
+        config_json=written,
+        family=hf_family,
+        config=f"configs/{MODELS[family]['config'] if family else FAMILY_CONFIG[hf_family]}.yaml",
+        tokenizer=tokenizer,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def train_command(config: str, folder: Path, data_dir: Optional[Path] = None) -> List[str]:
+    """The command that fine-tunes a toy folder on the CPU: the shipped config, checkpoint_dir, CPU_OVERRIDES."""
+    extra = [f"data_dir={data_dir}"] if data_dir is not None else []
+    return [
+        "tune", "run", RECIPE, "--config", config,
+        f"checkpoint_dir={folder}", f"output_dir={folder}-run", *extra, *CPU_OVERRIDES,
+    ]  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.model.toy_folder",
+        description="Write a toy Hugging Face folder of a model family (its config.json at toy sizes, random "
+        "values, a tokenizer) and print the command that fine-tunes it on the CPU with the family's config.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--family", choices=list(MODELS), help="the model of a configs/ folder")
+    source.add_argument("--config", help="a model's config.json (or its folder) to shrink")
+    parser.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="change a config.json field")
+    parser.add_argument(
+        "--data-dir", default=None, help="holds alpaca/ and llama2_tokenizer/ (default: ../shared/data, the configs')"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    data_dir = Path(args.data_dir) if args.data_dir else Path("../shared/data")
+    try:
+        made = make_toy_folder(
+            Path(args.out),
+            family=args.family,
+            config=args.config,
+            fields=parse_sets(args.set),
+            data_dir=data_dir,
+            seed=args.seed,
+        )
+    except BadInput as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    hf = made["config_json"]
+    rope = from_hf_config.rope_of(from_hf_config.read_config(hf))
+    scaling = f" ({rope['rope_type']} scaling, factor {rope['factor']:g})" if rope["rope_type"] != "default" else ""
+    print(
+        f"wrote {args.out}: {hf['architectures'][0]} ({made['family']}), {hf['num_hidden_layers']} layers of width "
+        f"{hf['hidden_size']}, {hf['num_attention_heads']} heads ({hf['num_key_value_heads']} key/value) of "
+        f"{hf.get('head_dim') or hf['hidden_size'] // hf['num_attention_heads']}, vocabulary {hf['vocab_size']:,}, "
+        f"rope_theta {rope['rope_theta']:g}{scaling}, rms_norm_eps {hf['rms_norm_eps']:g}, tied embeddings "
+        f"{hf.get('tie_word_embeddings', False)}; {made['parameters'] / 1e6:.2f}M random parameters"
+    )
+    print(f"tokenizer: {made['tokenizer']}")
+    command = train_command(made["config"], Path(args.out), Path(args.data_dir) if args.data_dir else None)
+    print("fine-tune it on the CPU with the family's 80 GB config (docs/models.md):\n  " + shlex.join(command))
+
+
+if __name__ == "__main__":
+    main()

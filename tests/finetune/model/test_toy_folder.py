@@ -1,0 +1,153 @@
+"""finetune/model/toy_folder.py: a toy Hugging Face folder per family, made from the model's config.json at toy sizes.
+
+Per family: the folder transformers loads, with toy sizes that keep the model's query to key/value head ratio and
+every other field of its config.json (RoPE base and scaling, norm eps, tying), a tokenizer whose ids config.json
+names, and a model the family's shipped 80 GB config builds (its builder accepts the folder). The command line:
+what it prints is the docs' command for the folder; a field the family cannot compute is one ``error:`` line with
+nothing written. That the printed command trains every family's folder: tests/recipes/test_any_folder.py.
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from omegaconf import OmegaConf
+
+from conftest import DATA_DIR, REPO_ROOT, recipe_env
+from finetune.base import BadInput
+from finetune.checkpoint import hf_format
+from finetune.data import HFTokenizer
+from finetune.model import from_hf_config, toy_folder
+
+ARCHITECTURE = ("rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "model_type")
+
+
+@pytest.mark.parametrize("key", list(toy_folder.MODELS))
+def test_a_toy_folder_of_each_family(key, tmp_path):
+    made = toy_folder.make_toy_folder(tmp_path / key, family=key, data_dir=DATA_DIR)
+    model = toy_folder.MODELS[key]
+    real = {"model_type": model["model_type"], **model["hf"]}
+    hf = json.loads((tmp_path / key / "config.json").read_text())
+    assert hf == made["config_json"]
+    # toy sizes, the model's head ratio, every other field the model's (as transformers reads both)
+    toy, source = from_hf_config.read_config(hf), from_hf_config.read_config(real)
+    assert toy.num_hidden_layers == 2 and 64 <= toy.hidden_size <= 128 and toy.num_attention_heads >= 4
+    assert toy.hidden_size == toy.num_attention_heads * 16 and getattr(toy, "head_dim", 16) == 16
+    ratio = source.num_attention_heads // source.num_key_value_heads
+    assert toy.num_attention_heads // toy.num_key_value_heads == ratio
+    assert toy.intermediate_size / toy.hidden_size == pytest.approx(
+        source.intermediate_size / source.hidden_size, rel=0.1
+    )
+    assert {k: getattr(toy, k) for k in ARCHITECTURE} == {k: getattr(source, k) for k in ARCHITECTURE}
+    assert from_hf_config.rope_of(toy) == from_hf_config.rope_of(source)
+    # the family's shipped config builds it from the folder: its builder takes the folder
+    config = OmegaConf.load(REPO_ROOT / made["config"])
+    family, built = hf_format.resolve_model(hf, OmegaConf.to_container(config.model))
+    assert made["config"] == f"configs/{model['config']}.yaml" and family.name == made["family"]
+    assert built["num_layers"] == 2 and built["rope_base"] == from_hf_config.rope_of(source)["rope_theta"]
+    # transformers loads it; the tokenizer's ids are config.json's
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / key, dtype=torch.float32)
+    assert type(loaded).__name__ == hf["architectures"][0]
+    if key == "llama2":
+        assert (tmp_path / key / "tokenizer.model").read_bytes() == (
+            DATA_DIR / "llama2_tokenizer" / "tokenizer.model"
+        ).read_bytes()
+        assert (hf["vocab_size"], hf["bos_token_id"], hf["eos_token_id"]) == (32000, 1, 2)
+        return
+    tok = HFTokenizer(str(tmp_path / key / "tokenizer.json"), chat_template=True)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (hf["vocab_size"], hf["bos_token_id"], hf["eos_token_id"])
+    assert (tmp_path / key / "chat_template.jinja").is_file()
+    from torchtune.data import Message
+
+    tokens, mask = tok.tokenize_messages(
+        [Message("user", "Name a colour.", masked=True), Message("assistant", "Blue.")]
+    )
+    trained = tok.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+    assert trained.strip().startswith("Blue.") and len(tokens) > len(tok.encode("Blue.", add_bos=False, add_eos=False))
+
+
+def test_fields_and_a_config_json_of_your_own(tmp_path):
+    """``--set`` fields win over the toy's; ``--config`` shrinks a config.json (transformers 4's spelling) and copies
+    the tokenizer files beside it, keeping its vocabulary size."""
+    made = toy_folder.make_toy_folder(
+        tmp_path / "a", family="mistral", fields={"rope_theta": 30000.0, "num_hidden_layers": 3}, data_dir=DATA_DIR
+    )
+    hf = made["config_json"]
+    assert from_hf_config.rope_of(from_hf_config.read_config(hf))["rope_theta"] == 30000.0
+    assert hf["num_hidden_layers"] == 3
+
+    own = tmp_path / "own"
+    own.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (own / name).write_bytes((tmp_path / "a" / name).read_bytes())
+    qwen = {**toy_folder.MODELS["qwen2_5"]["hf"], "vocab_size": 2048, "rms_norm_eps": 3e-6, "rope_theta": 20000.0}
+    (own / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], **qwen}))
+    made = toy_folder.make_toy_folder(tmp_path / "b", config=str(own), data_dir=tmp_path / "no-data")
+    hf = made["config_json"]
+    assert (hf["vocab_size"], hf["rms_norm_eps"], hf["num_attention_heads"], hf["num_key_value_heads"]) == (
+        2048,
+        3e-6,
+        7,
+        1,
+    )
+    assert from_hf_config.rope_of(from_hf_config.read_config(hf))["rope_theta"] == 20000.0
+    assert made["config"] == "configs/qwen2_5/7B_full_80gb.yaml" and "the model's own" in made["tokenizer"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "b" / name).read_bytes() == (own / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--family", "qwen2_5", "--set", "use_sliding_window=true"], "use_sliding_window=True"),
+        (["--family", "llama3_1", "--set", 'rope_scaling={"rope_type": "linear", "factor": 2.0}'], "rope_scaling="),
+        (["--family", "qwen3", "--set", "rope_theta"], "--set 'rope_theta' is not key=value"),
+        (["--config", "/nonexistent/config.json"], "--config /nonexistent/config.json: cannot read"),
+    ],
+)
+def test_what_cannot_be_trained_is_one_error_line_and_nothing_written(args, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        toy_folder.main([*args, "--out", str(tmp_path / "toy"), "--data-dir", str(DATA_DIR)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "toy").exists()
+
+
+def test_a_folder_is_not_written_over(tmp_path):
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "notes.txt").write_text("mine")
+    with pytest.raises(BadInput, match="is not empty"):
+        toy_folder.make_toy_folder(tmp_path / "toy", family="qwen3", data_dir=DATA_DIR)
+    assert [p.name for p in (tmp_path / "toy").iterdir()] == ["notes.txt"]
+
+
+def test_the_command_line_prints_the_docs_command(tmp_path):
+    """``python -m finetune.model.toy_folder`` as the docs run it: the folder, then the command that trains it (the
+    family's 80 GB config, checkpoint_dir, output_dir, CPU_OVERRIDES), quoted for the shell."""
+    out = tmp_path / "toy-llama3_2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.model.toy_folder", "--family", "llama3_2", "--out", str(out)]
+        + ["--data-dir", str(DATA_DIR)],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"wrote {out}: LlamaForCausalLM (llama3), 2 layers of width 96, 6 heads (2 key/value)")
+    assert "(llama3 scaling, factor 32)" in lines[0] and "tied embeddings True" in lines[0]
+    command = shlex.split(lines[-1])
+    assert command == toy_folder.train_command("configs/llama3_2/3B_full_80gb.yaml", out, DATA_DIR)
+    assert command[-len(toy_folder.CPU_OVERRIDES) :] == toy_folder.CPU_OVERRIDES
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+    }
