@@ -62,7 +62,9 @@ from finetune.model.prepare import (  # noqa: E402
 )
 from finetune.model.sharding import init_process_group, optimizer_state_layout, scatter_full_weights  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
+from finetune.reporting.console import StepTimer  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
+from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
@@ -287,10 +289,6 @@ class FullFinetuneRecipeDistributed:
             logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
         return self._loss_fn(logits, labels), ntok
 
-    def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-
     def _reduced_record(
         self,
         step: int,
@@ -404,11 +402,10 @@ class FullFinetuneRecipeDistributed:
                 if not skipped:
                     if s.clip is None:
                         training.scale_grads(self._model, torch.tensor(scale, dtype=torch.float32))
-                    self._sync()
-                    t_opt = time.perf_counter()
+                    timer = StepTimer(self._device).start()  # (CUDA events: no host sync before the step)
                     self._optimizer.step()
-                    self._sync()
-                    opt_ms = (time.perf_counter() - t_opt) * 1000
+                    timer.stop()
+                    opt_ms = timer.ms()
                 self._optimizer.zero_grad(set_to_none=True)
                 self._skips.count(
                     skipped,
@@ -557,13 +554,14 @@ class FullFinetuneRecipeDistributed:
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    recipe = None
+    recipe, training = None, False
     try:
         console.set_log_level(log, cfg, show=rank == 0)  # one banner and one set of progress lines, from rank 0
         recipe = FullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
         if rank == 0:
             console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
+        training = True
         recipe.train()
         recipe.cleanup()
         if rank == 0:
@@ -574,6 +572,11 @@ def recipe_main(cfg: DictConfig) -> None:
         console.report_bad_input(e, rank)
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:  # the rank that ran out says so in one line (the launcher stops the rest)
+        where = f"at step {recipe.global_step + 1}" if training else "during setup"
+        s = getattr(recipe, "settings", None)
+        console.report_bad_input(BadInput(out_of_memory_line(s, e, where=where, argv=sys.argv, distributed=True)), rank)
         sys.exit(2)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.

@@ -81,6 +81,7 @@ from finetune.model.prepare import (  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
 from finetune.reporting.console import StepTimer  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
+from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
@@ -461,18 +462,26 @@ class FullFinetuneRecipeSingleDevice:
 
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    recipe = None
+    recipe, training = None, False
     try:
         console.set_log_level(log, cfg)
         recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
         recipe.setup(cfg=cfg)
         console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
+        training = True
         recipe.train()
         recipe.cleanup()
         tqdm.write(recipe.summary())
     except BadInput as e:
         # One line, no traceback: the message already names the value and the fix.
         tqdm.write(f"error: {e}", file=sys.stderr)  # (on a line of its own, below any progress bar)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:
+        # One line too: where, the peak against the GPU's memory, the class that fits. train() has published a
+        # checkpoint that was being written in the background; the last one is left as it was.
+        where = f"at step {recipe.global_step + 1}" if training else "during setup"
+        line = out_of_memory_line(getattr(recipe, "settings", None), e, where=where, argv=sys.argv)
+        tqdm.write(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         # Ctrl-C stops at once: the summary, the last checkpoint to resume from, and the shell's exit status for

@@ -142,6 +142,16 @@ def manual(doc: str, page: Optional[str]) -> str:
     return doc.strip()
 
 
+def config_path_of(argv: List[str]) -> Optional[str]:
+    """The ``--config FILE`` (or ``--config=FILE``) of a command line, or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str], page: Optional[str] = None) -> Optional[str]:
     """``--help`` / ``-h`` on a recipe's command line: its manual and every config key with its value in the
     ``--config`` file; None when not asked for help. The recipe prints it and exits 0."""
@@ -149,12 +159,7 @@ def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str], page: Opti
     if not ("--help" in args or "-h" in args):
         return None
     lines = [manual(doc, page), ""]
-    config_path = None
-    for i, a in enumerate(args):
-        if a == "--config" and i + 1 < len(args):
-            config_path = args[i + 1]
-        elif a.startswith("--config="):
-            config_path = a.split("=", 1)[1]
+    config_path = config_path_of(args)
     if config_path is None:
         lines.append("Give --config FILE (e.g. configs/tiny.yaml) with --help to list that config's keys and values.")
     elif not Path(config_path).is_file():

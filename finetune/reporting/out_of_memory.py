@@ -1,0 +1,94 @@
+"""What a run that runs out of GPU memory prints: one ``error:`` line instead of torch's 30-line traceback.
+
+The line says where it happened (setup, or the step), the peak the run reached against what it had (the GPU's
+capacity, or the ``device_memory_limit_gib`` cap), what to change (the config of a smaller memory class beside the
+one in use, else the keys that cut memory and are not on yet), and the last checkpoint, which is left as it was
+(a checkpoint being written in the background is finished first, by the recipe). The recipes exit 2, as for any
+other input that does not fit.
+"""
+
+import re
+import resource
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from finetune.base import first_line
+from finetune.reporting.console import config_path_of
+from finetune.reporting.metrics import latest_checkpoint
+
+# A memory-class config is named <size>_full_<N>gb[_variant].yaml (configs/llama2/7B_full_24gb_fp8.yaml).
+CLASS_NAME = re.compile(r"^(?P<size>[^_]+)_full_(?P<gib>\d+)gb(?P<variant>_\w+)?\.yaml$")
+
+
+def smaller_class_config(config_path: Optional[str], budget_gib: float) -> Optional[Path]:
+    """The config beside ``config_path`` for the same model in the largest memory class below its own that fits
+    ``budget_gib`` (the same variant preferred: an FP8 config suggests an FP8 one), or None."""
+    if not config_path:
+        return None
+    path = Path(config_path)
+    mine = CLASS_NAME.match(path.name)
+    if mine is None or not path.parent.is_dir():
+        return None
+    candidates = []
+    for other in path.parent.glob("*.yaml"):
+        m = CLASS_NAME.match(other.name)
+        if m and m["size"] == mine["size"] and int(m["gib"]) < int(mine["gib"]) and int(m["gib"]) <= budget_gib:
+            candidates.append((int(m["gib"]), m["variant"] == mine["variant"], other))
+    return max(candidates, key=lambda c: (c[0], c[1]), default=(0, 0, None))[2]
+
+
+def keys_to_try(settings, *, distributed: bool) -> List[str]:
+    """The overrides that cut memory and are not on yet, the cheapest in speed first (at most three)."""
+    s = settings
+    keys = []
+    if s.batch_size > 1:  # the same samples per step, in twice the micro-batches
+        half = f"batch_size={s.batch_size // 2}"
+        keys.append(half if s.optimizer_in_bwd else f"{half} gradient_accumulation_steps={s.accum * 2}")
+    if s.ac_every is None:
+        keys.append("enable_activation_checkpointing=True")
+    elif s.ac_every > 1:
+        keys.append("ac_mode=full")
+    if "4bit" not in s.optimizer.path.lower() and not s.optimizer.cpu_offload:
+        keys.append("optimizer=optimizers.AdamW4bit")
+    if s.device.type == "cuda" and not distributed and not s.offload_activations:
+        keys.append("enable_activation_offloading=True")
+    return keys[:3]
+
+
+def out_of_memory_line(
+    settings, error: BaseException, *, where: str, argv: List[str], distributed: bool = False
+) -> str:
+    """The one line (without ``error: ``) for ``error``, a ``torch.OutOfMemoryError`` raised ``where`` ("during
+    setup", "at step 12") in the run of command line ``argv`` with ``settings`` (None: not read yet). Reads the
+    allocator's peaks: call it before anything else allocates."""
+    s = settings
+    if s is None:
+        return f"out of memory {where}: {first_line(error)}"
+    if s.device.type == "cuda":
+        total = torch.cuda.get_device_properties(s.device).total_memory / 2**30
+        budget = s.memory_limit_gib or total
+        peak = torch.cuda.max_memory_reserved(s.device) / 2**30
+        reached = f"the GPU reached {peak:.1f} GiB reserved of {budget:.1f} GiB"
+        if s.memory_limit_gib:
+            reached += f" (device_memory_limit_gib={s.memory_limit_gib:g}; the card has {total:.1f} GiB)"
+    else:
+        budget = float("inf")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        reached = f"the process reached {peak:.1f} GiB resident"
+    smaller = smaller_class_config(config_path_of(argv[1:]), budget)
+    keys = keys_to_try(s, distributed=distributed)
+    if smaller is not None:
+        fix = f"use --config {smaller}, the class that fits" + (f", or try {'; '.join(keys)}" if keys else "")
+    elif keys:
+        fix = f"try {'; '.join(keys)}"
+    else:
+        fix = "this model does not fit here with these settings: use a GPU with more memory, or a smaller model"
+    latest = latest_checkpoint(s.output_dir)
+    kept = (
+        f"the last checkpoint, {latest}, is intact (resume_from_checkpoint={latest} with the change)"
+        if latest is not None
+        else "no checkpoint was written"
+    )
+    return f"out of memory {where}: {reached}; {fix}; {kept}"

@@ -1,0 +1,121 @@
+"""Out of GPU memory is one ``error:`` line (finetune/reporting/out_of_memory.py): where, the peak against what the
+run had, the config of the class that fits or the keys to try, and the last checkpoint, left intact; exit 2."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torchtune.modules import TransformerDecoder
+
+from conftest import REPO_ROOT, run_in_process
+from finetune.reporting.out_of_memory import keys_to_try, out_of_memory_line, smaller_class_config
+
+CONFIGS = REPO_ROOT / "configs"
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.99 GiB"
+
+
+def settings(**changes):
+    base = dict(
+        device=torch.device("cuda"),
+        memory_limit_gib=16.0,
+        batch_size=16,
+        accum=1,
+        optimizer_in_bwd=False,
+        ac_every=None,
+        offload_activations=False,
+        optimizer=SimpleNamespace(path="torch.optim.AdamW", cpu_offload=False),
+        output_dir=Path("/nonexistent/run"),
+    )
+    return SimpleNamespace(**{**base, **changes})
+
+
+@pytest.mark.parametrize(
+    "config, budget, expected",
+    [
+        ("llama2/7B_full_80gb.yaml", 24, "llama2/7B_full_24gb.yaml"),
+        ("llama2/7B_full_80gb_fp8.yaml", 24, "llama2/7B_full_24gb_fp8.yaml"),  # the same variant first
+        ("llama2/7B_full_80gb.yaml", 16, None),  # nothing shipped below 24 GB
+        ("qwen2_5/7B_full_80gb.yaml", 40, "qwen2_5/7B_full_32gb.yaml"),  # the same model, not the 3B beside it
+        ("qwen2_5/7B_full_32gb.yaml", 30, None),
+        ("tiny.yaml", 8, None),  # not a memory-class config
+    ],
+)
+def test_the_class_that_fits_is_the_same_model_in_a_smaller_class(config, budget, expected):
+    found = smaller_class_config(str(CONFIGS / config), budget)
+    assert found == (CONFIGS / expected if expected else None)
+
+
+def test_keys_to_try_are_the_ones_not_on_yet():
+    assert keys_to_try(settings(), distributed=False) == [
+        "batch_size=8 gradient_accumulation_steps=2",
+        "enable_activation_checkpointing=True",
+        "optimizer=optimizers.AdamW4bit",
+    ]
+    on = settings(
+        batch_size=1,
+        ac_every=1,
+        offload_activations=True,
+        optimizer=SimpleNamespace(path="optimizers.AdamW4bit", cpu_offload=False),
+    )
+    assert keys_to_try(on, distributed=False) == []
+    # In backward, the optimizer cannot accumulate: half the batch alone. Activation offloading is one GPU's.
+    assert keys_to_try(settings(optimizer_in_bwd=True, ac_every=1), distributed=True) == [
+        "batch_size=8",
+        "optimizer=optimizers.AdamW4bit",
+    ]
+
+
+def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: int(15.9 * 2**30))
+    argv = ["recipes/full_finetune_single_device.py", "--config", str(CONFIGS / "llama2/7B_full_80gb_fp8.yaml")]
+    line = out_of_memory_line(settings(memory_limit_gib=24.0), RuntimeError(CUDA_OOM), where="at step 3", argv=argv)
+    assert line.startswith("out of memory at step 3: the GPU reached 15.9 GiB reserved of 24.0 GiB")
+    assert "(device_memory_limit_gib=24; the card has 140.0 GiB)" in line
+    assert f"use --config {CONFIGS / 'llama2/7B_full_24gb_fp8.yaml'}, the class that fits" in line
+    assert "or try batch_size=8 gradient_accumulation_steps=2" in line
+    assert line.endswith("no checkpoint was written")
+    assert "\n" not in line
+    # Without a cap, the card's capacity is the budget; at 16 GB no shipped class fits: the keys alone.
+    line = out_of_memory_line(settings(memory_limit_gib=None), RuntimeError(CUDA_OOM), where="during setup", argv=[])
+    assert "reserved of 140.0 GiB;" in line
+    line = out_of_memory_line(settings(memory_limit_gib=16.0), RuntimeError(CUDA_OOM), where="during setup", argv=argv)
+    assert "; try batch_size=8 gradient_accumulation_steps=2; enable_activation_checkpointing=True" in line
+
+
+def test_a_run_out_of_memory_mid_training_ends_in_one_line_and_keeps_its_checkpoint(tmp_path, capsys, monkeypatch):
+    """The model's third forward raises torch's OutOfMemoryError (what a GPU raises; the CPU cannot be made to):
+    the run ends with exit 2 and one error line naming the step and the step_2 checkpoint, which is complete."""
+    forward, calls = TransformerDecoder.forward, []
+
+    def forward_until_out_of_memory(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerDecoder, "forward", forward_until_out_of_memory)
+    out = tmp_path / "out"
+    run = run_in_process(out, "save_every_n_steps=2", capsys=capsys, monkeypatch=monkeypatch)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert run.error.startswith("error: out of memory at step 3: the process reached ")
+    assert f"the last checkpoint, {out / 'step_2'}, is intact (resume_from_checkpoint={out / 'step_2'}" in run.error
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert {"model.safetensors", "recipe_state.pt", "config.json"} <= {p.name for p in (out / "step_2").iterdir()}
+
+
+def test_out_of_memory_during_setup_says_so(tmp_path, capsys, monkeypatch):
+    """Building the optimizer's states (setup's last large allocation) runs out: no step is named, none was
+    trained, no checkpoint exists."""
+    from finetune.optimizer import OptimizerSpec
+
+    def no_memory(self, params):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(OptimizerSpec, "build", no_memory)
+    run = run_in_process(tmp_path / "out", capsys=capsys, monkeypatch=monkeypatch)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.error.startswith("error: out of memory during setup: the process reached ")
+    assert run.error.endswith("no checkpoint was written") and run.metrics == []
