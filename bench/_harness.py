@@ -251,13 +251,14 @@ class Run:
 
     def error(self) -> Optional[str]:
         """One line on why it failed, None if it did not: the recipe's own ``error:`` line, else the last exception
-        line, else the exit status."""
+        line (a rank's under torchrun, ``[rank0]: RuntimeError: ...``, not the launcher's report after it), else the
+        exit status."""
         if self.timed_out:
             return f"timed out after {self.timeout:.0f} s"
         if self.stopped or self.returncode == 0:
             return None
         lines = [ln for ln in self.tail if ln.startswith("error:")]
-        lines = lines or [ln for ln in self.tail if re.match(r"^\w*(Error|Exception)\b", ln)]
+        lines = lines or [ln for ln in self.tail if re.match(r"^(\[rank\d+\]:\s*)?\w*(Error|Exception)\b", ln)]
         return (lines[-1] if lines else f"exit status {self.returncode}: " + (self.tail[-1] if self.tail else ""))[:500]
 
 

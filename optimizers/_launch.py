@@ -104,7 +104,7 @@ def kernel_args(
     seed: int,
 ) -> dict:
     """``_adamw_kernel``'s arguments by name, in its signature's order (the direct relaunch passes the values
-    positionally; tests/test_optimizers.py checks the order)."""
+    positionally; tests/optimizers/test_optimizers.py checks the order)."""
     fmt = b.fmt
     lr0, wd0, b10, b20, eps0, ss0, isb0, sign0 = row0
     return dict(

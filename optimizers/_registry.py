@@ -1,7 +1,7 @@
 """The registry of our AdamW variants: what the tests, the benches and the docs iterate over.
 
 A new variant is its file (a format and a ~10-line public class) plus one ``register(Variant(...))`` line in
-``optimizers/__init__.py``; tests/test_optimizer_contract.py fails for a class exported in ``__all__`` but not
+``optimizers/__init__.py``; tests/optimizers/test_optimizer_contract.py fails for a class exported in ``__all__`` but not
 registered. No torchtune or Triton import here.
 """
 
@@ -21,7 +21,7 @@ class Variant:
     state: str  # one line: what it stores
     kwargs: dict = field(default_factory=dict)  # constructor arguments the variant's tests and benches pass
     # Test bounds: relative error of the total update against fp32 torch.optim.AdamW on the spec problem of
-    # tests/test_optimizers.py (fp32 and bf16 weights) and on the contract tests' few-step problems
+    # tests/optimizers/test_optimizers.py (fp32 and bf16 weights) and on the contract tests' few-step problems
     tol_fp32: float = 0.05
     tol_bf16: float = 0.08
     tol_contract: float = 0.05

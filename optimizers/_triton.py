@@ -17,7 +17,7 @@ try:  # pragma: no cover - exercised implicitly by every import
     import triton.language as tl
 
     HAVE_TRITON = True
-except ImportError:  # pragma: no cover - tests/test_optimizer_contract.py runs it in a subprocess
+except ImportError:  # pragma: no cover - tests/optimizers/test_optimizer_contract.py runs it in a subprocess
 
     class _NoTriton:
         """Stands in for ``triton.language`` where Triton is missing. Defining a kernel helper evaluates its

@@ -176,6 +176,13 @@ def test_run_streams_stops_and_times_out(tmp_path):
     assert run.returncode == 2 and run.error() == "error: the config says x; set y"
     run = harness.run([sys.executable, "-c", "import no_such_module"], tmp_path / "d.log")
     assert run.error() == "ModuleNotFoundError: No module named 'no_such_module'"
+    # Under torchrun the rank's exception comes before the launcher's report, whose last lines say nothing.
+    torchrun = (
+        "import sys; print('[rank0]: RuntimeError: Expected all tensors to be on the same device'); "
+        "print('torch.distributed.elastic.multiprocessing.errors.ChildFailedError: '); print('=' * 60); sys.exit(1)"
+    )
+    run = harness.run([sys.executable, "-c", torchrun], tmp_path / "e.log")
+    assert run.error() == "[rank0]: RuntimeError: Expected all tensors to be on the same device"
 
 
 def test_make_optimizer_reads_names_and_the_registry():

@@ -101,7 +101,7 @@ OPTIMIZER_CASES = [
 ]
 
 # Ours, by key of optimizers.VARIANTS: on CPU the plain-PyTorch path (the Triton kernel is held to it in
-# tests/test_optimizers.py). Every registered variant gets a case (our_cases); one without recorded losses here fails
+# tests/optimizers/test_optimizers.py). Every registered variant gets a case (our_cases); one without recorded losses here fails
 # with the instruction to record them.
 OUR_LOSSES = {
     "ours8": [
@@ -365,7 +365,7 @@ def test_bf16_runs(recipe_runner):
     assert state["torch_dtype"] == "bfloat16"
 
 
-# compile=True on the CPU: tests/test_packing.py runs it with packing and selective checkpointing, and checks that
+# compile=True on the CPU: tests/finetune/data/test_packing.py runs it with packing and selective checkpointing, and checks that
 # nothing recompiles after the first step.
 
 
