@@ -4,7 +4,8 @@
 
 Layout: ``_format.py`` (the state-format contract and memory primitives), ``_codes.py`` (coding primitives shared
 by formats), ``_random_bits.py`` (the kernel's random bits and their PyTorch twins), ``_kernel.py`` (the Triton
-kernel), ``_buckets.py`` (the flat state buffers), ``_launch.py`` (the host side of the Triton path),
+kernel), ``_plain.py`` (its plain-PyTorch twin, the path on CPU), ``_buckets.py`` (the flat state buffers),
+``_launch.py`` (the host side of the Triton path),
 ``_optimizer.py`` (``LowBitAdamW``, the torch.optim.Optimizer), one file per format (``_unquantized.py`` with
 ``adamw.py``, ``adamw8bit.py``, ``adamw4bit.py``, ``adamw_fp8.py``), ``_registry.py``.
 """

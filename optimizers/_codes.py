@@ -47,8 +47,17 @@ def encode_e4m3(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return (x * (inv * FP8_MAX)).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+# Every e4m3 code's value: on the CPU, looking codes up in it is ~5x faster than torch's float8 conversion (which
+# runs element by element there), and gives the same values
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def decode_e4m3(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.view(torch.float8_e4m3fn).float() * (scale * (1.0 / FP8_MAX))[:, None]
+    if codes.device.type == "cpu":
+        x = _E4M3_VALUES.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    else:
+        x = codes.view(torch.float8_e4m3fn).float()
+    return x * (scale * (1.0 / FP8_MAX))[:, None]
 
 
 @jit

@@ -3,8 +3,9 @@
 It owns the parameter loop, the state (``_buckets.py``), ``state_dict`` / ``load_state_dict``, and the choice between
 the two paths:
 
-- the plain-PyTorch path (``backend="torch"``, ``_step_torch``): one parameter at a time, readable, runs anywhere. It
-  is the reference the tests hold the kernel to, and the path on CPU.
+- the plain-PyTorch path (``backend="torch"``, ``_plain.py``): the kernel's math in torch ops, readable, runs
+  anywhere. It is the reference the tests hold the kernel to, and the path on CPU (in cache-sized chunks, for speed
+  there).
 - the Triton path (``backend="triton"``, ``_launch.TritonPath``): one multi-tensor kernel launch (``_kernel.py``) per
   bucket of parameters (same device, same dtype, same format) updates every parameter of the step. No torch.compile,
   so the first step costs only Triton's compile (cached on disk afterwards).
@@ -26,11 +27,10 @@ from typing import Callable, Optional
 import torch
 from torch.optim import Optimizer
 
+from . import _plain
 from ._buckets import Bucket, local
 from ._format import StateFormat
-from ._kernel import G_MAX
 from ._launch import _GRAD, _NONES, TritonPath
-from ._random_bits import m_dither, stochastic_round_bf16
 from ._triton import HAVE_TRITON, INSTALL_HINT
 from ._unquantized import FORMAT_FP32
 
@@ -209,6 +209,7 @@ class LowBitAdamW(TritonPath, Optimizer):
         if self._buckets is None:
             self._init_state()
         self._seed += 1
+        plain = []  # the plain path's parameters (ParamJob), updated together after the loop
         # Host work is per step and per parameter (291 tensors for Llama2-7B), on the critical path whenever the
         # GPU waits for it (~1 ms of a 16-20 ms step on the H200's host): keep it to C-level list walks. The step
         # counts are bumped and read in one op each; in the usual case (all grads present, one param group, one
@@ -243,7 +244,15 @@ class LowBitAdamW(TritonPath, Optimizer):
                 self._step_triton(b, active, grads, rows, idx)
             else:
                 for j, i in enumerate(active):
-                    self._step_torch(b, i, rows[idx[j] if idx is not None else 0])
+                    if local(grads[j]).is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    hp = rows[idx[j] if idx is not None else 0]
+                    st = self.state[b.params[i]]
+                    plain.append(_plain.param_job(b, i, st, hp, self._seed, self.stochastic_round))
+        if plain:  # every bucket's parameters, chunk by chunk (_plain.py)
+            bad = _plain.step(plain)
+            if bad:
+                self.nonfinite_count += bad
         return loss
 
     def _hp_row(self, group_index: int, t: int) -> list:
@@ -261,59 +270,6 @@ class LowBitAdamW(TritonPath, Optimizer):
             1.0 / math.sqrt(1.0 - b2**t),
             -1.0 if g["maximize"] else 1.0,
         ]
-
-    def _step_torch(self, b: Bucket, i: int, hp: list) -> None:
-        """The reference path: same math as the kernel, one parameter at a time, in plain PyTorch."""
-        st = self.state[b.params[i]]
-        p, grad = local(b.params[i]), local(b.params[i].grad)
-        if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        # fp32 scalars, like the kernel's table, so that both paths round the same way
-        lr, wd, b1, b2, eps, step_size, inv_sqrt_bc2, sign = torch.tensor(
-            hp, dtype=torch.float32, device=p.device
-        ).unbind()
-        fmt, B = b.fmt, b.fmt.block_size
-        n = p.numel()
-        nblk = -(-n // B)
-
-        def padded(x):
-            x = x.reshape(-1).float()
-            return torch.nn.functional.pad(x, (0, nblk * B - n)).view(nblk, B)
-
-        g = padded(grad)
-        finite = g.abs() <= G_MAX  # the kernel's guard (see G_MAX)
-        x = padded(p)
-        if b.compensate:
-            x = x + st["error"].float()
-        m = fmt.dequantize(st["exp_avg"], st.get("exp_avg_scale"), True)
-        v = fmt.dequantize(st["exp_avg_sq"], st.get("exp_avg_sq_scale"), False)
-        # the kernel's operations in the kernel's order (see _adam_math)
-        m_new = torch.where(finite, b1 * m + ((1.0 - b1) * sign) * g, m)
-        v_new = torch.where(finite, b2 * v + ((1.0 - b2) * g) * g, v)
-        denom = v_new.sqrt() * inv_sqrt_bc2 + eps
-        x_new = torch.where(finite, x * (1.0 - lr * wd) - step_size * (m_new / denom), x)
-        bad = int((~finite).sum())  # padding is finite (zero), so this counts real elements only
-        if bad:
-            self.nonfinite_count += bad
-        for key, val, signed in (("exp_avg", m_new, True), ("exp_avg_sq", v_new, False)):
-            if signed and fmt.dithered_m:
-                dither = m_dither(0, nblk * B, self._seed, p.device).view(nblk, B)
-                codes, scale = fmt.quantize(val, signed, dither)
-            else:
-                codes, scale = fmt.quantize(val, signed)
-            st[key].copy_(codes)
-            if fmt.scaled:
-                st[key + "_scale"].copy_(scale)
-        flat = x_new.view(-1)[:n]
-        if self.stochastic_round and p.dtype == torch.bfloat16:
-            p.copy_(stochastic_round_bf16(flat, self._seed, b.offsets[i]).view_as(p))
-        else:
-            p_new = flat.to(p.dtype)
-            p.copy_(p_new.view_as(p))
-            if b.compensate:
-                err = torch.zeros(nblk * B, dtype=torch.float32, device=p.device)
-                err[:n] = flat - p_new.float()
-                st["error"].copy_(err.view(nblk, B))
 
     # -- checkpointing -----------------------------------------------------------------------------------
 

@@ -89,9 +89,10 @@ def quantize(x: torch.Tensor, signed: bool, dither: torch.Tensor = None):
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
-    if signed:
-        c, qmap = codes.long(), _QMAP_SIGNED.to(codes.device)
-        return torch.cat([qmap[c & 15], qmap[c >> 4]], dim=1) * scale[:, None]
+    if signed:  # (index_select: a quicker gather than qmap[c] on the CPU)
+        c, qmap = codes.int(), _QMAP_SIGNED.to(codes.device)
+        lo, hi = (qmap.index_select(0, k.reshape(-1)).view(c.shape) for k in (c & 15, c >> 4))
+        return torch.cat([lo, hi], dim=1) * scale[:, None]
     c = codes.to(torch.int32)
     return torch.cat([_decode_root(c & 15, scale), _decode_root(c >> 4, scale)], dim=1)
 
