@@ -1,4 +1,6 @@
-"""Model builders torchtune 0.6.1 lacks, made of its own modules: Qwen3, and Mistral 7B v0.3.
+"""Model builders torchtune 0.6.1 lacks, made of its own modules: ``decoder`` (the Llama layout of any size and
+feature set, what a folder's config.json is built with: finetune/model/from_hf_config.py), Qwen3 through it, and
+Mistral 7B v0.3.
 
 Name one in a config as ``model._component_: finetune.model.builders.qwen3_8b`` (or ``finetune.model.builders.qwen3`` with explicit
 sizes, as the tests do). The checkpoint component knows their Hugging Face format (``hf_format.FAMILIES``).
@@ -11,14 +13,22 @@ takes q/k norms but applies them after RoPE, which is another function (the per-
 with the rotation), so ``QKNormAttention`` reorders that one step and reuses everything else.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import nn
+from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.models.mistral import mistral
-from torchtune.models.qwen2._component_builders import qwen2_mlp
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import MultiHeadAttention, RMSNorm, TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune.modules import (
+    FeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
 
 
 class QKNormAttention(MultiHeadAttention):
@@ -59,7 +69,7 @@ class QKNormAttention(MultiHeadAttention):
         return self.output_proj(output.transpose(1, 2).contiguous().view(b, s_x, -1))
 
 
-def qwen3(
+def decoder(
     vocab_size: int,
     num_layers: int,
     num_heads: int,
@@ -67,36 +77,69 @@ def qwen3(
     embed_dim: int,
     intermediate_dim: int,
     max_seq_len: int,
-    head_dim: Optional[int] = None,
-    attn_dropout: float = 0.0,
-    norm_eps: float = 1e-6,
-    rope_base: float = 1_000_000.0,
+    head_dim: int,
+    norm_eps: float,
+    rope_base: float,
+    rope_scaling: Optional[Dict[str, float]] = None,
+    rotate_half: bool = False,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
     tie_word_embeddings: bool = False,
+    attn_dropout: float = 0.0,
 ) -> TransformerDecoder:
-    """A Qwen3 decoder of any size (``head_dim`` defaults to embed_dim // num_heads)."""
-    head_dim = head_dim or embed_dim // num_heads
-    rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
+    """A decoder of the Llama layout (RMSNorm, SwiGLU MLP, grouped-query attention with RoPE) of any size.
+
+    ``rotate_half``: Qwen's RoPE (halves of each head rotated together: HF's layout, no permutation of q/k);
+    otherwise torchtune's interleaved RoPE (the Llama and Mistral converters permute q/k for it).
+    ``rope_scaling``: Llama 3.1's (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``). ``qkv_bias``: Qwen2's biases on q, k and v. ``qk_norm``: Qwen3's RMSNorm
+    over each head's query and key before RoPE. ``head_dim`` is its own size (Qwen3 4B: 32 x 128 on 2560).
+    """
+    if rotate_half:
+        rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
+    elif rope_scaling:
+        rope = Llama3ScaledRoPE(
+            dim=head_dim,
+            max_seq_len=max_seq_len,
+            base=rope_base,
+            scale_factor=rope_scaling["factor"],
+            low_freq_factor=rope_scaling["low_freq_factor"],
+            high_freq_factor=rope_scaling["high_freq_factor"],
+            old_context_len=rope_scaling["original_max_position_embeddings"],
+        )
+    else:
+        rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
+    attention = QKNormAttention if qk_norm else MultiHeadAttention
     layers = nn.ModuleList()
     for _ in range(num_layers):
-        attn = QKNormAttention(
+        norms = (
+            dict(q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps))
+            if qk_norm
+            else {}
+        )
+        attn = attention(
             embed_dim=embed_dim,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias),
+            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
+            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
             output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
             pos_embeddings=rope,
-            q_norm=RMSNorm(dim=head_dim, eps=norm_eps),
-            k_norm=RMSNorm(dim=head_dim, eps=norm_eps),
             max_seq_len=max_seq_len,
             attn_dropout=attn_dropout,
+            **norms,
+        )
+        mlp = FeedForward(
+            gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+            down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
+            up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
         )
         layers.append(
             TransformerSelfAttentionLayer(
                 attn=attn,
-                mlp=qwen2_mlp(dim=embed_dim, hidden_dim=intermediate_dim),
+                mlp=mlp,
                 sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
                 mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
             )
@@ -111,6 +154,40 @@ def qwen3(
         head_dim=head_dim,
         norm=RMSNorm(embed_dim, eps=norm_eps),
         output=output,
+    )
+
+
+def qwen3(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """A Qwen3 decoder of any size (``head_dim`` defaults to embed_dim // num_heads): ``decoder`` with Qwen's
+    rotate-half RoPE, no q/k/v biases and the q/k norms."""
+    return decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len,
+        head_dim=head_dim or embed_dim // num_heads,
+        norm_eps=norm_eps,
+        rope_base=rope_base,
+        rotate_half=True,
+        qk_norm=True,
+        tie_word_embeddings=tie_word_embeddings,
+        attn_dropout=attn_dropout,
     )
 
 

@@ -1,6 +1,7 @@
 """The model a Hugging Face folder's config.json describes, built from torchtune's modules.
 
-With ``checkpoint_dir`` set, the fine-tune recipes build the folder's model, whatever its size: ``decoder`` takes
+With ``checkpoint_dir`` set, the fine-tune recipes build the folder's model, whatever its size: ``decoder``
+(finetune/model/builders.py) takes
 every architecture field a supported family has (sizes, heads, key/value heads, ``head_dim`` on its own, vocabulary,
 tied embeddings, RoPE base and Llama 3.1's RoPE scaling, norm eps, q/k/v biases, q/k norms, max positions), and one
 function per family (``llama``, ``qwen2``, ``qwen3``, ``mistral``, named in hf_format.FAMILIES) reads those fields
@@ -13,113 +14,12 @@ the value transformers gives it (``rope_theta``, ``head_dim``, ``num_key_value_h
 spelling (``rope_theta``, ``rope_scaling``) or 5's (``rope_parameters``).
 """
 
-from typing import Any, Dict, Optional
-
-from torch import nn
-from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
-from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import (
-    FeedForward,
-    MultiHeadAttention,
-    RMSNorm,
-    RotaryPositionalEmbeddings,
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
+from typing import Any, Dict
 
 from finetune.base import BadInput
-from finetune.model.builders import QKNormAttention
+from finetune.model.builders import decoder  # noqa: F401  (COMPONENT names it here)
 
 COMPONENT = "finetune.model.from_hf_config.decoder"  # what Settings.model names when built from config.json
-
-
-def decoder(
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
-    norm_eps: float,
-    rope_base: float,
-    rope_scaling: Optional[Dict[str, float]] = None,
-    rotate_half: bool = False,
-    qkv_bias: bool = False,
-    qk_norm: bool = False,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-) -> TransformerDecoder:
-    """A decoder of the Llama layout (RMSNorm, SwiGLU MLP, grouped-query attention with RoPE) of any size.
-
-    ``rotate_half``: Qwen's RoPE (halves of each head rotated together: HF's layout, no permutation of q/k);
-    otherwise torchtune's interleaved RoPE (the Llama and Mistral converters permute q/k for it).
-    ``rope_scaling``: Llama 3.1's (``factor``, ``low_freq_factor``, ``high_freq_factor``,
-    ``original_max_position_embeddings``). ``qkv_bias``: Qwen2's biases on q, k and v. ``qk_norm``: Qwen3's RMSNorm
-    over each head's query and key before RoPE. ``head_dim`` is its own size (Qwen3 4B: 32 x 128 on 2560).
-    """
-    if rotate_half:
-        rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
-    elif rope_scaling:
-        rope = Llama3ScaledRoPE(
-            dim=head_dim,
-            max_seq_len=max_seq_len,
-            base=rope_base,
-            scale_factor=rope_scaling["factor"],
-            low_freq_factor=rope_scaling["low_freq_factor"],
-            high_freq_factor=rope_scaling["high_freq_factor"],
-            old_context_len=rope_scaling["original_max_position_embeddings"],
-        )
-    else:
-        rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
-    attention = QKNormAttention if qk_norm else MultiHeadAttention
-    layers = nn.ModuleList()
-    for _ in range(num_layers):
-        norms = (
-            dict(q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps))
-            if qk_norm
-            else {}
-        )
-        attn = attention(
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
-            output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
-            pos_embeddings=rope,
-            max_seq_len=max_seq_len,
-            attn_dropout=attn_dropout,
-            **norms,
-        )
-        mlp = FeedForward(
-            gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-            down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
-            up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-        )
-        layers.append(
-            TransformerSelfAttentionLayer(
-                attn=attn,
-                mlp=mlp,
-                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-            )
-        )
-    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
-    output = TiedLinear(tok_embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(
-        tok_embeddings=tok_embeddings,
-        layers=layers,
-        max_seq_len=max_seq_len,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=output,
-    )
 
 
 # ------------------------------------------------------------------------------------------------
