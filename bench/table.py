@@ -16,6 +16,7 @@ eval's ``eval/truthfulqa_mc2`` beside them (recipes/evaluate.py writes it into b
     first step s     first_step_s: the first step, compilation included
     epoch s          epoch_time_s: the summed step times of the last epoch
     final loss       final_loss
+    val loss         val_loss: the last validation loss (runs with dataset_val; the column is left out when no row has it)
     skipped          skipped_steps
     truthfulqa_mc2   eval/truthfulqa_mc2 (with eval/questions: fewer than 817 marks a smoke test's limit)
 
@@ -57,9 +58,12 @@ COLUMNS = [
     (("first_step_s",), "first step s", "{:.1f}"),
     (("epoch_time_s",), "epoch s", "{:.1f}"),
     (("final_loss",), "final loss", "{:.4f}"),
+    (("val_loss",), "val loss", "{:.4f}"),
     (("skipped_steps",), "skipped", "{}"),
     (("eval/truthfulqa_mc2",), "truthfulqa_mc2", "{:.4f}"),
 ]
+# Columns shown only when a row has a value (a feature most runs leave off).
+OPTIONAL = {("val_loss",)}
 PLOTTED = [
     ("peak_memory_alloc_gib", "peak_rss_gib"),
     ("optimizer_state_gib",),
@@ -169,17 +173,22 @@ def from_wandb(path: Path) -> List[Dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 
 
+def columns(rows: List[Dict[str, Any]]):
+    """COLUMNS, less the OPTIONAL ones no row has."""
+    return [c for c in COLUMNS if c[0] not in OPTIONAL or any(first(row, c[0]) is not None for row in rows)]
+
+
 def markdown(rows: List[Dict[str, Any]]) -> str:
-    body = []
+    body, shown = [], columns(rows)
     for row in rows:
         cells = []
-        for keys, _, fmt in COLUMNS:
+        for keys, _, fmt in shown:
             value = first(row, keys)
             cells.append("" if value is None else fmt.format(value))
         if row.get("eval/questions") not in (None, 817) and cells[-1]:
             cells[-1] += f" ({row['eval/questions']} q.)"
         body.append(cells)
-    return harness.table([header for _, header, _ in COLUMNS], body)
+    return harness.table([header for _, header, _ in shown], body)
 
 
 def plot(rows: List[Dict[str, Any]], out_dir: Path) -> List[str]:

@@ -121,10 +121,26 @@ def log_to_training_run(
         resume="allow",
         dir=str(folder),
         **({"mode": mode} if mode else {}),
+        **quiet_settings(mode),
     )
     step = max(int(run.step), int(next_step))
     run.log({**values, **({"global_step": global_step} if global_step is not None else {})}, step=step)
     run.summary.update(values)
     where = {"wandb_run_id": run.id, "wandb_dir": str(Path(run.dir).parent), "wandb_next_step": step + 1}
+    if str(run.settings.mode) == "offline":
+        # The folder holding both runs' files (docs/wandb.md, "Offline"): wandb's own hint names this run's folder
+        # alone, whose upload before the training run's breaks the merge.
+        where["wandb_sync"] = f"wandb sync {Path(run.dir).parent.parent}"
     run.finish()
     return where
+
+
+def quiet_settings(mode: Optional[str]) -> Dict[str, Any]:
+    """wandb.init's ``settings`` for the eval's run: silent offline (its ~15 lines end in a `wandb sync` of the
+    eval's folder alone, the upload that breaks the merge; the eval prints the right one), quiet online (the run's
+    URL still shows). WANDB_SILENT or WANDB_QUIET in the environment decide instead."""
+    if os.environ.get("WANDB_SILENT") or os.environ.get("WANDB_QUIET"):
+        return {}
+    import wandb
+
+    return {"settings": wandb.Settings(**({"silent": True} if mode in ("offline", "disabled") else {"quiet": True}))}

@@ -3,6 +3,8 @@ against its signature (torch's backend flags dropped for a class that lacks them
 ``OptimizerSpec.build(params)`` makes it; the recipes build one, or one per parameter for optimizer-in-backward.
 """
 
+import difflib
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,9 @@ def _import(path: str, key: str):
     try:
         return _get_component_from_path(path)
     except Exception as e:  # InstantiationError, ValueError: the path does not import
+        close = _close_to(path)
+        if close:
+            raise BadInput(f"{key}={path} cannot be imported; did you mean {key}={close}?") from None
         hint = " (install it with: pip install -e '.[bnb]')" if path.startswith("bitsandbytes") else ""
         more = (
             ", bitsandbytes.optim.AdamW8bit, torchao.optim.AdamW8bit or optimizers.AdamW8bit"
@@ -65,6 +70,40 @@ def _import(path: str, key: str):
             f"{key}={path} cannot be imported{hint} ({first_line(e.__cause__ or e)}); use a class path "
             f"such as torch.optim.AdamW{more}"
         ) from None
+
+
+def _close_to(path: str) -> str:
+    """The class path a misspelled ``path`` most likely meant (``torch.optim.AdamWW`` -> ``torch.optim.AdamW``), or
+    "": a public class of the module ``path`` names, or, where the module part does not import either, one of
+    torch.optim's optimizers or our registered variants (``optimizers.VARIANTS``). Only close spellings (difflib
+    ratio >= 0.8, case ignored): a wrong guess is worse than none. Called on the error path only."""
+    module_path, _, name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_path) if module_path else None
+    except Exception:  # (any import failure: the module part is misspelled too)
+        module = None
+    if module is not None:  # the class name alone is compared (a shared module prefix would make any name close)
+        names = [n for n in dir(module) if not n.startswith("_") and inspect.isclass(getattr(module, n))]
+        found = _closest(name, names)
+        return f"{module_path}.{found}" if found else ""
+    known = [f"torch.optim.{n}" for n in dir(torch.optim) if _is_optimizer(getattr(torch.optim, n))]
+    try:
+        from optimizers import VARIANTS
+
+        known += [v.component for v in VARIANTS.values()]
+    except Exception:  # (our optimizers need triton's import to succeed; a suggestion is not worth a failure)
+        pass
+    return _closest(path, known)
+
+
+def _is_optimizer(obj) -> bool:
+    return inspect.isclass(obj) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer
+
+
+def _closest(word: str, candidates) -> str:
+    by_lower = {c.lower(): c for c in candidates}
+    match = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.8)
+    return by_lower[match[0]] if match else ""
 
 
 def resolve_optimizer(cfg_optimizer: DictConfig) -> OptimizerSpec:

@@ -1,12 +1,13 @@
 """The services both fine-tune recipes wire the same way around their training story.
 
-``build_data``: the tokenizer, the loss, the dataset (every record checked, packed when asked) and its seeded loader.
+``build_data``: the tokenizer, the loss, the dataset (every record checked, packed when asked) and its seeded loader,
+and the validation set (``dataset_val``, built the same way) with its own loader (``finetune/validation.py``).
 ``build_reporting``: the checkpointer, the profiler, the run's identity and metric logger (wandb), the metrics log and
 the summary the run ends with. Each recipe keeps its own model, optimizer and loop; where the two differ (one
 device, or N ranks of which rank 0 reports) ``ranks`` says so.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from omegaconf import DictConfig
@@ -20,6 +21,7 @@ from finetune.reporting.metrics import MetricsLog, RunSummary
 from finetune.reporting.profiler import Profiler
 from finetune.reporting.wandb_run import metric_logger, run_file, run_identity, wandb_run_info
 from finetune.settings import Settings
+from finetune.validation import Validation
 
 
 @dataclass
@@ -29,10 +31,12 @@ class Data:
     dataloader: DataLoader
     sampler: Any  # StatefulDistributedSampler: its epoch and position are what a resume restores
     steps_per_epoch: int
+    validation: Validation  # (off without dataset_val: it then never validates)
 
 
 def build_data(cfg: DictConfig, s: Settings, log, ranks: Optional[DistributedRanks] = None) -> Data:
-    """The tokenizer and loss the config names, the dataset and the loader (rank r of N reads its share)."""
+    """The tokenizer and loss the config names, the dataset and the loader (rank r of N reads its share), and the
+    validation set, built like the dataset with the same tokenizer (packed per dataset_val.packed)."""
     tokenizer = config.instantiate(cfg.tokenizer)
     loss_fn = config.instantiate(cfg.loss)
     dataset = loading.build_dataset(cfg.dataset, tokenizer, s, log)
@@ -40,7 +44,20 @@ def build_data(cfg: DictConfig, s: Settings, log, ranks: Optional[DistributedRan
     dataloader, sampler, steps_per_epoch = loading.build_dataloader(
         dataset, s, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share
     )
-    return Data(tokenizer, loss_fn, dataloader, sampler, steps_per_epoch)
+    validation = Validation.off(s)
+    if s.dataset_val is not None:
+        as_val = replace(s, packed=s.val_packed, data_files=s.val_data_files)  # (its packing and its pack cache key)
+        val_set = loading.build_dataset(s.dataset_val, tokenizer, as_val, log)
+        validation = Validation(
+            s,
+            val_set,
+            steps_per_epoch=steps_per_epoch,
+            pad_id=tokenizer.pad_id,
+            ignore_index=loss_fn.ignore_index,
+            **({} if ranks is None else {"rank": ranks.rank, "world": ranks.world}),
+            log=log if ranks is None or ranks.main else None,
+        )
+    return Data(tokenizer, loss_fn, dataloader, sampler, steps_per_epoch, validation)
 
 
 @dataclass

@@ -45,13 +45,12 @@ from finetune.reporting import console
 
 console.quiet_known_noise()  # before torchtune and lm-eval are imported (see console.KNOWN_NOISE)
 
-from torchtune import config  # noqa: E402
-
 from eval import harness  # noqa: E402
 from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
 from eval.errors import EvalInputError  # noqa: E402
 from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
 from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
+from finetune.settings import command_line  # noqa: E402
 
 CONFIG_KEYS = (
     "checkpoint_dir",
@@ -161,9 +160,10 @@ class EvalRecipe:
                 next_step=int((summary or {}).get("wandb_next_step") or 0),
                 fallback_dir=folder or self.output_dir,
             )
+            sync = f"; upload it with the training run: `{where['wandb_sync']}`" if "wandb_sync" in where else ""
             print(
                 f"wandb: the scores are in the training run {run.get('name')} (id {where['wandb_run_id']}), "
-                f"{where['wandb_dir']}"
+                f"{where['wandb_dir']}{sync}"
             )
         elif self.wandb_project:
             harness.log_to_wandb(
@@ -191,7 +191,7 @@ class EvalRecipe:
         return parent if (parent / METRICS_FILE).is_file() or (parent / SUMMARY_FILE).is_file() else None
 
 
-@config.parse
+@command_line.parse
 def recipe_main(cfg: DictConfig) -> int:
     try:
         recipe = EvalRecipe(cfg)

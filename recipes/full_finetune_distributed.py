@@ -6,7 +6,7 @@
 
 One process per GPU (on the CPU, N processes over gloo). It reads every key of
 recipes/full_finetune_single_device.py with the same meaning; the manual is docs/recipes.md, "The distributed
-recipe: what changes" (--help prints it, then the config's keys), and docs/distributed.md says how it shards.
+recipe: what changes" (--help=all prints it, then the config's keys), and docs/distributed.md how it shards.
 The keys that differ:
 
     fsdp_reshard_after_forward       True (default): free gathered layers after forward; False: keep them
@@ -15,6 +15,7 @@ The keys that differ:
     checkpoint_dir                   rank 0 reads it (or builds the random init) and scatters it
     resume_from_checkpoint           optimizers.* states resume on the same N only; torch's AdamW on any N
     metric_logger                    rank 0 logs, reduced over ranks (+ *_per_rank lists, world_size)
+    dataset_val                      each rank validates its share; val_loss reduced over ranks
     profiler                         every rank records (a trace per rank); rank 0 prints the summary
     optimizer_in_bwd                 not supported (refused)
     enable_activation_offloading     not supported (refused)
@@ -67,7 +68,7 @@ from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
 from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
-from finetune.settings import DISTRIBUTED_CONFIG_KEYS, first_line, read_settings  # noqa: E402
+from finetune.settings import DISTRIBUTED_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
 
 log = utils.get_logger("INFO")
@@ -111,6 +112,7 @@ class FullFinetuneRecipeDistributed:
         self._dataloader, self._sampler, self._steps_per_epoch = data.dataloader, data.sampler, data.steps_per_epoch
 
         self._model = self._setup_model(cfg)
+        self._val = data.validation.using(self._model, self._loss_step)  # (dataset_val: finetune/validation.py)
         self._optimizer = s.optimizer.build(self._model.parameters())
         self._optimizers = [self._optimizer]
         utils.log_rank_zero(log, f"Optimizer: {s.optimizer.path}")
@@ -289,18 +291,9 @@ class FullFinetuneRecipeDistributed:
             logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
         return self._loss_fn(logits, labels), ntok
 
-    def _reduced_record(
-        self,
-        step: int,
-        epoch: int,
-        loss: float,
-        lr: float,
-        num_tokens: int,
-        elapsed: float,
-        opt_ms: Optional[float],
-        grad_norm: Optional[float],
-    ) -> Dict[str, Any]:
-        """One metrics record with every rank's numbers (called on all ranks: it gathers)."""
+    def _reduced_record(self, step, epoch, loss, lr, num_tokens, elapsed, opt_ms, grad_norm) -> Dict[str, Any]:
+        """One metrics record with every rank's numbers (called on all ranks: it gathers); opt_ms and grad_norm may
+        be None."""
         mine = {
             "elapsed": elapsed,
             "opt_ms": opt_ms,
@@ -437,6 +430,7 @@ class FullFinetuneRecipeDistributed:
                 )
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+                record.update(self._val.after_step(self.global_step, step_in_epoch))  # (every rank: reduced)
                 if self._rank0:
                     record.update(self._checkpointer.metrics(since=t0))
                     self._metrics.write(record)
@@ -551,7 +545,7 @@ class FullFinetuneRecipeDistributed:
         self._stop.uninstall()
 
 
-@config.parse
+@command_line.parse
 def recipe_main(cfg: DictConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     recipe, training = None, False
@@ -579,14 +573,11 @@ def recipe_main(cfg: DictConfig) -> None:
         console.report_bad_input(BadInput(out_of_memory_line(s, e, where=where, argv=sys.argv, distributed=True)), rank)
         sys.exit(2)
     except KeyboardInterrupt:
-        # Ctrl-C reaches every rank (the terminal's process group): each stops at once; rank 0 sums up.
-        if rank == 0:
-            tqdm.write(
-                "\n"
-                + interrupted(
-                    getattr(recipe, "_summary", None), recipe.settings.output_dir if recipe is not None else None
-                )
-            )
+        # Ctrl-C reaches every rank (the terminal's process group): each stops at once (no collective: a background
+        # write is left to the next start); rank 0 closes wandb, then sums up, last (console.stop_at_ctrl_c).
+        out = recipe.settings.output_dir if recipe is not None else None
+        closing = lambda: interrupted(getattr(recipe, "_summary", None), out)  # noqa: E731
+        console.stop_at_ctrl_c(recipe, closing, show=rank == 0, settle=False)
         sys.exit(130)
     finally:
         if recipe is not None:

@@ -1,9 +1,9 @@
 """Full fine-tune of a Llama 2 / 3.x, Qwen 2.5 / 3 or Mistral model on one device (one GPU, or the CPU for tiny runs).
 
     tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml [key=value ...]
-    tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # manual + keys
+    tune run recipes/full_finetune_single_device.py --config configs/tiny.yaml --help   # this index + keys
 
-The manual is docs/recipes.md (--help prints it, then the config's keys). The keys, one line each:
+The manual is docs/recipes.md (--help=all prints it, then the config's keys). The keys, one line each:
 
     data_dir                         folder with alpaca/ and llama2_tokenizer/ (configs: ../shared/data)
     output_dir                       step_N/, epoch_E/, metrics.jsonl, wandb/; a used folder is refused
@@ -13,6 +13,8 @@ The manual is docs/recipes.md (--help prints it, then the config's keys). The ke
     model                            torchtune model builder (config.instantiate); its family: docs/models.md
     tokenizer                        Llama 2's SentencePiece, or the model's tokenizer.json (chat_template)
     dataset                          alpaca/instruct/chat_dataset; dataset.packed=True packs rows best-fit
+    dataset_val                      held-out set, built like dataset (its keys under dataset's); null = none
+    run_val_every_n_steps, batch_size_val  val_loss every N steps + epoch ends (null: ends only); its batch
     loss                             CEWithChunkedOutputLoss, or finetune.model.LinearCrossEntropyLoss (fused)
     optimizer                        any class: optimizer=optimizers.AdamW8bit swaps it; torch flags dropped
     lr_scheduler                     built with num_training_steps filled in; null = constant lr
@@ -84,7 +86,7 @@ from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
 from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
 from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
-from finetune.settings import KNOWN_CONFIG_KEYS, first_line, read_settings  # noqa: E402
+from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
 
 log = utils.get_logger("INFO")
@@ -121,6 +123,7 @@ class FullFinetuneRecipeSingleDevice:
         self._dataloader, self._sampler, self._steps_per_epoch = data.dataloader, data.sampler, data.steps_per_epoch
 
         self._model = self._setup_model(cfg)
+        self._val = data.validation.using(self._model, self._loss_step)  # (dataset_val: finetune/validation.py)
         self._setup_optimizer()
         self._lr_scheduler = self._setup_lr_scheduler(cfg)
         check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
@@ -386,6 +389,7 @@ class FullFinetuneRecipeSingleDevice:
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+                record.update(self._val.after_step(self.global_step, step_in_epoch))  # (val_loss: eval mode, no grad)
                 self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss = 0.0
@@ -460,7 +464,7 @@ class FullFinetuneRecipeSingleDevice:
         self._folder.release()
 
 
-@config.parse
+@command_line.parse
 def recipe_main(cfg: DictConfig) -> None:
     recipe, training = None, False
     try:
@@ -484,20 +488,10 @@ def recipe_main(cfg: DictConfig) -> None:
         tqdm.write(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        # Ctrl-C stops at once: the summary, the last checkpoint to resume from, and the shell's exit status for
-        # SIGINT. A checkpoint being written in the background is a good one: it is finished and published first
-        # (Ctrl-C again abandons it; its temporary folder is removed at the next start).
-        checkpointer = getattr(recipe, "_checkpointer", None)
-        if checkpointer is not None and checkpointer.pending:
-            tqdm.write("\nCtrl-C: finishing the checkpoint being written in the background (Ctrl-C again abandons it)")
-            try:
-                checkpointer.settle()
-            except KeyboardInterrupt:
-                pass
-        tqdm.write(
-            "\n"
-            + interrupted(getattr(recipe, "_summary", None), recipe.settings.output_dir if recipe is not None else None)
-        )
+        # Ctrl-C stops at once: the background write finished, wandb closed, then the summary and the checkpoint to
+        # resume from, last (console.stop_at_ctrl_c), and the shell's exit status for SIGINT.
+        out = recipe.settings.output_dir if recipe is not None else None
+        console.stop_at_ctrl_c(recipe, lambda: interrupted(getattr(recipe, "_summary", None), out))
         sys.exit(130)
     finally:
         if recipe is not None:

@@ -391,7 +391,6 @@ def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
             [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(f), "--json"],
             capture_output=True,
             text=True,
-            timeout=600,
         )
         assert done.returncode == 0, f"wandb could not read {f}: {done.stderr[-2000:]}"
         records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -42,6 +42,7 @@ LAYERS = [
         "finetune.data.chat_template",
         "finetune.reporting.wandb_run",
         "finetune.reporting.console",
+        "finetune.settings.command_line",
         "finetune.reporting.profiler",
         "finetune.optimizer",
         "finetune.checkpoint.async_save",
@@ -57,7 +58,7 @@ LAYERS = [
     },
     {"finetune.checkpoint.resume", "finetune.stops"},
     {"finetune.settings.read"},
-    {"finetune.model.prepare", "finetune.data.loading", "finetune.services"},
+    {"finetune.model.prepare", "finetune.data.loading", "finetune.services", "finetune.validation"},
 ]
 
 

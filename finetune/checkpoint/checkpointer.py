@@ -236,18 +236,22 @@ class Checkpointer:
                 raise
             self._staging.no_gpu()
             return False
-        tmp = self.folder.begin(name)
-        if now:
-            try:
-                self._write_now(tmp, async_save.materialize(written_now))
-            except Exception as e:  # one line, the previous checkpoint kept: as a synchronous save's failure
-                self.folder.commit(name, tmp, e, need_bytes)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        blocked = time.perf_counter() - started
-        self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
-        self._job = async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
+        # From the temporary folder to the writer's start, a Ctrl-C takes effect after: the writer is then started
+        # and known (pending), so the Ctrl-C path finishes and publishes it. Raised in between, it left a writer
+        # thread nobody waited for, which the interpreter's exit then killed inside native code (abort, status -6).
+        with ctrl_c_after() if self.folder.ranks.world == 1 else contextlib.nullcontext():
+            tmp = self.folder.begin(name)
+            if now:
+                try:
+                    self._write_now(tmp, async_save.materialize(written_now))
+                except Exception as e:  # one line, the previous checkpoint kept: as a synchronous save's failure
+                    self.folder.commit(name, tmp, e, need_bytes)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            blocked = time.perf_counter() - started
+            self._inflight = _InFlight(name, tmp, started, blocked, need_bytes)
+            self._job = async_save.Job(functools.partial(self._write, tmp, snap, ready), "checkpoint-writer")
         self._writes = self._writes[-3:] + [self._job]  # (ranks that never log keep only the last few)
         self._note(
             checkpoint_blocked_s=blocked,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
+from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, load_state_file
 from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
@@ -127,6 +128,9 @@ RESUME_TABLE = (
             "max_consecutive_skipped_steps",
             "async_checkpoint",
             "profiler",
+            "dataset_val",
+            "run_val_every_n_steps",
+            "batch_size_val",
         ),
         "files, reports and limits, not the training",
     ),
@@ -245,6 +249,7 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
     and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
     checkpoint did not record (one written before that row existed) is not compared."""
     state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
+    _check_state_format(state, now.get("optimizer"), Path(folder) / RECIPE_STATE_FILE)
     saved, now = dict(state["config"]), dict(now)
     saved_world = saved.get("world_size", 1)
     if state.get("optimizer_layout") == "per_rank" and now.get("world_size", saved_world) != saved_world:
@@ -272,6 +277,40 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
         if log is not None:
             log.warning(f"{what}: {why}")
     return state
+
+
+def _state_formats(value: Any) -> set:
+    """The ``state_format`` names our optimizers (optimizers.*) write into their param groups, anywhere in a saved
+    optimizer state (one optimizer's, or one per parameter with optimizer_in_bwd)."""
+    if isinstance(value, dict):
+        groups = value.get("param_groups")
+        found = {g["state_format"] for g in groups if "state_format" in g} if isinstance(groups, list) else set()
+        return found.union(*(_state_formats(v) for k, v in value.items() if k != "param_groups"))
+    return set()
+
+
+def _check_state_format(state: dict, optimizer_path: Optional[str], path: Path) -> None:
+    """An optimizers.* state (quantized moments and their scales) is refused before another optimizer loads it: an
+    optimizer of ours compares formats itself, but torch.optim's loads any tensors and fails at the first step with a
+    shape error. Reached only when the file's recorded optimizer was edited (read_resume compares it otherwise)."""
+    formats = _state_formats(state.get("optimizer"))
+    if not formats or not optimizer_path:
+        return
+    cls = _get_component_from_path(optimizer_path)
+    if getattr(cls, "FORMAT", None) is not None or getattr(cls, "__name__", "") == "CPUOffloadOptimizer":
+        return  # (ours: its load_state_dict checks; torchao's CPU offload wraps an inner class and its own state)
+    fmt = sorted(formats)[0]
+    try:
+        from optimizers import VARIANTS
+
+        writer = next((v.component for v in VARIANTS.values() if v.cls.FORMAT.name == fmt), "an optimizers.* class")
+    except Exception:  # (naming the writer is a courtesy; the refusal stands without it)
+        writer = "an optimizers.* class"
+    raise BadInput(
+        f"the optimizer state in {path} was written by {writer} (state format {fmt!r}), which {optimizer_path} "
+        f"cannot load (was the file's recorded optimizer edited?); resume with optimizer={writer}, or start a new run "
+        "from its weights with checkpoint_dir=... and no resume_from_checkpoint"
+    )
 
 
 def progress_after(state: dict, steps_per_epoch: int) -> tuple:

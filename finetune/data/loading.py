@@ -75,13 +75,14 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
             f"could not load the dataset {where} ({first_line(cause)}); it must be {RECORDS[kind]} (or a hub name "
             "reachable from here)"
         ) from None
+    names = records.RecordNames(where, cfg_dataset, text_files)  # (how an error names a record: a line, or from 1)
     if not text_files:  # Parquet, Arrow, the hub: their strings are checked as loaded
-        records.check_table_utf8(ds, where)
+        records.check_table_utf8(ds, names)
     column_map = cfg_dataset.get("column_map") or {}
     if kind == "alpaca":
-        records.check_text_records(ds, column_map, where, ALPACA_TEXT_FIELDS, ALPACA_REQUIRED)
+        records.check_text_records(ds, column_map, names, ALPACA_TEXT_FIELDS, ALPACA_REQUIRED)
     elif kind == "instruct":
-        records.check_text_records(ds, column_map, where, INSTRUCT_FIELDS, INSTRUCT_FIELDS)
+        records.check_text_records(ds, column_map, names, INSTRUCT_FIELDS, INSTRUCT_FIELDS)
     elif kind == "chat":
         style = cfg_dataset.get("conversation_style")
         if style == "openai":  # tool messages and tool calls, formatted as transformers' apply_chat_template does
@@ -91,7 +92,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
             cfg_dataset.get("conversation_column"),
             style,
             bool(cfg_dataset.get("train_on_input", False)),
-            where,
+            names,
             templated=getattr(tokenizer, "chat_template", None) is not None,
         )
     if not settings.packed:
@@ -117,6 +118,14 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
     )
 
 
+def collate_for(packed: bool, packed_attention: str, *, pad_id: int, ignore_index: int):
+    """How a batch is made: samples padded to the longest, or packed rows with torchtune's block mask, or with the
+    sample boundaries FlashAttention's varlen kernel takes (the validation loader makes its batches the same way)."""
+    if not packed:
+        return partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index)
+    return attention.collate_varlen if packed_attention == "varlen" else padded_collate_packed
+
+
 def build_dataloader(
     ds, settings: Settings, *, pad_id: int, ignore_index: int, num_replicas: int = 1, rank: int = 0
 ) -> Tuple[DataLoader, StatefulDistributedSampler, int]:
@@ -129,10 +138,7 @@ def build_dataloader(
         ds,
         batch_size=settings.batch_size,
         sampler=sampler,
-        # (packed rows: torchtune's block mask, or the sample boundaries FlashAttention's varlen kernel takes)
-        collate_fn=(attention.collate_varlen if settings.packed_attention == "varlen" else padded_collate_packed)
-        if settings.packed
-        else partial(padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index),
+        collate_fn=collate_for(settings.packed, settings.packed_attention, pad_id=pad_id, ignore_index=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,
         # Its own generator, so iterating the data does not consume the global RNG.

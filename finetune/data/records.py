@@ -1,5 +1,7 @@
 """What every record of a dataset must be before training starts, and the first one that is not named in one
-``error:`` line (the file and line, or the record's index), never a traceback at some step mid-run:
+``error:`` line, never a traceback at some step mid-run. A record is named as the user finds it in an editor
+(``RecordNames``): a JSON-lines record by its file and line, any other by its place counting from 1, said so; the
+messages of a conversation are counted from 1 too:
 
 - **readable**: a local JSON, JSONL, CSV or text file is valid UTF-8, checked byte by byte before HF ``datasets``
   reads it (its JSON reader keeps a bad byte inside a string and the sample fails only when read); Parquet and Arrow
@@ -104,13 +106,17 @@ def _column(path: Path, line_start: int, at: int) -> int:
         return len(f.read(at - line_start).decode("utf-8")) + 1
 
 
-def json_error(path: Path, field: Optional[str] = None) -> Optional[str]:
-    """Where a JSON or JSONL file does not parse, as 'line N ... (why)', or None when it parses. datasets reads a
-    file that begins with ``[`` (or any file, given ``field``) as one JSON document, any other as JSON lines."""
+def _json_lines(path: Path, field: Optional[str] = None) -> bool:
+    """Whether datasets reads ``path`` as JSON lines: a file that begins with ``[`` (or any file, given ``field``)
+    is one JSON document, any other one record a line."""
     with _open(path) as f:
         head = f.read(len(codecs.BOM_UTF8) + 1)
-        whole = field is not None or head.removeprefix(codecs.BOM_UTF8)[:1] == b"["
-    if whole:
+    return field is None and head.removeprefix(codecs.BOM_UTF8)[:1] != b"["
+
+
+def json_error(path: Path, field: Optional[str] = None) -> Optional[str]:
+    """Where a JSON or JSONL file does not parse, as 'line N ... (why)', or None when it parses."""
+    if not _json_lines(path, field):
         try:
             with _open(path) as f:
                 json.loads(f.read().decode("utf-8-sig"))
@@ -131,7 +137,38 @@ def json_error(path: Path, field: Optional[str] = None) -> Optional[str]:
     return None
 
 
-def check_table_utf8(ds, where) -> None:
+class RecordNames:
+    """How an error names record ``i`` of the loaded table (0-based there): ``line 4 of data.jsonl`` for JSON lines
+    (datasets skips blank lines, so the line is found by counting the others, on the error path only), ``record 4
+    of data.json (counting from 1)`` for a JSON list, CSV, Parquet or hub data. ``where`` names the whole dataset."""
+
+    def __init__(self, where, cfg_dataset: Optional[Mapping[str, Any]] = None, text_files: List[Path] = ()):
+        self.where = where
+        cfg_dataset = cfg_dataset or {}
+        files = cfg_dataset.get("data_files")
+        # Lines only where the table is those files' records in order: one file or a list, not a dict of splits.
+        listed = [files] if isinstance(files, str) else [] if files is None or hasattr(files, "values") else files
+        self._lines = (
+            len(listed) == len(text_files) > 0  # (a glob or a missing file: its records' lines are not known)
+            and cfg_dataset.get("source") == "json"
+            and all(_json_lines(path, cfg_dataset.get("field")) for path in text_files)
+        )
+        self._files = list(text_files)
+
+    def __call__(self, i: int) -> str:
+        if self._lines:
+            seen = 0
+            for path in self._files:
+                with _open(path) as f:
+                    for n, raw in enumerate(f, 1):
+                        if raw.strip():
+                            if seen == i:
+                                return f"line {n} of {path}"
+                            seen += 1
+        return f"record {i + 1} of {self.where} (counting from 1)"
+
+
+def check_table_utf8(ds, names: RecordNames) -> None:
     """Every string of a loaded Arrow table (Parquet, Arrow, hub data) is valid UTF-8: Arrow does not check the
     strings a Parquet file holds, and a bad one fails only when its sample is read, mid-run. A full validation of
     each column (native, about a GB per second); the first bad record is then found by bisection (error path only)."""
@@ -150,7 +187,7 @@ def check_table_utf8(ds, where) -> None:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if _valid(column.take(pa.array(np.arange(lo, mid)))) else (lo, mid)
         raise BadInput(
-            f"record {lo} of {where}: field '{name}' is not valid UTF-8 text; fix or drop that record (or re-write "
+            f"{names(lo)}: field '{name}' is not valid UTF-8 text; fix or drop that record (or re-write "
             "the file with its strings as UTF-8)"
         )
 
@@ -172,7 +209,9 @@ ALPACA_REQUIRED = ("instruction", "output")
 INSTRUCT_FIELDS = ("input", "output")
 
 
-def check_text_records(ds, column_map: dict, where, fields=ALPACA_TEXT_FIELDS, required=ALPACA_REQUIRED) -> None:
+def check_text_records(
+    ds, column_map: dict, names: RecordNames, fields=ALPACA_TEXT_FIELDS, required=ALPACA_REQUIRED
+) -> None:
     """Instruction data (Alpaca's instruction, input and output; instruct_dataset's input and output): the
     ``required`` fields are present in every record, and ``fields`` are text. The whole table is checked now (Arrow
     null counts, milliseconds) rather than fail at some step mid-run."""
@@ -191,20 +230,20 @@ def check_text_records(ds, column_map: dict, where, fields=ALPACA_TEXT_FIELDS, r
         bad = next(((i, v) for i, v in enumerate(table[column]) if v is not None and not isinstance(v, str)), None)
         if bad is not None:
             raise BadInput(
-                f"record {bad[0]} of {where}: field '{column}' is {bad[1]!r} ({type(bad[1]).__name__}), not a "
+                f"{names(bad[0])}: field '{column}' is {bad[1]!r} ({type(bad[1]).__name__}), not a "
                 f"string; fix or drop that record ({', '.join(fields)} are text)"
             )
     for field in required:
         column = column_map.get(field, field)
         if column not in table.column_names:
             raise BadInput(
-                f"the records in {where} have no '{column}' field; each needs {needs} (map other names "
+                f"the records in {names.where} have no '{column}' field; each needs {needs} (map other names "
                 "with dataset.column_map)"
             )
         values = table.data.column(column)
         if values.null_count:
             row = values.is_null().to_pylist().index(True)
-            raise BadInput(f"record {row} of {where} has no '{column}'; fix or drop that record (each needs {needs})")
+            raise BadInput(f"{names(row)} has no '{column}'; fix or drop that record (each needs {needs})")
 
 
 # -- conversations --------------------------------------------------------------------------------------------------
@@ -220,7 +259,7 @@ ROLES = {"human": "user", "gpt": "assistant", "ipython": "tool"}
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
-def check_chat_records(ds, column, style, train_on_input: bool, where, templated: bool) -> None:
+def check_chat_records(ds, column, style, train_on_input: bool, names: RecordNames, templated: bool) -> None:
     """Conversations: every record's ``column`` is a non-empty list of messages with the style's keys, text
     content (none for an assistant message that calls tools) and a known role, (unless ``train_on_input``) an
     assistant message, so there is something to train on, and a turn order the tokenizer formats: tool messages
@@ -234,7 +273,7 @@ def check_chat_records(ds, column, style, train_on_input: bool, where, templated
     trained_role = "assistant" if style == "openai" else "gpt"
     if column not in table.column_names:
         raise BadInput(
-            f"the records in {where} have no '{column}' field (dataset.conversation_column); its columns "
+            f"the records in {names.where} have no '{column}' field (dataset.conversation_column); its columns "
             f"are {', '.join(table.column_names)}: set dataset.conversation_column to the one that holds "
             "the messages"
         )
@@ -242,28 +281,25 @@ def check_chat_records(ds, column, style, train_on_input: bool, where, templated
     for i, conversation in enumerate(table[column]):
         if not isinstance(conversation, list) or not conversation:
             raise BadInput(
-                f"record {i} of {where}: '{column}' is {str(conversation)[:80]!r}, not a list of "
-                "messages; fix or drop that record"
+                f"{names(i)}: '{column}' is {str(conversation)[:80]!r}, not a list of messages; fix or drop that record"
             )
         for j, message in enumerate(conversation):
             problem = _message_problem(message, role_key, text_key, roles, style)
             if problem:
-                raise BadInput(f"record {i} of {where}: message {j} {problem}")
+                raise BadInput(f"{names(i)}: message {j + 1} {problem}")
         if not train_on_input and not any(m[role_key] == trained_role for m in conversation):
             raise BadInput(
-                f"record {i} of {where} has no {trained_role} message, so nothing to train on; fix or drop "
+                f"{names(i)} has no {trained_role} message, so nothing to train on; fix or drop "
                 "that record (or set dataset.train_on_input=True)"
             )
         order = [ROLES.get(m[role_key], m[role_key]) for m in conversation]
         turn_error = _turn_order(order)
         if turn_error:
-            raise BadInput(
-                f"record {i} of {where}: {turn_error} (torchtune's conversation rules); fix or drop that record"
-            )
+            raise BadInput(f"{names(i)}: {turn_error} (torchtune's conversation rules); fix or drop that record")
         tools = [j for j, m in enumerate(conversation) if order[j] == "tool" or m.get("tool_calls")]
         if tools and not templated:
             raise BadInput(
-                f"record {i} of {where}: message {tools[0]} is a tool message or calls tools, which only a chat "
+                f"{names(i)}: message {tools[0] + 1} is a tool message or calls tools, which only a chat "
                 "template renders; set tokenizer.chat_template=True (with a model whose template renders tools) "
                 "or drop the tool messages"
             )
@@ -274,7 +310,7 @@ def check_chat_records(ds, column, style, train_on_input: bool, where, templated
             ds[first_with_tools]
         except BadInput as e:
             raise BadInput(
-                f"record {first_with_tools} of {where}, the first with tool messages: {e}. Use a model whose "
+                f"{names(first_with_tools)}, the first with tool messages: {e}. Use a model whose "
                 "template renders tool messages and tool calls, or drop them"
             ) from None
 
@@ -320,12 +356,12 @@ def _turn_order(roles: List[str]) -> str:
     if len(roles) < 2:
         return f"{len(roles)} message, at least a user and an assistant message are needed"
     last = None
-    for j, role in enumerate(roles):
+    for j, role in enumerate(roles, 1):  # (messages counted from 1, as the error names them)
         if role == "assistant" and last not in ("user", "tool"):
             return f"message {j} is an assistant message that follows no user (or tool) message"
         if role == "user" and last == "user":
             return f"messages {j - 1} and {j} are both user messages"
-        if role == "system" and j > 0:
+        if role == "system" and j > 1:
             return f"message {j} is a system message after the first"
         if role == "tool" and last not in ("assistant", "tool"):
             return f"message {j} is a tool message that follows no assistant message (a tool's result answers a call)"

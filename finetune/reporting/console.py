@@ -12,12 +12,14 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
+
+from finetune.reporting.wandb_run import finish
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,11 +44,17 @@ class _DropMessage(logging.Filter):
 # importing the library); every other message of those libraries still shows.
 #   torchao: its C++ extensions are built for another torch; nothing here uses them (they are CUDA/quantization ops).
 #   bitsandbytes: an optional 4-bit CPU GEMM kernel from the hub; the 8-bit optimizers never use it.
-#   lm-eval: we hand HFLM a loaded model on purpose (eval/harness.py), which is what this warns about.
+#   lm-eval: we hand HFLM a loaded model on purpose (eval/harness.py), which is what the first two warn about; the
+#     third, for any task that reads its data through a function (ours reads the local file, eval/truthfulqa.py),
+#     points to a `--metadata` flag of lm-eval's own command, which our eval command does not have nor need.
 KNOWN_NOISE = {
     "torchao": ("Skipping import of cpp extensions",),
     "bitsandbytes.backends.cpu.ops": ("pip install kernels",),
-    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",),
+    "lm_eval.models.huggingface": (
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model through `pretrained`",
+    ),
+    "lm_eval.api.task": ("Custom kwargs can be passed to `--metadata`",),
 }
 
 
@@ -117,6 +125,32 @@ def report_bad_input(e: BaseException, rank: int = 0) -> None:
         tqdm.write(line, file=sys.stderr)  # (on a line of its own, below any progress bar)
 
 
+def stop_at_ctrl_c(recipe, closing: Callable[[], str], show: bool = True, settle: bool = True) -> None:
+    """What a recipe does once Ctrl-C's KeyboardInterrupt reaches its ``recipe_main``, before it exits 130:
+
+    1. ``settle``: a checkpoint being written in the background is a good one, so it is finished and published (a
+       second Ctrl-C abandons it; the next start removes its temporary folder).
+    2. The metric logger is closed: wandb's run is finished now, recorded with exit code 130, and nothing is left to
+       the interpreter's shutdown (finish there could wait forever: wandb_run.close_at_exit says why). A second
+       Ctrl-C abandons that too.
+    3. Progress bars are closed, then ``show`` (rank 0): ``closing()``, the run's summary and the checkpoint to
+       continue from, printed last.
+    """
+    checkpointer = getattr(recipe, "_checkpointer", None)
+    if settle and checkpointer is not None and checkpointer.pending:
+        if show:
+            tqdm.write("\nCtrl-C: finishing the checkpoint being written in the background (Ctrl-C again abandons it)")
+        try:
+            checkpointer.settle()
+        except KeyboardInterrupt:
+            pass
+    finish(getattr(recipe, "_logger", None), exit_code=130)
+    for bar in list(getattr(tqdm, "_instances", ())):  # (else the epoch's bar, closed at exit, is drawn below them)
+        bar.close()
+    if show:
+        tqdm.write("\n" + closing())
+
+
 # ------------------------------------------------------------------------------------------------
 # --help
 # ------------------------------------------------------------------------------------------------
@@ -153,12 +187,21 @@ def config_path_of(argv: List[str]) -> Optional[str]:
 
 
 def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str], page: Optional[str] = None) -> Optional[str]:
-    """``--help`` / ``-h`` on a recipe's command line: its manual and every config key with its value in the
-    ``--config`` file; None when not asked for help. The recipe prints it and exits 0."""
+    """``--help`` / ``-h`` on a recipe's command line: the docstring's key index (each feature and the key behind
+    it), where the manual is, and every config key with its value in the ``--config`` file; ``--help=all``: the whole
+    manual (the docs page, some 600 lines) in place of the index. None when not asked for help. The recipe prints it
+    and exits 0."""
     args = argv[1:]
-    if not ("--help" in args or "-h" in args):
+    full = "--help=all" in args
+    if not (full or "--help" in args or "-h" in args):
         return None
-    lines = [manual(doc, page), ""]
+    path = REPO_ROOT / page if page else None
+    if full:
+        lines = [manual(doc, page), ""]
+    else:
+        lines = [doc.strip(), ""]
+        if path is not None and path.is_file():
+            lines += [f"The manual: {path} (--help=all prints it here).", ""]
     config_path = config_path_of(args)
     if config_path is None:
         lines.append("Give --config FILE (e.g. configs/tiny.yaml) with --help to list that config's keys and values.")
@@ -175,14 +218,14 @@ def recipe_help(doc: str, argv: List[str], known_keys: Iterable[str], page: Opti
         if unset:
             lines += [
                 "",
-                "Also read by this recipe, not set in this config (their defaults are in the manual above):",
+                "Also read by this recipe, not set in this config (their defaults are in the manual):",
                 "  " + ", ".join(unset),
             ]
     return "\n".join(lines)
 
 
 def print_help_if_asked(doc: str, known_keys: Iterable[str], page: Optional[str] = None) -> None:
-    """A recipe's ``__main__``: on ``--help`` / ``-h``, print recipe_help's manual and exit 0."""
+    """A recipe's ``__main__``: on ``--help`` / ``-h`` / ``--help=all``, print recipe_help's text and exit 0."""
     text = recipe_help(doc, sys.argv, known_keys, page)
     if text is not None:
         print(text)

@@ -131,7 +131,7 @@ def truncate_metrics(path: Path, step: int) -> int:
 
 class MetricsLog:
     """Every step's record to ``{output_dir}/metrics.jsonl`` (strict JSON) and the metric logger; a line on the
-    terminal for the first step of the process and every ``console_every`` steps.
+    terminal for the first step of the process, every ``console_every`` steps and every step that validated.
 
     A fresh run starts a fresh file; a resume keeps the records up to its checkpoint's step and appends, so each
     step is recorded once. Per-rank lists (the distributed recipe's) stay off the terminal line and go to the
@@ -155,7 +155,7 @@ class MetricsLog:
             )
 
     def write(self, record: Dict[str, Any]) -> None:
-        if "first_step_s" in record or record["step"] % self.console_every == 0:
+        if "first_step_s" in record or "val_loss" in record or record["step"] % self.console_every == 0:
             tqdm.write(
                 " | ".join(
                     f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}"
@@ -221,6 +221,7 @@ def summary_metrics(records: List[Dict[str, Any]]) -> Dict[str, Any]:
         first_step_s                 the run's first step, compilation included
         epoch_time_s                 the summed step times of the last epoch trained (checkpoint writes excluded)
         final_loss, skipped_steps    at the last step
+        val_loss                     the last validation's (with dataset_val)
     """
     if not records:
         return {"steps": 0}
@@ -239,6 +240,7 @@ def summary_metrics(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["epoch_time_s"] = float(sum(times)) if times and all(isinstance(t, (int, float)) for t in times) else None
     out["final_loss"] = last.get("loss")
     out["skipped_steps"] = last.get("skipped_steps")
+    out["val_loss"] = next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None)
     out["world_size"] = last.get("world_size")
     return {k: v for k, v in out.items() if v is not None}
 
@@ -266,6 +268,8 @@ def summary_sentence(numbers: Dict[str, Any]) -> str:
         parts.append(f"last epoch {numbers['epoch_time_s']:.1f} s")
     if numbers.get("final_loss") is not None:
         parts.append(f"final loss {numbers['final_loss']:.4f}")
+    if numbers.get("val_loss") is not None:
+        parts.append(f"validation loss {numbers['val_loss']:.4f}")
     parts.append(f"{numbers.get('skipped_steps', 0)} skipped step(s)")
     return "Summary: " + ", ".join(parts) + "."
 

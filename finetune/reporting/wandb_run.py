@@ -8,8 +8,10 @@ device otherwise), the variant, and ``packed`` / ``compiled`` / ``in-backward`` 
 ``.group`` and ``.tags`` override each. The same identity heads ``summary.json``, with or without a logger.
 """
 
+import atexit
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -127,8 +129,73 @@ def metric_logger(cfg: DictConfig, log, identity: Dict[str, Any]):
             # No key: log offline into {log_dir}/wandb/offline-run-*; `wandb sync DIR` uploads it later.
             cfg_logger.mode = "offline"
             log.info("wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)")
-    logger = config.instantiate(cfg_logger)
-    return logger, log_config(logger, cfg)
+    logger = config.instantiate(cfg_logger, **quiet_settings(cfg_logger))
+    if is_wandb(logger):
+        close_at_exit(logger)
+    run_dir = log_config(logger, cfg)
+    if run_dir is not None:
+        # wandb-core links the run's logs/debug-core.log to its own log in ~/.cache/wandb, by absolute path: a run
+        # folder moved to another machine (to upload it there) would carry a dangling link. When the logger closes,
+        # the link becomes a copy of what it showed, so the run folder is self-contained.
+        close = logger.close
+
+        def close_and_copy_core_log():
+            close()
+            link = run_dir / "logs" / "debug-core.log"
+            if link.is_symlink():
+                target = link.resolve()
+                link.unlink()
+                if target.is_file():
+                    shutil.copyfile(target, link)
+
+        logger.close = close_and_copy_core_log
+    return logger, run_dir
+
+
+def quiet_settings(cfg_logger) -> Dict[str, Any]:
+    """wandb.init's ``settings`` that keep wandb's own lines off the terminal: about 25 of them (its version, the
+    offline notice, the run's history and summary as sparklines, a sync hint) around the run, the last ones after our
+    closing lines. The run's summary already names the wandb folder and the upload command. Offline, wandb is silent;
+    online, quiet (the run's URL still shows). WANDB_SILENT or WANDB_QUIET in the environment, or
+    ``metric_logger.settings``, decide instead; errors raise either way. {} for another logger."""
+    if not cfg_logger._component_.endswith("WandBLogger") or "settings" in cfg_logger:
+        return {}
+    if os.environ.get("WANDB_SILENT") or os.environ.get("WANDB_QUIET"):
+        return {}
+    import wandb
+
+    offline = str(cfg_logger.get("mode", "")) in ("offline", "disabled")
+    return {"settings": wandb.Settings(**({"silent": True} if offline else {"quiet": True}))}
+
+
+def close_at_exit(logger) -> None:
+    """Close ``logger`` (finish its wandb run) when the process exits, before wandb's own exit hook stops its
+    service: atexit runs the hooks registered last first, and wandb registered its hook in wandb.init.
+
+    Why. Without this, a run that ended other than through the recipe's cleanup (Ctrl-C, a bad input found mid-run,
+    an out-of-memory error) was finished by torchtune's ``WandBLogger.__del__``, whenever the logger was freed. The
+    recipe holds it in reference cycles, so that was often during the interpreter's final garbage collection, after
+    wandb's hook had stopped its service: ``wandb.finish()`` then waited forever for an answer (the process printed
+    its closing lines and hung, threads in futex waits, until a second Ctrl-C). A closed logger's ``__del__`` does
+    nothing. Closing twice is harmless (``close`` finishes only a run still active)."""
+    atexit.register(finish, logger)
+
+
+def finish(logger, exit_code: Optional[int] = None) -> None:
+    """Close the metric logger now: for wandb, finish its run (``exit_code`` recorded as the run's, 130 for Ctrl-C;
+    None: wandb's own record of the process's exit). A Ctrl-C during it (a user who does not want to wait for wandb)
+    abandons it: the run folder keeps what was logged, as after a crash. No-op without a logger or once closed."""
+    if logger is None:
+        return
+    try:
+        if is_wandb(logger) and exit_code is not None:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.run.finish(exit_code=exit_code)
+        logger.close()
+    except KeyboardInterrupt:
+        pass
 
 
 def wandb_run_info(logger) -> Optional[Dict[str, Any]]:

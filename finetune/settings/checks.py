@@ -86,6 +86,29 @@ def check_component_keys(cfg: DictConfig) -> None:
             )
 
 
+# torchtune's tokenizer builders that read ``path`` with SentencePiece (their packages: models/<family>/).
+SENTENCEPIECE_FAMILIES = ("llama2", "mistral", "gemma", "phi3")
+
+
+def check_sentencepiece_file(cfg: DictConfig) -> None:
+    """A ``tokenizer.path`` that one of torchtune's SentencePiece tokenizers cannot read (a damaged download, an HTML
+    page saved as tokenizer.model) is one error naming the file, not SentencePiece's traceback from inside the
+    builder. Loading the file takes milliseconds; other tokenizers check their own files when built."""
+    component, path = OmegaConf.select(cfg, "tokenizer._component_"), OmegaConf.select(cfg, "tokenizer.path")
+    parts = str(component).split(".")
+    if not path or len(parts) < 4 or parts[:2] != ["torchtune", "models"] or parts[2] not in SENTENCEPIECE_FAMILIES:
+        return
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as e:  # (a RuntimeError, "could not parse ModelProto")
+        raise BadInput(
+            f"tokenizer.path={path} is not a SentencePiece model, which {component} reads ({first_line(e)}); "
+            "use the model's own tokenizer.model (download it again if it was cut short)"
+        ) from None
+
+
 # ------------------------------------------------------------------------------------------------
 # numbers: one vocabulary
 # ------------------------------------------------------------------------------------------------
@@ -104,16 +127,21 @@ def number(
     high: Optional[float] = None,
     why_high: str = "",
 ):
-    """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: a whole one)
-    above ``low`` (``>= low`` when not ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not
-    numbers."""
+    """``cfg[key]`` (a dotted path; ``default`` when absent) checked as a finite number (``integer``: an int, not a
+    float such as ``4.0`` or ``1e12``, which a component would be given as it is) above ``low`` (``>= low`` when not
+    ``strict``) and at most ``high``, or None when ``allow_none``. Booleans are not numbers."""
     value = OmegaConf.select(cfg, key, default=default)
     if value is None and allow_none:
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if strict else value >= low) and (not integer or float(value).is_integer())
     if ok and high is not None and value > high:
-        raise BadInput(f"{key}={value!r} must be at most {high:g} ({why_high}); set e.g. {key}={example}")
+        limit = str(int(high)) if float(high).is_integer() else f"{high:g}"
+        raise BadInput(f"{key}={value!r} must be at most {limit} ({why_high}); set e.g. {key}={example}")
+    ok = ok and (value > low if strict else value >= low)
+    if ok and integer and isinstance(value, float):
+        if value.is_integer():  # (4.0, 1e3: YAML reads a decimal point or an exponent as a float)
+            raise BadInput(f"{key}={value!r} must be an integer, not a float: write it as {key}={int(value)}")
+        ok = False
     if not ok:
         if integer:
             rule = {(0, True): "a positive integer", (0, False): "a non-negative integer"}.get(

@@ -13,41 +13,51 @@ from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
 LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
 
 
+def _fix_for(cfg: DictConfig, section: str, key: str, what: str) -> str:
+    """The fix for a missing file: name the key the user actually sets (the folder the path is built from, if any)."""
+    node = cfg.get(section)
+    raw = str(OmegaConf.to_container(node, resolve=False).get(key, "")) if OmegaConf.is_dict(node) else ""
+    if "${data_dir}" in raw:
+        return f"set data_dir=DIR (the folder holding {what}, e.g. ../shared/data)"
+    if "${checkpoint_dir}" in raw:
+        return f"set checkpoint_dir=DIR (the HF model folder, which holds {Path(raw).name})"
+    return f"set {section}.{key}=FILE"
+
+
+def dataset_files(cfg: DictConfig, section: str, node: DictConfig) -> list:
+    """The local files a dataset section (``node``, the config's ``section``: dataset or dataset_val) reads, each
+    checked to exist; [] for a hub dataset."""
+    source = node.get("source")
+    if source not in LOCAL_DATASET_SOURCES:
+        return []
+    files = node.get("data_files")
+    if files is None:
+        raise BadInput(f"{section}.source={source} needs {section}.data_files=FILE")
+    if isinstance(files, str):
+        files = [files]
+    elif OmegaConf.is_dict(files):
+        files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
+    data_files = [str(f) for f in files]
+    for f in data_files:
+        if not Path(f).is_file():
+            raise BadInput(
+                f"{section}.data_files={f} does not exist; "
+                + _fix_for(cfg, section, "data_files", "alpaca/alpaca_data.json")
+                + f", or take Alpaca from the hub with {section}.source=tatsu-lab/alpaca ~{section}.data_files"
+            )
+    return data_files
+
+
 def check_paths(cfg: DictConfig) -> dict:
     """The tokenizer file, the dataset's local files, checkpoint_dir and resume_from_checkpoint exist and look right."""
-
-    def fix_for(section: str, key: str, what: str) -> str:
-        # Name the key the user actually sets: the folder the path is built from, if any.
-        raw = str(OmegaConf.to_container(cfg[section], resolve=False).get(key, ""))
-        if "${data_dir}" in raw:
-            return f"set data_dir=DIR (the folder holding {what}, e.g. ../shared/data)"
-        if "${checkpoint_dir}" in raw:
-            return f"set checkpoint_dir=DIR (the HF model folder, which holds {Path(raw).name})"
-        return f"set {section}.{key}=FILE"
 
     tok = Path(cfg.tokenizer.path)
     if not tok.is_file():
         raise BadInput(
-            f"tokenizer.path={tok} does not exist; " + fix_for("tokenizer", "path", "llama2_tokenizer/tokenizer.model")
+            f"tokenizer.path={tok} does not exist; "
+            + _fix_for(cfg, "tokenizer", "path", "llama2_tokenizer/tokenizer.model")
         )
-
-    source, data_files = cfg.dataset.get("source"), []
-    if source in LOCAL_DATASET_SOURCES:
-        files = cfg.dataset.get("data_files")
-        if files is None:
-            raise BadInput(f"dataset.source={source} needs dataset.data_files=FILE")
-        if isinstance(files, str):
-            files = [files]
-        elif OmegaConf.is_dict(files):
-            files = [f for v in files.values() for f in ([v] if isinstance(v, str) else v)]
-        data_files = [str(f) for f in files]
-        for f in data_files:
-            if not Path(f).is_file():
-                raise BadInput(
-                    f"dataset.data_files={f} does not exist; "
-                    + fix_for("dataset", "data_files", "alpaca/alpaca_data.json")
-                    + ", or take Alpaca from the hub with dataset.source=tatsu-lab/alpaca ~dataset.data_files"
-                )
+    data_files = dataset_files(cfg, "dataset", cfg.dataset)
 
     ckpt = cfg.get("checkpoint_dir")
     checkpoint_dir = Path(ckpt) if ckpt else None

@@ -6,7 +6,7 @@ number vocabulary is in checks.py, the machine-dependent keys in hardware.py, th
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -19,9 +19,9 @@ from finetune.checkpoint import hf_format
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 from finetune.data import packing
 from finetune.optimizer import OptimizerSpec, resolve_optimizer
-from finetune.settings.checks import check_component_keys, check_config_keys, flag, number
+from finetune.settings.checks import check_component_keys, check_config_keys, check_sentencepiece_file, flag, number
 from finetune.settings.hardware import read_fp8, read_packed_attention
-from finetune.settings.paths import check_paths
+from finetune.settings.paths import check_paths, dataset_files
 
 # Every top-level key the fine-tune recipes read (unknown ones are refused, with the closest of these suggested).
 KNOWN_CONFIG_KEYS = (
@@ -62,19 +62,24 @@ KNOWN_CONFIG_KEYS = (
     "fp8",
     "profiler",
     "packed_attention",
+    "dataset_val",
+    "run_val_every_n_steps",
+    "batch_size_val",
 )
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
 MAX_LR = 1.0
-# The model's sizes, each a positive integer when the config sets it.
+# The model's sizes, each a positive integer when the config sets it: an example, and a bound far above any released
+# model's (Llama 3.1 405B: 126 layers, width 16384, 128 heads, 53248 hidden; vocabularies to 262144; Llama 4 Scout:
+# 10M tokens of context) and far below what breaks the build (max_seq_len=1e12 asks for a 4 TB RoPE cache).
 MODEL_SIZES = {
-    "model.num_layers": 2,
-    "model.embed_dim": 128,
-    "model.num_heads": 4,
-    "model.num_kv_heads": 4,
-    "model.vocab_size": 32000,
-    "model.max_seq_len": 512,
-    "model.intermediate_dim": 512,
+    "model.num_layers": (2, 1024),
+    "model.embed_dim": (128, 2**16),
+    "model.num_heads": (4, 1024),
+    "model.num_kv_heads": (4, 1024),
+    "model.vocab_size": (32000, 2**22),
+    "model.max_seq_len": (512, 2**24),
+    "model.intermediate_dim": (512, 2**18),
 }
 
 AC_MODES = ("full", "selective")
@@ -129,6 +134,13 @@ class Settings:
     model: Any = None  # the model section the recipes instantiate (resolve_model)
     family: str = hf_format.DEFAULT_FAMILY  # its hf_format.FAMILIES key
     model_note: Optional[str] = None  # the line the recipes log when the model is the folder's
+    # Validation (finetune/validation.py): the dataset_val section as built (dataset's keys under its own when it
+    # names no _component_), None = no validation; every N steps (None: at the end of each epoch only).
+    dataset_val: Optional[DictConfig] = None
+    val_every: Optional[int] = None
+    batch_size_val: Optional[int] = None
+    val_packed: bool = False
+    val_data_files: List[str] = field(default_factory=list)
 
 
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
@@ -196,9 +208,10 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         ("lr_scheduler.num_warmup_steps", False),
     ):
         number(cfg, key, integer=False, low=0, strict=strict, allow_none=True)
-    for key, example in MODEL_SIZES.items():  # (in a config that builds the model from its sizes, as the tiny one)
+    for key, (example, high) in MODEL_SIZES.items():  # (in a config that builds the model from its sizes, as tiny)
         if OmegaConf.select(cfg, key) is not None:
-            number(cfg, key, integer=True, low=0, strict=True, example=example)
+            why = "larger than any model's; the model's buffers would be built at this size"
+            number(cfg, key, integer=True, low=0, strict=True, example=example, high=high, why_high=why)
     heads, kv_heads, width = (
         OmegaConf.select(cfg, k) for k in ("model.num_heads", "model.num_kv_heads", "model.embed_dim")
     )
@@ -290,6 +303,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             )
 
     paths = check_paths(cfg)
+    check_sentencepiece_file(cfg)  # (after check_paths: the file exists)
+    validation = read_validation(cfg, batch_size, packed_attention)
     if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
         raise BadInput(
             f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
@@ -305,7 +320,9 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         ]
         doomed = inputs_overwrite_would_delete(
             output_dir,
-            [(k, p) for k, p in inputs if p is not None] + [("dataset.data_files", f) for f in paths["data_files"]],
+            [(k, p) for k, p in inputs if p is not None]
+            + [("dataset.data_files", f) for f in paths["data_files"]]
+            + [("dataset_val.data_files", f) for f in validation.get("val_data_files", [])],
         )
         if doomed is not None:
             key, path, result = doomed
@@ -352,6 +369,52 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         model=model,
         family=family,
         model_note=model_note,
+        **validation,
+    )
+
+
+def read_validation(cfg: DictConfig, batch_size: int, packed_attention: str) -> dict:
+    """``dataset_val``, ``run_val_every_n_steps`` and ``batch_size_val`` as Settings fields ({} without dataset_val).
+
+    ``dataset_val`` is a dataset section built as ``dataset`` is, with the same tokenizer. One that names no
+    ``_component_`` takes dataset's keys under its own (``dataset_val.data_files=val.json`` is a held-out file of the
+    same format); one that names a component stands alone."""
+    section = cfg.get("dataset_val")
+    if section is None:
+        for key in ("run_val_every_n_steps", "batch_size_val"):
+            if cfg.get(key) is not None:
+                raise BadInput(
+                    f"{key}={cfg.get(key)!r} needs a validation set; set dataset_val (e.g. "
+                    f"dataset_val.data_files=FILE: a file of the training data's format), or remove it with ~{key}"
+                )
+        return {}
+    if not OmegaConf.is_dict(section):
+        raise BadInput(
+            f"dataset_val={section!r} must be a dataset section like dataset's; set e.g. "
+            "dataset_val.data_files=FILE (the rest is taken from dataset), or dataset_val=null for no validation"
+        )
+    own = OmegaConf.to_container(section, resolve=True)  # (resolved here: ${data_dir} needs the whole config)
+    section = OmegaConf.create(
+        own if own.get("_component_") else {**OmegaConf.to_container(cfg.dataset, resolve=True), **own}
+    )
+    packed = section.get("packed", False)
+    if packed not in (True, False):
+        raise BadInput(f"dataset_val.packed={packed!r} must be True or False")
+    if packed_attention == "varlen" and not packed:
+        raise BadInput(
+            "packed_attention=varlen points the attention at packed rows only, and dataset_val is not packed; set "
+            "dataset_val.packed=True, or packed_attention=flex"
+        )
+    every = number(cfg, "run_val_every_n_steps", integer=True, low=0, strict=True, allow_none=True, example=100)
+    size = batch_size  # (null: batch_size)
+    if cfg.get("batch_size_val") is not None:
+        size = number(cfg, "batch_size_val", integer=True, low=0, strict=True, example=batch_size)
+    return dict(
+        dataset_val=section,
+        val_every=every,
+        batch_size_val=size,
+        val_packed=packed,
+        val_data_files=dataset_files(cfg, "dataset_val", section),
     )
 
 

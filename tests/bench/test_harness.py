@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, ThrowawayAdamW, recipe_env
+from conftest import (
+    DATA_DIR,
+    FAST,
+    HANG_GUARD_S,
+    REPO_ROOT,
+    THROWAWAY_COMPONENT,
+    THROWAWAY_KEY,
+    ThrowawayAdamW,
+    recipe_env,
+)
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness  # noqa: E402
@@ -96,7 +105,6 @@ def test_every_benchmark_refuses_a_dirty_tree(repo, script):
         cwd=repo,
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -229,7 +237,7 @@ def pipeline_result(tmp_path_factory):
             "2",
             "--no-eval",
             "--timeout",
-            "300",
+            str(HANG_GUARD_S),  # (the harness's own limit per row: a run that should finish)
             "--out",
             str(out),
             "--allow-dirty",
@@ -239,7 +247,6 @@ def pipeline_result(tmp_path_factory):
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -293,7 +300,6 @@ def test_checkpoint_bench_toy_rows(tmp_path):
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -349,7 +355,6 @@ def test_loss_parity_width2048_smoke(tmp_path):
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

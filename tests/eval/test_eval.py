@@ -355,10 +355,13 @@ def test_bad_input_exit_status_from_the_command_line(tiny_checkpoint):
 
 
 def test_recipe_checkpoint_evaluates(tmp_path):
-    from conftest import run_recipe  # tests/conftest.py: the tiny config made smaller still, no wandb
+    """The fine-tune recipe's checkpoint evaluates; the scores go to its wandb run (offline), and the eval's closing
+    lines name the one upload that keeps them merged with the training run: the run folder's wandb/, both runs'
+    files together (docs/wandb.md), not wandb's own hint, the eval's offline-run folder alone."""
+    from conftest import run_recipe  # tests/conftest.py: the tiny config made smaller still
 
     run_dir = tmp_path / "tiny"
-    train = run_recipe(run_dir, "max_steps_per_epoch=2")
+    train = run_recipe(run_dir, "max_steps_per_epoch=2", wandb=True)
     assert train.ok, train.stderr[-3000:]
     (checkpoint,) = run_dir.glob("epoch_0")  # CONVENTIONS.md: {output_dir}/epoch_{E}/, HF format
 
@@ -373,10 +376,17 @@ def test_recipe_checkpoint_evaluates(tmp_path):
         "limit=4",
         "device=cpu",
     ]
-    proc = subprocess.run(evaluate, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
+    env = {k: v for k, v in _tune_env().items() if k not in ("WANDB_SILENT", "WANDB_QUIET")}  # wandb as a user has it
+    proc = subprocess.run(evaluate, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # lm-eval's warning about the loaded model we hand HFLM on purpose is filtered (finetune/reporting/console.py, KNOWN_NOISE)
-    assert "`pretrained` model kwarg is not of type" not in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    # lm-eval's warnings about the loaded model we hand HFLM on purpose, and its pointer to a `--metadata` flag our
+    # command does not have, are filtered (finetune/reporting/console.py, KNOWN_NOISE)
+    assert "`pretrained` model kwarg is not of type" not in output and "--metadata" not in output, output[-3000:]
+    assert "already-initialized model" not in output, output[-3000:]
+    syncs = [line for line in output.splitlines() if "wandb sync" in line]
+    assert len(syncs) == 1 and syncs[0].endswith(f"upload it with the training run: `wandb sync {run_dir / 'wandb'}`")
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # the training run's folder and the eval's
     (results_file,) = (run_dir / "eval" / "epoch_0").glob("results_*.json")  # the default output_dir
     score = json.loads(results_file.read_text())["results"][TASK_NAME]["acc,none"]
     assert 0.0 < score < 1.0

@@ -115,7 +115,6 @@ def runs(tmp_path_factory, folders):
         env=recipe_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
-        timeout=1200,
     )
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), (
         proc.stdout + proc.stderr
@@ -198,7 +197,6 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]

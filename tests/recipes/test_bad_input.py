@@ -79,6 +79,17 @@ CASES = [
         lambda t: ["optimizer=torch.optim.NoSuchAdam"],
         ["optimizer=torch.optim.NoSuchAdam cannot be imported", "torch.optim.AdamW"],
     ),
+    # A misspelled class: the close name it most likely meant, in our registry, torch.optim or the module named
+    (
+        "misspelled-optimizer",
+        lambda t: ["optimizer=optimizers.AdamW8bti"],
+        ["optimizer=optimizers.AdamW8bti cannot be imported; did you mean optimizer=optimizers.AdamW8bit?"],
+    ),
+    (
+        "misspelled-torch-optimizer",
+        lambda t: ["optimizer=torch.optim.AdamWW"],
+        ["optimizer=torch.optim.AdamWW cannot be imported; did you mean optimizer=torch.optim.AdamW?"],
+    ),
     (
         "optimizer-not-a-module",
         lambda t: ["optimizer=nosuchpackage.AdamW"],
@@ -107,7 +118,7 @@ CASES = [
     (
         "record-without-output",
         lambda t: [f"dataset.data_files={t / 'no_output.json'}"],
-        ["record 1 of", "has no 'output'"],
+        ["record 2 of {t}/no_output.json (counting from 1) has no 'output'"],
     ),
     (
         "records-without-instruction",
@@ -150,6 +161,32 @@ CASES = [
         ["optimizer_in_bwd=True cannot clip gradients", "clip_grad_norm=null"],
     ),
     ("bad-dtype", lambda t: ["dtype=fp16"], ["dtype='fp16' is not supported"]),
+    # A file where the tokenizer should be that SentencePiece cannot read (a cut-short download)
+    (
+        "garbage-tokenizer",
+        lambda t: [f"tokenizer.path={t}/garbage/tokenizer.model"],
+        ["tokenizer.path={t}/garbage/tokenizer.model is not a SentencePiece model", "could not parse ModelProto"],
+    ),
+    # Sizes: 1e12 is a float (given to the model builder as it is) and far beyond any model's
+    (
+        "absurd-max-seq-len",
+        lambda t: ["model.max_seq_len=1e12"],
+        ["model.max_seq_len=1000000000000.0 must be at most 16777216", "set e.g. model.max_seq_len=512"],
+    ),
+    (
+        "float-max-seq-len",
+        lambda t: ["model.max_seq_len=512.0"],
+        ["model.max_seq_len=512.0 must be an integer, not a float: write it as model.max_seq_len=512"],
+    ),
+    # The command line itself: an override typed with a space for its '=', one with two, an unknown flag
+    (
+        "override-without-equals",
+        lambda t: ["batch_size", "4"],
+        ["the override 'batch_size' has no '='", "batch_size=4"],
+    ),
+    ("override-with-two-equals", lambda t: ["seed=1=2"], ["the override 'seed=1=2' holds more than one '='"]),
+    ("removing-an-absent-key", lambda t: ["~no_such_key"], ["~no_such_key removes a key the config does not have"]),
+    ("unknown-flag", lambda t: ["--no-such-flag"], ["--no-such-flag is not a flag of the recipe"]),
     # torchao's CPU offload copies gradients out during backward: clipping afterwards would not reach them.
     (
         "offload-with-clipping",
@@ -171,7 +208,7 @@ CASES = [
 ]
 
 
-CLI_CASES = ("unknown-optimizer", "missing-data-file", "zero-lr")
+CLI_CASES = ("unknown-optimizer", "missing-data-file", "zero-lr", "override-without-equals")
 
 
 @pytest.mark.parametrize(
@@ -184,12 +221,14 @@ def test_bad_input_stops_before_training(
     (tmp_path / "bad.json").write_text('[{"instruction": "a", "output": "b"}, {"instruction": ')
     write_json(tmp_path / "no_output.json", [GOOD, {"instruction": "Say bye.", "input": ""}, GOOD])
     write_json(tmp_path / "no_instruction.json", [{"input": "", "output": "x"}] * 3)
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "tokenizer.model").write_bytes(b"<html>Not Found</html>\n" * 40)
     before = snapshot(out_with_checkpoint)
     if "device=cuda" in make_overrides(tmp_path) and torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: device=cuda is not bad input here")
 
     if via_cli:
-        run = run_recipe(out_with_checkpoint, *make_overrides(tmp_path), timeout=300)
+        run = run_recipe(out_with_checkpoint, *make_overrides(tmp_path))
     else:
         run = run_in_process(out_with_checkpoint, *make_overrides(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
 
@@ -209,7 +248,66 @@ def test_unwritable_output_dir(tmp_path):
     # stop root, and tests may run as root).
     blocker = tmp_path / "file"
     blocker.write_text("")
-    run = run_recipe(blocker / "out", timeout=300)
+    run = run_recipe(blocker / "out")
     assert run.returncode == 2, run.stderr[-3000:]
     assert f"error: output_dir={blocker / 'out'} is not writable" in run.stderr
     assert "set output_dir=DIR" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("batch_size: [1\nseed: 2\n", "is not valid YAML: did not find expected ',' or ']' at line 2, column 5"),
+        ("- batch_size: 1\n", "is not a config of key: value lines"),
+    ],
+    ids=["syntax", "a-list"],
+)
+def test_a_config_file_that_is_not_yaml_of_keys_is_one_error(tmp_path, text, words, capsys, monkeypatch):
+    config = tmp_path / "mine.yaml"
+    config.write_text(text)
+    from recipes.full_finetune_single_device import recipe_main
+
+    monkeypatch.setattr(sys, "argv", [RECIPE, "--config", str(config), f"output_dir={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit) as stop:
+        recipe_main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    (error,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert error.startswith(f"error: --config {config} {words}"), error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_state_file_edited_to_name_another_optimizer_is_one_error(tmp_path, capsys, monkeypatch):
+    """An optimizers.AdamW8bit checkpoint whose recipe_state.pt was edited to record torch.optim.AdamW: torch's
+    AdamW would load the 8-bit codes and fail at the first step with a shape error. One line names the writer."""
+    trained = tmp_path / "trained"
+    run = run_in_process(
+        trained,
+        "optimizer=optimizers.AdamW8bit",
+        "max_steps_per_epoch=4",
+        "save_every_n_steps=2",
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    assert not run.returncode, run.stderr[-3000:]  # (sys.exit(None): done)
+    state_file = trained / "step_2" / "recipe_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    state["config"]["optimizer"] = "torch.optim.AdamW"
+    torch.save(state, state_file)
+    run = run_in_process(
+        tmp_path / "out",
+        "optimizer=torch.optim.AdamW",
+        "max_steps_per_epoch=4",
+        f"resume_from_checkpoint={trained / 'step_2'}",
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: the optimizer state in {state_file} was written by optimizers.AdamW8bit (state format '8bit.v3'), "
+        "which torch.optim.AdamW cannot load (was the file's recorded optimizer edited?); resume with "
+        "optimizer=optimizers.AdamW8bit, or start a new run from its weights with checkpoint_dir=... and no "
+        "resume_from_checkpoint"
+    ]
+    assert "step 3 |" not in run.stdout

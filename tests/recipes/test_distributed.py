@@ -45,6 +45,7 @@ import torch
 from conftest import (
     DATA_DIR,
     FAST,
+    HANG_GUARD_S,
     REPO_ROOT,
     TINY_CONFIG,
     RecipeRun,
@@ -325,7 +326,7 @@ def test_signal_on_one_rank_and_a_nonfinite_step_stop_both_at_one_boundary(tmp_p
         "loss._component_=faults.NaNCrossEntropy",
         "loss.nan_at=[2]",
         env=faults,
-        timeout=240,
+        timeout=HANG_GUARD_S,  # (a deadlock of the ranks is what is tested)
     )
     assert run.ok, run.stderr[-4000:]
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
@@ -350,7 +351,7 @@ def test_a_failed_write_on_one_rank_is_one_error_on_all_and_keeps_the_last_check
         "optimizer.enospc_in=step_4",
         "save_every_n_steps=2",
         env=faults,
-        timeout=240,
+        timeout=HANG_GUARD_S,  # (a deadlock of the ranks is what is tested)
     )
     assert run.returncode != 0, run.stderr[-4000:]
     assert run.error.startswith(f"error: no space left on the disk of {tmp_path / 'out'} while writing step_4")
@@ -365,7 +366,7 @@ def test_a_live_lock_stops_every_rank_with_one_line(tmp_path):
         out = tmp_path / "out"
         out.mkdir()
         (out / ".lock").write_text(json.dumps({"pid": holder.pid}))
-        run = run_distributed(out, timeout=240)
+        run = run_distributed(out, timeout=HANG_GUARD_S)
     finally:
         holder.kill()
         holder.wait()
@@ -430,11 +431,11 @@ def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(
         f"optimizer.save_s={save_s}",
     ]
     proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_GUARD_S
     while not read_metrics(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=300)
+    stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)  # (its exit after the signal is tested)
     left = processes_with(marker)
     for pid in left:
         os.kill(pid, signal.SIGKILL)

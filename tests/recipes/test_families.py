@@ -204,7 +204,6 @@ def runs(tmp_path_factory, sources):
         env=recipe_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
-        timeout=900,
     )
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), (
         proc.stdout + proc.stderr

@@ -1,7 +1,8 @@
 """Ctrl-C and the compile cache: what a newcomer meets after the tests.
 
 Ctrl-C (SIGINT) stops a run at once, as a user expects, and says where it stands: the summary, the last checkpoint
-to resume from, and the shell's 130. (SIGTERM, the scheduler's signal, saves first: test_reliability.py.)
+to resume from, and the shell's 130. (SIGTERM, the scheduler's signal, saves first: test_reliability.py; both end the
+process, here.)
 """
 
 import os
@@ -26,33 +27,68 @@ from conftest import (
 )
 from finetune.stops import StopSignal
 
+# How long a test waits for a signalled run to exit before it calls it a hang. Generous on purpose: a loaded 2-core
+# machine must not turn slowness into a failure (the run exits in a few seconds; the failure message says how many).
+EXIT_WAIT_S = 120
 
-def test_ctrl_c_sums_up_names_the_checkpoint_to_resume_from_and_exits_130(tmp_path):
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_pid_stops_the_run_and_the_process_exits(tmp_path, sig):
+    """The signal a script or a scheduler sends: to the recipe's PID only (not its process group), with wandb on and
+    a checkpoint written in the background every 2 steps. SIGINT (Ctrl-C) stops at once and exits 130; SIGTERM
+    saves at the next step boundary and exits 0. Either way the process ends, with our closing line last and none of
+    wandb's own lines. (SIGINT
+    used to print its closing lines and hang: torchtune's WandBLogger.__del__ finished the wandb run during the
+    interpreter's final garbage collection, after wandb's exit hook had stopped its service, and waited forever.)"""
     out = tmp_path / "out"
+    env = recipe_env()
+    env.pop("WANDB_SILENT")  # (the tests silence wandb; here the run's own settings must)
     proc = subprocess.Popen(
-        recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60"),
+        recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60", wandb=True),
         cwd=REPO_ROOT,
-        env=recipe_env(),
+        env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # one stream: the order of wandb's lines and ours is what is checked
         text=True,
         preexec_fn=ctrl_c_as_in_a_shell,
     )
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline and not any(m["step"] >= 3 for m in read_metrics(out)):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 130, stderr[-3000:]
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
-    summary = stdout.strip().splitlines()[-1]
-    assert summary.startswith("Run stopped by Ctrl-C: trained steps 1-"), summary
+    # After step 4, once its checkpoint is being written (often still in the background when the signal comes).
+    while proc.poll() is None and not ((out / "step_4").is_dir() or list(out.glob(".tmp-step_4-*"))):
+        time.sleep(0.02)
+    sent = time.monotonic()
+    os.kill(proc.pid, sig)
+    try:
+        output, _ = proc.communicate(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"still running {EXIT_WAIT_S} s after {sig.name} to its PID:\n{output[-3000:]}")
+    seconds = time.monotonic() - sent
+    trained = max(m["step"] for m in read_metrics(out))
+    last_line = output.strip().splitlines()[-1]
+    exited = f"exit status {proc.returncode}, {seconds:.1f} s after {sig.name}; last line: {last_line}"
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    # wandb's own ~25 lines (its banner, the history's sparklines, a sync hint) are not printed: only ours.
+    assert [line for line in output.splitlines() if line.startswith("wandb")] == [
+        "wandb: no WANDB_API_KEY, logging offline (upload later with `wandb sync`)"
+    ], output[-3000:]
     latest = max(out.glob("step_*"), key=lambda p: int(p.name[5:]))
-    assert summary.endswith(f"Continue with resume_from_checkpoint={latest}."), summary
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, exited
+        assert last_line.startswith(f"Run stopped by Ctrl-C: trained steps 1-{trained} "), exited
+        # step_4 was being written when the signal came, or had been: published either way, and named.
+        assert int(latest.name[5:]) >= 4 and last_line.endswith(f"Continue with resume_from_checkpoint={latest}."), (
+            exited
+        )
+    else:
+        assert proc.returncode == 0, exited
+        assert last_line.startswith(f"Run stopped by SIGTERM: trained steps 1-{trained} "), exited
+        assert latest.name == f"step_{trained}", exited  # the stop's own checkpoint
     # The checkpoint is whole, and nothing half-written is left beside it.
     state = torch.load(latest / "recipe_state.pt", weights_only=True)
     assert state["global_step"] == int(latest.name[5:]) and load_file(latest / "model.safetensors")
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+    assert list((out / "wandb").glob("offline-run-*/*.wandb")), "no wandb run"
 
 
 class _Thing:

@@ -57,7 +57,6 @@ def test_a_bad_input_under_torchrun_is_one_line_last_with_exit_2(tmp_path):
         env=recipe_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-4000:]
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: " in line]

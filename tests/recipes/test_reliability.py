@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from conftest import (
     DATA_DIR,
+    HANG_GUARD_S,
     LOCK_HOLDER,
     REPO_ROOT,
     RecipeRun,
@@ -306,8 +307,11 @@ GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi."}
 @pytest.mark.parametrize(
     "bad, words",
     [
-        ({"instruction": "a", "input": "", "output": True}, "record 1 of {f}: field 'output' is True"),
-        ({"instruction": 7, "input": "", "output": "x"}, "record 1 of {f}: field 'instruction' is 7"),
+        (
+            {"instruction": "a", "input": "", "output": True},
+            "record 2 of {f} (counting from 1): field 'output' is True",
+        ),
+        ({"instruction": 7, "input": "", "output": "x"}, "record 2 of {f} (counting from 1): field 'instruction' is 7"),
     ],
 )
 def test_non_string_fields_are_refused(run, tmp_path, bad, words):
@@ -376,7 +380,6 @@ def _tmpfs_mount_works(where: Path) -> str:
         ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs "$0"', str(where)],
         capture_output=True,
         text=True,
-        timeout=60,
     )
     return (
         ""
@@ -406,7 +409,6 @@ def test_real_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     run = RecipeRun(proc.returncode, proc.stdout, proc.stderr, kept, read_metrics(kept))
@@ -460,13 +462,13 @@ def test_sigterm_saves_a_checkpoint_and_resume_gives_the_uninterrupted_losses(ba
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + HANG_GUARD_S
     while proc.poll() is None and time.monotonic() < deadline:
         if any(m["step"] >= 2 for m in read_metrics(out)):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)  # (its exit after SIGTERM is tested)
     assert proc.returncode == 0, err[-3000:]
     steps = sorted(int(p.name[5:]) for p in out.glob("step_*"))
     assert len(steps) == 1 and 2 <= steps[0] < 6, steps

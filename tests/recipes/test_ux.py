@@ -1,6 +1,7 @@
 """The recipe as a newcomer meets it: the manual's resume commands (docs/recipes.md) run as written, `--help` lists
 the config keys, known third-party noise is filtered by message, and a run ends with a summary."""
 
+import ast
 import logging
 import re
 import runpy
@@ -64,7 +65,6 @@ def test_manual_resume_commands_run_as_written(tmp_path):
             env=recipe_env(),
             capture_output=True,
             text=True,
-            timeout=600,
         )
         assert proc.returncode == 0, (block[0], proc.stderr[-3000:])
         outputs.append(proc)
@@ -105,16 +105,28 @@ def flat_config(path):
     return dict(walk(OmegaConf.to_container(OmegaConf.load(REPO_ROOT / path), resolve=False)))
 
 
-@pytest.mark.parametrize("recipe, config", RECIPES, ids=[r.split("/")[1] for r, _ in RECIPES])
-def test_help_prints_the_manual_and_every_config_key(recipe, config, capsys, monkeypatch):
+def recipe_help_text(recipe, config, flag, monkeypatch, capsys) -> str:
     """`--help` runs the recipe file as `tune run` does (its __main__ block), here in this process."""
     monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.setattr(sys, "argv", [recipe, "--config", config, "--help"])
+    monkeypatch.setattr(sys, "argv", [recipe, "--config", config, flag])
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(str(REPO_ROOT / recipe), run_name="__main__")
     assert stop.value.code == 0
-    out = capsys.readouterr().out
-    assert "Features (each behind" in out
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe, config", RECIPES, ids=[r.split("/")[1] for r, _ in RECIPES])
+def test_help_prints_the_key_index_the_manuals_path_and_every_config_key(recipe, config, capsys, monkeypatch):
+    """`--help`: the recipe's key index (its docstring), where its manual is, and the config's keys; the ~600-line
+    manual itself only with `--help=all`."""
+    out = recipe_help_text(recipe, config, "--help", monkeypatch, capsys)
+    doc = ast.get_docstring(ast.parse((REPO_ROOT / recipe).read_text()))
+    assert out.startswith(doc.strip())
+    if "finetune" in recipe:
+        assert f"The manual: {REPO_ROOT / MANUAL} (--help=all prints it here)." in out
+        assert "## Features (each behind" not in out and len(out.splitlines()) < 200
+        full = recipe_help_text(recipe, config, "--help=all", monkeypatch, capsys)
+        assert full.startswith((REPO_ROOT / MANUAL).read_text().rstrip()) and "## Features (each behind" in full
     lines = out.splitlines()
     yaml = {None: "null", True: "true", False: "false"}
     for key, value in flat_config(config).items():
@@ -131,13 +143,11 @@ def test_help_reaches_the_recipe_through_tune_run():
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Skipping import of cpp extensions" not in proc.stdout + proc.stderr  # (torchao's, filtered in `tune`)
-    assert "Resume [resume_from_checkpoint]" in proc.stdout and re.search(
-        r"\n  save_every_n_steps +null\n", proc.stdout
-    )
+    assert "resume_from_checkpoint" in proc.stdout and "The manual: " in proc.stdout
+    assert re.search(r"\n  save_every_n_steps +null\n", proc.stdout)
 
 
 def test_known_third_party_noise_is_dropped_by_message_only():

@@ -32,7 +32,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DATA_DIR, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics, recipe_command, recipe_env
+from conftest import (
+    DATA_DIR,
+    FAST,
+    HANG_GUARD_S,
+    RECIPE,
+    REPO_ROOT,
+    TINY_CONFIG,
+    RecipeRun,
+    read_metrics,
+    recipe_command,
+    recipe_env,
+)
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "recipe_state.pt", "tokenizer.model"}
 
@@ -165,7 +176,7 @@ def start(output_dir: Path, env: dict, *overrides: str) -> subprocess.Popen:
     )
 
 
-def wait_for(proc: subprocess.Popen, done, what: str, timeout: float = 300) -> None:
+def wait_for(proc: subprocess.Popen, done, what: str, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if proc.poll() is not None:
@@ -253,7 +264,7 @@ def test_sigterm_during_a_background_write_saves_and_exits_0(runs, tmp_path, fau
         assert not (out / "step_2").exists()  # training went on while step_2 was still being written
         proc.send_signal(signal.SIGTERM)
         release.touch()
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr[-3000:]

@@ -189,14 +189,14 @@ def test_instruct_dataset_from_parquet_and_jsonl(folders, tmp_path):
 BAD_CHATS = [
     (
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]},
-        r"record 2 of .*: message 1 has role='bot'; use one of system, user, assistant",
+        r"line 3 of .*chats.jsonl: message 2 has role='bot'; use one of system, user, assistant",
     ),
     (
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
-        r"record 2 of .*: message 1 \(assistant\) has content=.None., not text",
+        r"line 3 of .*: message 2 \(assistant\) has content=.None., not text",
     ),
-    ({"messages": []}, r"record 2 of .*: 'messages' is .*not a list of messages"),
-    ({"messages": [{"role": "user", "content": "Hi"}]}, r"record 2 of .* has no assistant message"),
+    ({"messages": []}, r"line 3 of .*: 'messages' is .*not a list of messages"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, r"line 3 of .* has no assistant message"),
     ({"conversation": [{"role": "user", "content": "Hi"}]}, r"have no 'messages' field .*dataset.conversation_column"),
     (
         {
@@ -206,7 +206,7 @@ BAD_CHATS = [
                 {"role": "assistant", "content": "Hello"},
             ]
         },
-        r"record 2 of .*: messages 0 and 1 are both user messages \(torchtune's conversation rules\)",
+        r"line 3 of .*: messages 1 and 2 are both user messages \(torchtune's conversation rules\)",
     ),
 ]
 
@@ -232,12 +232,28 @@ def test_a_bad_instruct_record_is_one_error_naming_it(folders, tmp_path):
     }
     with pytest.raises(
         BadInput,
-        match=r"record 1 of .* has no 'output'; fix or drop that record \(each needs input "
+        match=r"record 2 of .*qa.json \(counting from 1\) has no 'output'; fix or drop that record \(each needs input "
         r"and output\)",
     ):
         build(cfg, tokenizer(folders, "llama3"))
     with pytest.raises(BadInput, match="conversation_style='alpaca' is not one of openai, sharegpt"):
         build({**chat_cfg(path), "conversation_style": "alpaca"}, tokenizer(folders, "llama3"))
+
+
+def test_a_bad_record_is_named_as_an_editor_shows_it(folders, tmp_path):
+    """A JSONL record by its file and line (blank lines counted, as an editor counts them; the records of a list of
+    files in order), any other by its place counting from 1, said so; its messages counted from 1 too."""
+    bad = BAD_CHATS[0][0]  # (its second message has role 'bot')
+    tok = tokenizer(folders, "qwen2", chat_template=True)
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in chats(2)))
+    second.write_text(json.dumps(chats(1)[0]) + "\n\n" + json.dumps(bad) + "\n")  # the bad record on line 3
+    with pytest.raises(BadInput, match=rf"^line 3 of {second}: message 2 has role='bot'"):
+        build({**chat_cfg(first), "data_files": [str(first), str(second)]}, tok)
+    as_list = tmp_path / "chats.json"
+    as_list.write_text(json.dumps(chats(2) + [bad]))
+    with pytest.raises(BadInput, match=rf"^record 3 of {as_list} \(counting from 1\): message 2 has role='bot'"):
+        build(chat_cfg(as_list), tok)
 
 
 def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_path, capsys, monkeypatch):
@@ -268,7 +284,7 @@ def test_the_recipe_stops_on_a_bad_record_with_one_line_and_exit_2(folders, tmp_
         recipe_main()
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: record 3 of ") and "role='bot'" in err[-1]
+    assert err[-1].startswith("error: line 4 of ") and "role='bot'" in err[-1]
     assert not list((tmp_path / "out").glob("*_*"))  # (no checkpoint, no metrics)
 
 

@@ -136,7 +136,7 @@ def test_without_a_chat_template_tool_messages_are_one_error(folders, tmp_path):
     tok = HFTokenizer(str(folders / "qwen2_5" / "tokenizer.json"))  # the plain format: no template
     with pytest.raises(
         BadInput,
-        match=r"record 1 of .*chats.jsonl: message 1 is a tool message or calls tools, which only a chat template "
+        match=r"line 2 of .*chats.jsonl: message 2 is a tool message or calls tools, which only a chat template "
         r"renders; set tokenizer.chat_template=True",
     ):
         build(write(tmp_path, PLAIN_CHAT, TOOL_CHAT), tok)
@@ -144,14 +144,14 @@ def test_without_a_chat_template_tool_messages_are_one_error(folders, tmp_path):
 
 def test_a_template_that_cannot_render_tools_stops_before_training(folders, tmp_path):
     tok = HFTokenizer(str(folders / "user_assistant_only" / "tokenizer.json"), chat_template=True)
-    with pytest.raises(BadInput, match=r"record 2 of .*, the first with tool messages: the chat template .*refused"):
+    with pytest.raises(BadInput, match=r"line 3 of .*, the first with tool messages: the chat template .*refused"):
         build(write(tmp_path, PLAIN_CHAT, PLAIN_CHAT, TOOL_CHAT), tok)
 
 
 BAD = [
     (
         [TOOL_CHAT[0], TOOL_CHAT[2], TOOL_CHAT[3]],
-        r"record 1 of .*: message 1 is a tool message that follows no assistant message",
+        r"line 2 of .*: message 2 is a tool message that follows no assistant message",
     ),
     (
         [
@@ -160,17 +160,17 @@ BAD = [
             {"role": "user", "content": "Paris"},
             *TOOL_CHAT[2:],
         ],
-        r"record 1 of .*: message 3 is a tool message that follows no assistant message",
+        r"line 2 of .*: message 4 is a tool message that follows no assistant message",
     ),
     (
         [TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": [{**CALL, "function": {"name": "w", "arguments": "{city"}}]}],
-        r"record 1 of .*: message 1 \(assistant\) calls w with arguments '\{city', not JSON",
+        r"line 2 of .*: message 2 \(assistant\) calls w with arguments '\{city', not JSON",
     ),
     (
         [TOOL_CHAT[0], {"role": "assistant", "content": "x"}, {**TOOL_CHAT[0], "tool_calls": [CALL]}],
-        r"record 1 of .*: message 2 \(user\) has tool_calls=.*only an assistant message calls tools",
+        r"line 2 of .*: message 3 \(user\) has tool_calls=.*only an assistant message calls tools",
     ),
-    ([TOOL_CHAT[0], {"role": "assistant", "content": None}], r"message 1 \(assistant\) has content=.None., not text"),
+    ([TOOL_CHAT[0], {"role": "assistant", "content": None}], r"message 2 \(assistant\) has content=.None., not text"),
 ]
 
 

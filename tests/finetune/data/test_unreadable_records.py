@@ -160,9 +160,10 @@ def test_a_parquet_string_that_is_not_utf8_is_named_by_record(tokenizer_json, tm
     inputs[4] = b"Q" + BAD
     pq.write_table(pa.table({"input": _bad_strings(inputs), "output": [f"A{i}" for i in range(6)]}), path)
     cfg = {"_component_": "torchtune.datasets.instruct_dataset", "source": "parquet", "data_files": str(path)}
-    with pytest.raises(BadInput, match=r"^record 4 of .*qa.parquet: field 'input' is not valid UTF-8 text; fix or"):
+    # (the 5th record, inputs[4]: named from 1, as a user counts)
+    with pytest.raises(BadInput, match=r"^record 5 of .*qa.parquet \(counting from 1\): field 'input' is not valid"):
         build(cfg, tokenizer_json)
-    # Conversations: the bad string inside record 3's messages
+    # Conversations: the bad string inside the 4th record's messages
     contents = [b"Q0", b"A0", b"Q1", b"A1", b"Q2", b"A2", b"Q3", b"A" + BAD, b"Q4", b"A4"]
     messages = pa.StructArray.from_arrays(
         [pa.array(["user", "assistant"] * 5), _bad_strings(contents)], names=["role", "content"]
@@ -172,7 +173,7 @@ def test_a_parquet_string_that_is_not_utf8_is_named_by_record(tokenizer_json, tm
         pa.table({"messages": pa.ListArray.from_arrays(pa.array([0, 2, 4, 6, 8, 10], pa.int32()), messages)}), path
     )
     cfg = {**CHAT, "source": "parquet", "data_files": str(path), "conversation_style": "openai"}
-    with pytest.raises(BadInput, match=r"^record 3 of .*chats.parquet: field 'messages' is not valid UTF-8 text"):
+    with pytest.raises(BadInput, match=r"^record 4 of .*chats.parquet \(counting from 1\): field 'messages' is not"):
         build(cfg, tokenizer_json, chat_template=True)
 
 

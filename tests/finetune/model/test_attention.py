@@ -168,9 +168,7 @@ GPU_MODEL = [
 def test_gpu_varlen_trains_as_flex(tmp_path):
     runs = {}
     for name, extra in (("flex", ["packed_attention=flex"]), ("fast", ["packed_attention=varlen"])):
-        runs[name] = run_recipe(
-            tmp_path / name, *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", *extra, fast=False, timeout=900
-        )
+        runs[name] = run_recipe(tmp_path / name, *GPU_MODEL, f"pack_cache_dir={tmp_path / 'cache'}", *extra, fast=False)
         assert runs[name].ok, runs[name].stderr[-3000:]
     fast = runs["fast"]
     assert "packed_attention=varlen: 2 attention layers" in fast.stdout + fast.stderr

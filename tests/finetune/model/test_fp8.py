@@ -114,7 +114,7 @@ GPU_MODEL = [
 def gpu_bf16_run(tmp_path_factory):
     """The GPU model with bf16 matmuls: the losses the FP8 runs are compared with."""
     out = tmp_path_factory.mktemp("bf16")
-    run = run_recipe(out / "out", *GPU_MODEL, f"pack_cache_dir={out / 'cache'}", fast=False, timeout=900)
+    run = run_recipe(out / "out", *GPU_MODEL, f"pack_cache_dir={out / 'cache'}", fast=False)
     assert run.ok, run.stderr[-3000:]
     return run
 
@@ -129,7 +129,6 @@ def test_gpu_fp8_with_compile_in_backward_and_checkpointing(gpu_bf16_run, tmp_pa
         f"fp8={recipe}",
         f"enable_activation_checkpointing={ac}",
         fast=False,
-        timeout=900,
     )
     assert fp8.ok, fp8.stderr[-3000:]
     assert f"fp8={recipe}: 14 linear layers" in fp8.stdout + fp8.stderr

@@ -136,7 +136,6 @@ def test_the_command_line_prints_the_docs_command(tmp_path):
         env=recipe_env(),
         capture_output=True,
         text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -173,7 +173,6 @@ def table(folders, source: str, out_dir: Path) -> dict:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.loads((out_dir / "table.json").read_text())
@@ -242,3 +241,34 @@ def test_metric_logger_name_group_tags_override_the_defaults():
             "my.pkg.MyAdamW",
         )
     ] == ["AdamW4bit", "ao.AdamW8bit", "bnb.PagedAdamW8bit", "my.MyAdamW"]
+
+
+def test_the_training_runs_wandb_folder_holds_no_link_out_of_it(runs):
+    """wandb-core links logs/debug-core.log to its log in ~/.cache/wandb by absolute path; a run folder moved to
+    another machine would carry a dangling link. The training run's folder holds a copy instead."""
+    for optimizer in VARIANTS:
+        folders = sorted((runs[optimizer]["run"].output_dir / "wandb").glob("offline-run-*"))
+        (training,) = [f for f in folders if (f / "files" / "torchtune_config.yaml").is_file()]
+        assert [p for p in training.rglob("*") if p.is_symlink()] == []
+        core_log = training / "logs" / "debug-core.log"
+        assert core_log.is_file() and core_log.stat().st_size > 0
+
+
+def test_wandb_is_silent_offline_and_quiet_online_unless_the_environment_says(monkeypatch):
+    """wandb's own ~25 lines around a run (banner, sparklines, a sync hint for one folder) are off; the user's
+    WANDB_SILENT / WANDB_QUIET, or metric_logger.settings, decide instead; other loggers get nothing."""
+    from finetune.reporting.wandb_run import quiet_settings
+
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    monkeypatch.delenv("WANDB_QUIET", raising=False)
+    wandb_logger = {"_component_": "torchtune.training.metric_logging.WandBLogger"}
+
+    def settings(**extra):
+        return quiet_settings(OmegaConf.create({**wandb_logger, **extra}))
+
+    assert settings(mode="offline")["settings"].silent and not settings()["settings"].silent
+    assert settings()["settings"].quiet  # online: quiet, the run's URL still shows
+    assert settings(settings={"silent": False}) == {}
+    assert quiet_settings(OmegaConf.create({"_component_": "torchtune.training.metric_logging.DiskLogger"})) == {}
+    monkeypatch.setenv("WANDB_SILENT", "false")
+    assert settings(mode="offline") == {}

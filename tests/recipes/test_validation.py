@@ -1,0 +1,196 @@
+"""Validation loss during training (``dataset_val``, ``run_val_every_n_steps``, ``batch_size_val``), run for real.
+
+The validation set is the last 7 records of ../shared/data's Alpaca file, written into tmp_path (7: odd, so batches
+of 2 end short and two ranks hold 4 and 3 samples). The training runs are FAST over two epochs of 3 steps, so
+validation every 2 steps falls on steps 2, 4 and 6 and the end of epoch_0 (step 3) adds one.
+
+What is asserted: where val_loss is recorded (metrics.jsonl, the terminal line, wandb's offline files read with
+wandb's own reader, summary.json, bench/table.py); that validation changes nothing about training (the losses of a
+run with it equal, to the bit, those of the same run without it); that val_loss is the token-weighted mean over the
+whole set (the same for any batch_size_val, packed or not); that two ranks give one device's figure (each rank's
+share reduced, the short share's padding counting no token); and that each bad value is one error line.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+import support
+from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG, run_distributed, run_in_process, run_recipe
+
+VAL_RECORDS = 7
+TWO_EPOCHS = ["epochs=2", "max_steps_per_epoch=3"]
+VAL_STEPS = [2, 3, 4, 6]  # every 2 steps, and the end of each epoch (steps 3 and 6)
+
+
+@pytest.fixture(scope="module")
+def val_file(tmp_path_factory):
+    records = json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[-VAL_RECORDS:]
+    path = tmp_path_factory.mktemp("val") / "val.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, val_file):
+    """The same FAST two-epoch run with and without validation every 2 steps, wandb on (offline)."""
+    root = tmp_path_factory.mktemp("runs")
+    without = run_recipe(root / "without", *TWO_EPOCHS, wandb=True)
+    with_val = run_recipe(
+        root / "with", *TWO_EPOCHS, f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", wandb=True
+    )
+    assert without.ok, without.stderr[-3000:]
+    assert with_val.ok, with_val.stderr[-3000:]
+    return {"without": without, "with": with_val}
+
+
+def val_losses(run):
+    return {m["step"]: m["val_loss"] for m in run.metrics if "val_loss" in m}
+
+
+def test_val_loss_every_n_steps_and_at_each_epoch_end_in_metrics_and_summary(runs):
+    run = runs["with"]
+    losses = val_losses(run)
+    assert sorted(losses) == VAL_STEPS
+    assert all(isinstance(v, float) and 0 < v < 20 for v in losses.values())
+    assert losses[6] < losses[2]  # the model learns: the held-out loss falls
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert summary["val_loss"] == losses[6]
+    assert f"validation loss {losses[6]:.4f}" in run.stdout + run.stderr  # the end-of-run paragraph
+    # The terminal line of each validated step shows it (the tiny config prints every step).
+    assert f"val_loss {losses[4]:.6g}" in run.stdout + run.stderr
+    assert "Validation: 7 samples in batches of 2, every 2 steps and at the end of each epoch" in run.stderr
+
+
+def test_validation_leaves_training_identical(runs):
+    """Eval mode, no grad, its own loader and the RNG restored: the training losses and data order are untouched."""
+    assert len(runs["with"].losses) == 6
+    assert runs["with"].losses == runs["without"].losses
+    assert [m["tokens"] for m in runs["with"].metrics] == [m["tokens"] for m in runs["without"].metrics]
+    assert "val_loss" not in json.loads((runs["without"].output_dir / "summary.json").read_text())
+    assert not val_losses(runs["without"])
+
+
+def test_val_loss_in_the_offline_wandb_run(runs):
+    run = runs["with"]
+    (wandb_run,) = support.wandb_runs(run.output_dir).values()
+    logged = {row["global_step"]: row["val_loss"] for row in wandb_run["history"] if "val_loss" in row}
+    assert logged == pytest.approx(val_losses(run), rel=1e-12)
+    assert wandb_run["summary"]["val_loss"] == pytest.approx(val_losses(run)[6], rel=1e-12)
+
+
+def test_table_shows_val_loss_only_when_a_run_has_it(runs, tmp_path):
+    out = tmp_path / "table"
+    proc = subprocess.run(
+        [sys.executable, "bench/table.py", str(runs["with"].output_dir), str(runs["without"].output_dir)]
+        + ["--out-dir", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    header, _, with_row, without_row = (out / "table.md").read_text().splitlines()[:4]
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    column = cells.index("val loss")
+    assert [c.strip() for c in with_row.strip("|").split("|")][column] == f"{val_losses(runs['with'])[6]:.4f}"
+    assert [c.strip() for c in without_row.strip("|").split("|")][column] == ""
+    alone = subprocess.run(
+        [sys.executable, "bench/table.py", str(runs["without"].output_dir), "--out-dir", str(tmp_path / "alone")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert alone.returncode == 0 and "val loss" not in (tmp_path / "alone" / "table.md").read_text()
+
+
+def test_val_loss_is_the_token_weighted_mean_for_any_batch_and_packing(tmp_path, val_file, capsys, monkeypatch):
+    """Batches of 1, of 3 (the last one short) and packed rows hold the same tokens: the same mean. (A mean of the
+    batches' means would differ with the batch size: the samples have different lengths.)"""
+    val = [f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", "max_steps_per_epoch=2"]
+    found = {}
+    for name, extra in (
+        ("one", ["batch_size_val=1"]),
+        ("three", ["batch_size_val=3"]),
+        ("packed", ["dataset_val.packed=True"]),
+    ):
+        run = run_in_process(tmp_path / name, *val, *extra, capsys=capsys, monkeypatch=monkeypatch)
+        assert run.ok, run.stderr[-3000:]
+        found[name] = val_losses(run)
+        assert sorted(found[name]) == [2]
+    assert found["three"][2] == pytest.approx(found["one"][2], rel=1e-5)
+    assert found["packed"][2] == pytest.approx(found["one"][2], rel=1e-4)
+
+
+def test_distributed_val_loss_is_reduced_over_ranks(tmp_path, val_file):
+    """2 ranks x batch_size=2 train as one device with batch_size=4 (tests/recipes/test_distributed.py); their
+    validation over shares of 4 and 3 samples (the second padded with a masked copy) gives one device's val_loss."""
+    val = [f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", *TWO_EPOCHS]
+    ranks = run_distributed(tmp_path / "ranks", *val, "batch_size_val=2")
+    assert ranks.ok, ranks.stderr[-3000:]
+    one = run_recipe(tmp_path / "one", *val, "batch_size=4")
+    assert one.ok, one.stderr[-3000:]
+    assert sorted(val_losses(ranks)) == VAL_STEPS
+    assert ranks.losses == pytest.approx(one.losses, rel=1e-4)
+    assert val_losses(ranks) == pytest.approx(val_losses(one), rel=1e-4)
+    assert json.loads((ranks.output_dir / "summary.json").read_text())["val_loss"] == val_losses(ranks)[6]
+
+
+# ------------------------------------------------------------------------------------------------
+# bad values: one error line each, before anything is built
+# ------------------------------------------------------------------------------------------------
+
+
+def settings_error(*overrides: str) -> str:
+    from finetune.base import BadInput
+    from finetune.settings import read_settings
+
+    cfg = OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), OmegaConf.from_dotlist([f"data_dir={DATA_DIR}"]))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    with pytest.raises(BadInput) as e:
+        read_settings(cfg)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["run_val_every_n_steps=2"], ["run_val_every_n_steps=2 needs a validation set", "dataset_val.data_files="]),
+        (["batch_size_val=8"], ["batch_size_val=8 needs a validation set", "~batch_size_val"]),
+        (["dataset_val=val.json"], ["dataset_val='val.json' must be a dataset section", "dataset_val.data_files=FILE"]),
+        (["dataset_val.data_files={val}", "run_val_every_n_steps=0"], ["run_val_every_n_steps=0 must be a positive"]),
+        (["dataset_val.data_files={val}", "batch_size_val=-1"], ["batch_size_val=-1 must be a positive integer"]),
+        (["dataset_val.data_files={val}", "dataset_val.packed=maybe"], ["dataset_val.packed='maybe' must be True"]),
+        (["dataset_val.data_files=/no/such.json"], ["dataset_val.data_files=/no/such.json does not exist"]),
+    ],
+)
+def test_bad_validation_values_are_refused_naming_the_key(overrides, words, val_file):
+    message = settings_error(*(o.format(val=val_file) for o in overrides))
+    for w in words:
+        assert w in message
+
+
+def test_validation_settings_are_read_once(val_file):
+    from finetune.settings import read_settings
+
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / TINY_CONFIG),
+        OmegaConf.from_dotlist([f"data_dir={DATA_DIR}", f"dataset_val.data_files={val_file}"]),
+    )
+    s = read_settings(cfg)
+    # Without a _component_ of its own, dataset_val is dataset's section with its own keys on top.
+    assert s.dataset_val._component_ == "torchtune.datasets.alpaca_dataset" and s.dataset_val.train_on_input is True
+    assert (s.val_every, s.batch_size_val, s.val_packed, s.val_data_files) == (None, 4, False, [str(val_file)])
+    plain = read_settings(OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), {"data_dir": str(DATA_DIR)}))
+    assert plain.dataset_val is None
+
+
+def test_bad_validation_value_is_one_error_line_from_the_recipe(tmp_path, capsys, monkeypatch):
+    run = run_in_process(tmp_path / "out", "run_val_every_n_steps=2", capsys=capsys, monkeypatch=monkeypatch)
+    assert run.returncode == 2
+    assert run.error.startswith("error: run_val_every_n_steps=2 needs a validation set")
+    assert "Traceback" not in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
