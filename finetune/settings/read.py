@@ -282,7 +282,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     packed = OmegaConf.select(cfg, "dataset.packed", default=False)
     if packed not in (True, False):
         raise BadInput(f"dataset.packed={packed!r} must be True or False")
-    fp8 = read_fp8(cfg, device, compile_=bool(cfg.get("compile", False)))
+    compile_ = bool(cfg.get("compile", False))
+    fp8 = read_fp8(cfg, device, compile_=compile_)
     packed_attention = read_packed_attention(cfg, device, packed=packed)
 
     if distributed:
@@ -350,7 +351,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         shuffle=bool(cfg.get("shuffle", True)),
         ac_every=ac_every,
         offload_activations=offload_activations,
-        compile=bool(cfg.get("compile", False)),
+        compile=compile_,
         pack_cache_dir=pack_cache_dir,
         memory_limit_gib=memory_limit,
         output_dir=output_dir,
