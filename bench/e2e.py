@@ -59,6 +59,11 @@ CPU_OFFLOAD = [
     "optimizer_in_bwd=False",
     "enable_activation_offloading=True",
 ]
+CHUNKED_CE = [
+    "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
+    "~loss.impl",
+    "loss.num_output_chunks=8",
+]
 # torchtune's recipe file for each stock config: the distributed one runs as one process under torchrun.
 STOCK_RECIPES = {
     "7B_full_low_memory": ("full_finetune_single_device.py", 0),
@@ -114,6 +119,13 @@ ROWS: Dict[str, tuple] = {
         ["device_memory_limit_gib=16", "fp8=tensorwise", *CPU_OFFLOAD],
         "16gb",
     ),
+    # Our 16 GB class: the 24 GiB config with the states in host memory (stream_optimizer_states) and the saved
+    # activations offloaded, capped at 15 GiB in the config itself.
+    "ours_16gb": ("ours", "7B_full_16gb", [], "16gb"),
+    "ours_16gb_fp8": ("ours", "7B_full_16gb_fp8", [], "16gb"),
+    # the same with the loss of the 24 GiB configs (torchtune's chunked cross-entropy), for comparison
+    "ours_16gb_chunked_ce": ("ours", "7B_full_16gb", CHUNKED_CE, "16gb"),
+    "ours_16gb_fp8_chunked_ce": ("ours", "7B_full_16gb_fp8", CHUNKED_CE, "16gb"),
     # device_memory_limit_gib caps the allocator at the class's size: a row that completes fits that card.
     "ours_80gb": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80"], "80gb"),
     "ours_80gb_8bit": (
@@ -264,11 +276,34 @@ def run_row(name: str, args, runs: Path) -> dict:
         graphs = [r["compiled_graphs"] for r in records]
         row["compiled_graphs"] = graphs
         row["recompiles_after_step_2"] = graphs[-1] - graphs[min(1, len(graphs) - 1)]
+    if "host_copy_gb" in records[-1]:  # streamed states: what crossed the link, and what the GPU waited for it
+        row.update(streaming(steady))
     log_text = (out / "log.txt").read_text(errors="replace")
     m = re.search(r"Packed (\d+) samples into (\d+) rows of (\d+) tokens \(([\d.]+)% filled", log_text)
     if m:
         row["pack_rows"], row["pack_fill"] = int(m.group(2)), float(m.group(4)) / 100
     return row
+
+
+PCIE4_GBPS = 25.0  # PCIe 4.0 x16, each way (a 4080, a 4060 Ti's x8 link is half that)
+
+
+def streaming(steady: List[dict]) -> dict:
+    """A streamed row's link figures (medians over the steady steps): GB copied per step (both ways, about half
+    each way), the ms the GPU waited on copies, and the step time projected at PCIe 4.0 x16. The projection takes
+    the step's own compute (step time less the wait) and the copies' time at 25 GB/s each way, and assumes, as on
+    the measured link, that copies overlap compute: step = max(compute, copy). It leaves out torchtune's activation
+    offloading traffic, which this recipe does not count."""
+    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+    gb, wait_s, step_s = med("host_copy_gb"), med("copy_wait_ms") / 1e3, med("step_time_s")
+    compute_s = step_s - wait_s
+    pcie4_s = max(compute_s, gb / 2 / PCIE4_GBPS)
+    return {
+        "host_copy_gb_per_step": round(gb, 2),
+        "copy_wait_ms_per_step": round(wait_s * 1e3, 1),
+        "link_gbps_each_way": round(gb / 2 / step_s, 1),
+        "pcie4_projected_tok_s": round(med("tokens") / pcie4_s, 1),
+    }
 
 
 def _optimizer_of(kind: str, config: str, overrides: List[str]) -> str:

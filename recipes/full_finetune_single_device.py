@@ -28,6 +28,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     epochs, max_steps_per_epoch      passes over the data; optimizer steps per epoch (null = the whole epoch)
     clip_grad_norm                   clip the global grad norm to this; null = no clipping
     optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
+    stream_optimizer_states          with optimizer_in_bwd: states in host memory, on the GPU for their step only
     compile                          torch.compile per layer and on the loss (default False)
     enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
     ac_mode, ac_option               full (default: every layer) or selective: one layer in ac_option
@@ -88,6 +89,7 @@ from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
+from finetune.streaming import StreamedStates, check_host_memory  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -188,10 +190,15 @@ class FullFinetuneRecipeSingleDevice:
 
     def _setup_optimizer(self) -> None:
         spec = self.settings.optimizer
+        self._streamed: Optional[StreamedStates] = None
         if self.settings.optimizer_in_bwd:
             # One optimizer per parameter, stepped by a hook as soon as that parameter's gradient is accumulated.
             optim_dict = {p: spec.build([p]) for p in self._model.parameters()}
-            training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
+            if self.settings.stream_states:  # the same hooks, with each state fetched for its step and written back
+                check_host_memory(spec.build, self._model.parameters(), self._device)
+                self._streamed = StreamedStates(self._model, optim_dict, self._device)
+            else:
+                training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
             self._optim_wrapper = training.create_optim_in_bwd_wrapper(model=self._model, optim_dict=optim_dict)
             self._optimizer = None
             self._optimizers = list(optim_dict.values())
@@ -199,7 +206,12 @@ class FullFinetuneRecipeSingleDevice:
             self._optimizer = spec.build(self._model.parameters())
             self._optimizers = [self._optimizer]
         log.info(
-            f"Optimizer: {spec.path}" + (" (in backward, one per parameter)" if self.settings.optimizer_in_bwd else "")
+            f"Optimizer: {spec.path}"
+            + (" (in backward, one per parameter)" if self.settings.optimizer_in_bwd else "")
+            + (", states in host memory" if self._streamed else "")
+        )
+        self._optim_state = self._streamed or (
+            self._optim_wrapper if self.settings.optimizer_in_bwd else self._optimizer
         )
         warn_round_to_nearest(spec.path, self._dtype)
 
@@ -230,7 +242,7 @@ class FullFinetuneRecipeSingleDevice:
         s = self.settings
         state = resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
         try:
-            (self._optim_wrapper if s.optimizer_in_bwd else self._optimizer).load_state_dict(state["optimizer"])
+            self._optim_state.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(
                 f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "
@@ -385,6 +397,7 @@ class FullFinetuneRecipeSingleDevice:
                 if s.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
                 record.update(self._checkpointer.metrics(since=t0))
+                record.update(self._streamed.metrics() if self._streamed else {})  # (bytes moved, waits on copies)
                 if not math.isfinite(loss_value):
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)
@@ -436,7 +449,7 @@ class FullFinetuneRecipeSingleDevice:
             "steps_in_epoch": steps_in_epoch,
             "global_step": self.global_step,
             **self._skips.state(),  # skipped steps, in total and in a row
-            "optimizer": (self._optim_wrapper if self.settings.optimizer_in_bwd else self._optimizer).state_dict(),
+            "optimizer": self._optim_state.state_dict(),
             # Callables are left out: the in-backward wrapper patches `step` on the scheduler.
             "lr_scheduler": None
             if self._lr_scheduler is None

@@ -152,6 +152,16 @@ TOYS: Dict[str, Toy] = {
 }
 
 
+def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128):
+    """A 2-layer torchtune Llama 2 decoder (vocabulary 512) in fp32, for tests of what trains it, without a folder."""
+    import torch
+    from torchtune.models.llama2 import llama2
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return llama2(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=64)
+
+
 def rope_theta(hf: Dict[str, Any]) -> float:
     """RoPE's base from config.json as transformers 4 (rope_theta) or 5 (rope_parameters) writes it."""
     return float(hf["rope_theta"] if "rope_theta" in hf else hf["rope_parameters"]["rope_theta"])

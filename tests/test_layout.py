@@ -47,8 +47,14 @@ LAYERS = [
         "finetune.optimizer",
         "finetune.checkpoint.async_save",
         "finetune.launch",
+        "finetune.streaming.link",
     },
-    {"finetune.checkpoint.run_folder", "finetune.checkpoint.hf_format", "finetune.settings.hardware"},
+    {
+        "finetune.checkpoint.run_folder",
+        "finetune.checkpoint.hf_format",
+        "finetune.settings.hardware",
+        "finetune.streaming.states",
+    },
     {
         "finetune.reporting.metrics",
         "finetune.checkpoint.checkpointer",

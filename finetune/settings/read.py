@@ -52,6 +52,7 @@ KNOWN_CONFIG_KEYS = (
     "ac_mode",
     "ac_option",
     "enable_activation_offloading",
+    "stream_optimizer_states",
     "device_memory_limit_gib",
     "pack_cache_dir",
     "save_every_n_steps",
@@ -117,6 +118,7 @@ class Settings:
     resume_dir: Optional[Path]
     optimizer: OptimizerSpec
     model_component: str
+    stream_states: bool = False  # optimizer states in host memory, streamed around each step in backward
     fp8: Optional[str] = None  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"
     lr_scheduler: Optional[DictConfig] = None  # None: constant lr (lr_scheduler=null on the command line)
     dtype_name: str = "bf16"
@@ -240,6 +242,12 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={clip}): the global norm is only known "
             "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False"
         )
+    stream_states = flag(cfg, "stream_optimizer_states")
+    if stream_states and not optimizer_in_bwd:
+        raise BadInput(
+            "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
+            "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
+        )
     optimizer = resolve_optimizer(cfg.optimizer)
     # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
     # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
@@ -347,6 +355,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         max_skips=max_skips,
         overwrite=overwrite,
         optimizer_in_bwd=optimizer_in_bwd,
+        stream_states=stream_states,
         seed=seed,
         shuffle=bool(cfg.get("shuffle", True)),
         ac_every=ac_every,

@@ -1,0 +1,151 @@
+"""The copies between host and GPU memory behind ``StreamedStates``: pinned host slots, and two copy streams.
+
+``CudaLink`` is the real one. Host-to-GPU copies run on one stream and GPU-to-host copies on another, so the two
+directions overlap (about 50 GB/s each way at once on a PCIe 5.0 x16 link, 55 one way); the training stream only
+waits, per parameter, for the copy that brings that parameter's state. ``StandInLink`` does the same work with
+plain synchronous CPU copies: the schedule and the numbers stay those of the GPU path, so CPU tests (and
+``device=cpu`` runs) go through every line of ``StreamedStates``.
+
+A device copy of a state is freed (its storage resized to zero bytes, as FSDP2 frees gathered weights) as soon as
+its write-back is queued; ``record_stream`` keeps the caching allocator from handing the memory to anyone else
+before the copy has read it.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+# Host slots come out of pinned chunks of this size (a power of two: torch's pinned allocator rounds every request
+# up to one, so a chunk wastes nothing and the slots in it waste at most their 512-byte alignment).
+CHUNK_BYTES = 256 * 2**20
+ALIGN = 512
+
+
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage as a flat uint8 tensor over all of it."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostSlots:
+    """Host memory for the states, handed out in 512-byte-aligned slots of large pinned chunks (a slot is never
+    given back: a run's states keep their sizes)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.chunks: List[torch.Tensor] = []
+        self._used = 0  # bytes taken from the last chunk
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of ``nbytes`` in one chunk, with a storage of its own (through numpy: a slice of
+        the chunk tensor would share the chunk's storage, and torch.save writes a view's whole storage, so every
+        checkpoint would carry whole chunks)."""
+        start = -(-self._used // ALIGN) * ALIGN
+        if not self.chunks or start + nbytes > self.chunks[-1].numel():
+            size = max(CHUNK_BYTES, 1 << (nbytes - 1).bit_length())
+            self.chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            start = 0
+        self._used = start + nbytes
+        return torch.from_numpy(self.chunks[-1].numpy()[start : start + nbytes])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+
+class CudaLink:
+    """Copies on two side streams of a CUDA device, and the time the training stream waited for them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots = HostSlots(pin=True)
+        self.up = torch.cuda.Stream(device)  # host -> GPU
+        self.down = torch.cuda.Stream(device)  # GPU -> host
+        self._waits: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def fetch(self, pairs: List[Tuple[torch.UntypedStorage, torch.Tensor]], after: Optional[torch.cuda.Event]):
+        """Give each storage its bytes again and copy its host slot in, on the up stream (after ``after``: the
+        write-back that last filled these slots). Returns the event the training stream waits for."""
+        with torch.cuda.stream(self.up):
+            if after is not None:
+                self.up.wait_event(after)
+            for storage, host in pairs:
+                storage.resize_(host.numel())  # allocated on the up stream, in its own pool of the allocator
+                as_bytes(storage).copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.up)
+        return done
+
+    def use(self, pairs: List[Tuple[torch.UntypedStorage, torch.Tensor]], ready: torch.cuda.Event) -> None:
+        """The training stream waits for ``ready``; its use of the storages is recorded for the allocator."""
+        stream = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(ready)
+        after.record(stream)
+        self._waits.append((before, after))
+        for storage, _ in pairs:
+            as_bytes(storage).record_stream(stream)
+
+    def write(self, pairs: List[Tuple[torch.UntypedStorage, torch.Tensor]]) -> torch.cuda.Event:
+        """Copy each storage to its host slot on the down stream, once the training stream's work on it is done,
+        and free the GPU copy. Returns the event after which the host slots hold the new values."""
+        stepped = torch.cuda.Event()
+        stepped.record(torch.cuda.current_stream(self.device))
+        self.down.wait_event(stepped)
+        with torch.cuda.stream(self.down):
+            for storage, host in pairs:
+                host.copy_(as_bytes(storage), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.down)
+        for storage, _ in pairs:
+            as_bytes(storage).record_stream(self.down)
+            storage.resize_(0)
+        return done
+
+    def settle(self) -> None:
+        """Block until every copy so far is complete (the host slots are then the states' values)."""
+        self.down.synchronize()
+        self.up.synchronize()
+
+    def waited_ms(self) -> float:
+        """Milliseconds the training stream waited for copies since the last call (waits for those events)."""
+        total = 0.0
+        for before, after in self._waits:
+            after.synchronize()
+            total += before.elapsed_time(after)
+        self._waits.clear()
+        return total
+
+
+class StandInLink:
+    """``CudaLink``'s work with synchronous copies between CPU tensors: the states still leave their "device"
+    storages between steps and come back from host slots, so a CPU run or test exercises the whole schedule."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots = HostSlots(pin=False)
+
+    def fetch(self, pairs, after):
+        for storage, host in pairs:
+            storage.resize_(host.numel())
+            as_bytes(storage).copy_(host)
+        return None
+
+    def use(self, pairs, ready) -> None:
+        pass
+
+    def write(self, pairs):
+        for storage, host in pairs:
+            host.copy_(as_bytes(storage))
+            storage.resize_(0)
+        return None
+
+    def settle(self) -> None:
+        pass
+
+    def waited_ms(self) -> float:
+        return 0.0
+
+
+def link_for(device: torch.device):
+    return CudaLink(device) if device.type == "cuda" else StandInLink(device)
