@@ -306,9 +306,12 @@ def test_checkpoint_bench_toy_rows(tmp_path):
     assert {"command", "hardware", "versions", "date", "code"} <= set(doc)
     sync, background = doc["rows"]
     assert not sync.get("error") and not background.get("error"), (sync.get("error"), background.get("error"))
-    assert [s["name"] for s in sync["saves"]] == ["step_2"] and not sync["async_checkpoint"]
+    # A row is stopped once its saves are measured; on a loaded machine the stop can land after one more save, so
+    # the measured saves are the first ones (a later one is the same kind of save, at the row's interval).
+    assert [s["name"] for s in sync["saves"]][:1] == ["step_2"] and not sync["async_checkpoint"]
+    assert all(s["name"] == f"step_{2 * (i + 1)}" for i, s in enumerate(sync["saves"]))
     assert sync["saves"][0]["blocked_s"] == sync["saves"][0]["write_s"] == sync["saves"][0]["total_s"]
-    assert [s["name"] for s in background["saves"]] == ["step_3", "step_6"] and background["async_checkpoint"]
+    assert [s["name"] for s in background["saves"]][:2] == ["step_3", "step_6"] and background["async_checkpoint"]
     assert all(s["blocked_s"] <= s["total_s"] for s in background["saves"])
     assert background["staged_host_gib"] > 0 and background["peak_host_rss_gib"] > 0
     assert len(background["writing_per_step"]) == len(background["tok_s_per_step"]) >= 7
