@@ -151,8 +151,9 @@ def materialize(obj: Any) -> Any:
     return obj
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A storage as a flat uint8 tensor (the unit a snapshot copies: a tensor's views and offsets come along)."""
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage as a flat uint8 tensor over all of it (the unit a snapshot copies, and the states' streaming:
+    a tensor's views and offsets come along)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
@@ -344,7 +345,7 @@ class Staging:
             i = index[s._cdata]
             if staged[i] is None:
                 dst = target(i, s.device)
-                dst.copy_(_bytes_of(s), non_blocking=True)
+                dst.copy_(as_bytes(s), non_blocking=True)
                 staged[i] = dst.untyped_storage()
             out = torch.empty(0, dtype=x.dtype, device=staged[i].device).set_(
                 staged[i], x.storage_offset(), x.size(), x.stride()

@@ -15,15 +15,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from finetune.checkpoint.async_save import as_bytes
+
 # Host slots come out of pinned chunks of this size (a power of two: torch's pinned allocator rounds every request
 # up to one, so a chunk wastes nothing and the slots in it waste at most their 512-byte alignment).
 CHUNK_BYTES = 256 * 2**20
 ALIGN = 512
-
-
-def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A storage as a flat uint8 tensor over all of it."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class HostSlots:
