@@ -13,7 +13,7 @@ The keys that differ:
     device                           cuda: NCCL, one GPU per process (LOCAL_RANK); cpu: gloo
     batch_size                       per rank: a step sees batch_size x N x gradient_accumulation_steps
     checkpoint_dir                   rank 0 reads it (or builds the random init) and scatters it
-    resume_from_checkpoint           optimizers.* states resume on the same N only; torch's AdamW on any N
+    resume_from_checkpoint           any N's or the single-device recipe's checkpoint (same samples per step)
     metric_logger                    rank 0 logs, reduced over ranks (+ *_per_rank lists, world_size)
     dataset_val                      each rank validates its share; val_loss reduced over ranks
     profiler                         every rank records (a trace per rank); rank 0 prints the summary
@@ -50,6 +50,7 @@ from finetune.base import BadInput  # noqa: E402
 from finetune.checkpoint import hf_format, resume  # noqa: E402
 from finetune.checkpoint.async_save import Gather, Owned  # noqa: E402
 from finetune.checkpoint.checkpointer import NonFiniteStop, rng_state, set_rng_state  # noqa: E402
+from finetune.checkpoint.optimizer_state import gather_full, load_full, restore  # noqa: E402
 from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
 from finetune.data.loading import skip_to  # noqa: E402
 from finetune.data.tokenizer import check_fits_model  # noqa: E402
@@ -61,7 +62,7 @@ from finetune.model.prepare import (  # noqa: E402
     prepare_device,
     wire_loss,
 )
-from finetune.model.sharding import init_process_group, optimizer_state_layout, scatter_full_weights  # noqa: E402
+from finetune.model.sharding import init_process_group, scatter_full_weights  # noqa: E402
 from finetune.optimizer import warn_round_to_nearest  # noqa: E402
 from finetune.reporting.console import StepTimer  # noqa: E402
 from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
@@ -249,10 +250,9 @@ class FullFinetuneRecipeDistributed:
         try:
             if layout == "per_rank":
                 self._optimizer.load_state_dict(rank_state["optimizer"])
-            else:
-                training.load_from_full_optimizer_state_dict(
-                    self._model, self._optimizer, state["optimizer"], self._device
-                )
+            else:  # (any rank count's, or one device's; another optimizer class's converted first)
+                full = restore(state, self._optimizers, self._model, now=s.optimizer.path, log=self._rank0 and log)
+                load_full(self._model, self._optimizer, full, self._device)
         except (ValueError, KeyError, RuntimeError) as e:
             error = (
                 f"the optimizer state in {s.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
@@ -495,15 +495,12 @@ class FullFinetuneRecipeDistributed:
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
         """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them
-        (``Gather``: rank 0 keeps them); torch's optimizer state is gathered to rank 0's host memory now (``Owned``:
-        a copy already; left out with ``gather_optimizer=False``, for sizing the staging); the rest are live
-        references."""
-        layout = optimizer_state_layout(self._optimizer)
+        (``Gather``: rank 0 keeps them); the optimizer state is gathered whole to rank 0's host memory now, in the
+        format one device writes (``gather_full``; ``Owned``: a copy already; left out with ``gather_optimizer=False``,
+        for sizing the staging); the rest are live references."""
         full_optimizer = None
-        if layout == "full" and gather_optimizer:
-            full_optimizer = training.get_full_optimizer_state_dict(
-                self._model, self._optimizer, self._rank0, self._device
-            )
+        if gather_optimizer:
+            full_optimizer = gather_full(self._model, self._optimizer, main=self._rank0, device=self._device)
         recipe_state = None
         if self._rank0:
             recipe_state = {
@@ -511,16 +508,13 @@ class FullFinetuneRecipeDistributed:
                 "steps_in_epoch": steps_in_epoch,
                 "global_step": self.global_step,
                 **self._skips.state(),  # skipped steps, in total and in a row
-                "optimizer_layout": layout,
+                "optimizer_layout": "full",
                 "optimizer": Owned(full_optimizer),
                 "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
                 "rng": rng_state(self._device),
                 "config": self._run_settings(),
             }
-        rank_state = {
-            "optimizer": self._optimizer.state_dict() if layout == "per_rank" else None,
-            "rng": rng_state(self._device),
-        }
+        rank_state = {"optimizer": None, "rng": rng_state(self._device)}  # (a per-rank optimizer: older checkpoints)
         weights = {k: Gather(v, keep=self._rank0) for k, v in self._model.state_dict().items()}
         return {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
 

@@ -70,6 +70,7 @@ from finetune.checkpoint.checkpointer import (  # noqa: E402  # noqa: E402
     rng_state,
     set_rng_state,
 )
+from finetune.checkpoint.optimizer_state import restore  # noqa: E402
 from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
 from finetune.data.loading import skip_to  # noqa: E402
 from finetune.data.packing import count_trained_tokens  # noqa: E402
@@ -242,7 +243,9 @@ class FullFinetuneRecipeSingleDevice:
         s = self.settings
         state = resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
         try:
-            self._optim_state.load_state_dict(state["optimizer"])
+            self._optim_state.load_state_dict(
+                restore(state, self._optimizers, self._model, now=s.optimizer.path, log=log)
+            )
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(
                 f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "

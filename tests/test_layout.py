@@ -46,6 +46,7 @@ LAYERS = [
         "finetune.reporting.profiler",
         "finetune.optimizer",
         "finetune.checkpoint.async_save",
+        "finetune.checkpoint.optimizer_state",
         "finetune.launch",
         "finetune.streaming.link",
     },

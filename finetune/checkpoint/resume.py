@@ -14,6 +14,7 @@ from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, load_state_file
 from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
+from finetune.checkpoint.optimizer_state import convertible
 from finetune.data.packing import file_digest
 from finetune.optimizer import TORCH_BACKEND_FLAGS
 
@@ -22,6 +23,7 @@ from finetune.optimizer import TORCH_BACKEND_FLAGS
 # it covers, and why. MUST: a difference is refused (one error line naming the key). WARN: accepted with a warning.
 # FREE: accepted without a word (those rows are not recorded; they are here so every config key has its rule).
 MUST, WARN, FREE = "must match", "may change, with a warning", "may change"
+CONVERT = "may change: the state is converted, with a warning"
 _SAMPLES = "the data position and every later step's samples would differ from the interrupted run's"
 RESUME_TABLE = (
     (
@@ -53,7 +55,16 @@ RESUME_TABLE = (
         f"every sample's tokens: {_SAMPLES}",
     ),
     ("dtype", MUST, ("dtype",), "the weights and the optimizer state were trained and saved in that dtype"),
-    ("optimizer", MUST, ("optimizer",), "the saved optimizer state is that optimizer's"),
+    (
+        "optimizer",
+        CONVERT,
+        ("optimizer",),
+        "another AdamW variant (optimizers.*, torch.optim.AdamW or Adam; torchao.optim's low-bit ones as the "
+        "source) continues from the saved moments, decoded to fp32 and stored in its format, step counts kept: "
+        "the losses differ from the interrupted run's by that rounding. Refused where nothing can carry over: a "
+        "class without a second moment (SGD), bitsandbytes' and CPU offload's own layouts, torchao's as the target "
+        "(its format depends on the shard sizes), amsgrad",
+    ),
     ("optimizer_in_bwd", MUST, ("optimizer_in_bwd",), "the saved optimizer state has that layout"),
     ("lr", MUST, (), "a resume continues the saved lr schedule"),
     (
@@ -61,7 +72,8 @@ RESUME_TABLE = (
         MUST,
         (),
         "the optimizer's settings (weight_decay, betas, eps, ...) are restored with its "
-        "state, so the checkpoint's would silently replace a new value",
+        "state, so the checkpoint's would silently replace a new value (with another optimizer class only "
+        "those AdamW's math shares are compared: another class's own extras may change with it)",
     ),
     (
         "lr_scheduler",
@@ -92,8 +104,9 @@ RESUME_TABLE = (
         "world_size",
         FREE,
         (),
-        "a step of the same size resumes on any number of ranks (a per-rank optimizer "
-        "state, as the low-bit optimizers save, excepted: read_resume refuses another number)",
+        "a step of the same size resumes on any number of ranks: the optimizer state is saved whole, its "
+        "quantized blocks counted from each tensor's first element, whichever recipe and rank count wrote it "
+        "(a per-rank state of an older checkpoint excepted: read_resume refuses another number)",
     ),
     ("model", FREE, ("model",), "the checkpoint's weights must fit it: another size fails when they load"),
     (
@@ -136,6 +149,7 @@ RESUME_TABLE = (
     ),
 )
 RESUME_RULES = {name: (rule, why) for name, rule, _, why in RESUME_TABLE}
+ADAMW_MATH = ("betas", "eps", "weight_decay", "maximize", "amsgrad")  # compared across optimizer classes
 CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
 
 
@@ -249,21 +263,34 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
     and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
     checkpoint did not record (one written before that row existed) is not compared."""
     state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
-    _check_state_format(state, now.get("optimizer"), Path(folder) / RECIPE_STATE_FILE)
     saved, now = dict(state["config"]), dict(now)
+    if saved.get("optimizer", now.get("optimizer")) == now.get("optimizer"):
+        _check_state_format(state, now.get("optimizer"), Path(folder) / RECIPE_STATE_FILE)
     saved_world = saved.get("world_size", 1)
     if state.get("optimizer_layout") == "per_rank" and now.get("world_size", saved_world) != saved_world:
         # (first: with another rank count nothing else can make this checkpoint resume)
         raise BadInput(
             f"resume_from_checkpoint={folder} was saved by {saved_world} ranks and its optimizer state "
-            f"({saved.get('optimizer')}) is quantized per rank shard; resume with --nproc_per_node "
-            f"{saved_world}, or start a new run from its weights with checkpoint_dir=..."
+            f"({saved.get('optimizer')}) is quantized per rank shard (a checkpoint of an older version of this "
+            f"recipe); resume with --nproc_per_node {saved_world}, or start a new run from its weights with "
+            "checkpoint_dir=..."
         )
+    if saved.get("optimizer", now.get("optimizer")) != now.get("optimizer"):  # (CONVERT: optimizer_state.restore)
+        why = convertible(saved["optimizer"], now["optimizer"])
+        if why is not None:
+            raise BadInput(
+                f"optimizer={now['optimizer']} cannot continue the optimizer state of {saved['optimizer']} in "
+                f"resume_from_checkpoint={folder} ({why}); resume with optimizer={saved['optimizer']}, or start a "
+                "new run from its weights with checkpoint_dir=... and no resume_from_checkpoint"
+            )
+        for d in (saved, now):  # another class's own extras may change with it: AdamW's shared math is compared
+            if isinstance(d.get("optimizer_settings"), dict):
+                d["optimizer_settings"] = {k: v for k, v in d["optimizer_settings"].items() if k in ADAMW_MATH}
     for d in (saved, now):  # the samples per step: per rank x accumulation x ranks (1 in the single-device recipe)
         if "batch_size" in d and "gradient_accumulation_steps" in d:
             d["samples_per_step"] = d["batch_size"] * d["gradient_accumulation_steps"] * d.get("world_size", 1)
     for name, (rule, why) in RESUME_RULES.items():
-        if rule == FREE or name not in saved or name not in now:
+        if rule in (FREE, CONVERT) or name not in saved or name not in now:
             continue
         diff = _difference(name, saved, now)
         if diff is None:

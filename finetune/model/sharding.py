@@ -1,13 +1,13 @@
-"""FSDP2's plumbing for the distributed recipe: the process group, rank 0's full weights scattered into the
-shards, and whether an optimizer's state can be gathered into one unsharded state dict."""
+"""FSDP2's plumbing for the distributed recipe: the process group and rank 0's full weights scattered into the
+shards (the optimizer state's shards are gathered and scattered by finetune/checkpoint/optimizer_state.py)."""
 
 import os
 import socket
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torchtune import training
 
 
@@ -39,28 +39,3 @@ def scatter_full_weights(
         )
         del full
     model.load_state_dict(sharded, strict=True, assign=True)
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def optimizer_state_layout(optimizer: torch.optim.Optimizer) -> str:
-    """``"full"`` if the state can be gathered into one unsharded state dict, else ``"per_rank"``.
-
-    torch.optim keeps states shaped like the parameter (DTensors here), which torch's distributed state-dict
-    utilities gather and re-shard for any rank count. Quantized states (ours: codes and block scales of the local
-    shard, in flat buffers) are plain per-rank tensors with no global shape: only the rank that made them can
-    load them.
-    """
-    for t in _tensors(dict(optimizer.state)):
-        if t.dim() > 0 and not isinstance(t, DTensor):
-            return "per_rank"
-    return "full"

@@ -1,0 +1,285 @@
+"""The optimizer state in a checkpoint: one format per optimizer, whatever the rank count that wrote it, and the
+conversion when a resume names another AdamW variant. Part of the checkpoint component (``resume.py`` reads the
+file; the recipes call ``restore`` and ``gather_full``).
+
+The format is what the optimizer's ``state_dict()`` holds on one device: full, unsharded tensors per parameter index
+(torch.optim: tensors shaped like the parameter; ours, ``optimizers.*``: codes and block scales of the whole tensor,
+blocks counted from its first element: ``optimizers/_portable.py``). The single-device recipe writes its optimizer's
+``state_dict()`` (with optimizer_in_bwd, one per parameter name: torchtune's wrapper, or
+``finetune.streaming.StreamedStates``, whose ``state_dict`` is the same); the distributed one gathers the ranks'
+shards into that format on rank 0 (``gather_full``), and every rank takes its shard back out of it (``load_full``),
+for any rank count.
+
+Another optimizer at resume (``convert``): the moments are decoded to fp32 and stored in the new class's format,
+step counts kept, with one warning line. What converts, and what is refused with the reason, is ``convertible``;
+docs/recipes.md ("What may change at a resume") prints the rules.
+"""
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from finetune.base import BadInput
+
+# Optimizers whose state we can read as AdamW moments (exp_avg, exp_avg_sq and a step count) and, as a target, write.
+_TORCH_ADAM = ("torch.optim.AdamW", "torch.optim.Adam")
+_REFUSED = (
+    (
+        "bitsandbytes.",
+        "bitsandbytes keeps its moments in its own layout (state1/state2 with dynamic-map codes, paged buffers), "
+        "which this recipe does not decode",
+    ),
+    (
+        "torchao.optim.CPUOffloadOptimizer",
+        "its state sits in one inner optimizer per parameter on the CPU, a layout of its own",
+    ),
+)
+_TO_TORCHAO = (
+    "torchao's optimizers make their states at their first step and choose per shard whether to quantize (a shard "
+    "whose size is not a multiple of the block keeps fp32), so a converted state would depend on the rank count"
+)
+
+
+def _kind(path: str) -> str:
+    """'ours', 'torch', 'torchao' or 'other' for an optimizer class path."""
+    if path.startswith("optimizers."):
+        return "ours"
+    if path in _TORCH_ADAM:
+        return "torch"
+    if path.startswith("torchao.optim.") and "CPUOffload" not in path:
+        return "torchao"
+    return "other"
+
+
+def convertible(saved: str, now: str) -> Optional[str]:
+    """Why a state written by ``saved`` (a class path) cannot be continued by ``now``, or None if it can. The same
+    class always can; any two of ours and torch's Adam/AdamW can (the same moments, stored differently); torchao's
+    low-bit states convert out but not in; anything else (bitsandbytes, CPU offload, an optimizer without a second
+    moment such as SGD) cannot."""
+    if saved == now:
+        return None
+    for prefix, why in _REFUSED:
+        for path in (saved, now):
+            if path.startswith(prefix):
+                return f"{path}: {why}"
+    if _kind(now) == "torchao":
+        return f"{now}: {_TO_TORCHAO}"
+    for path in (saved, now):
+        if _kind(path) == "other":
+            return (
+                f"{path} is not one of the AdamW variants whose moments carry over (optimizers.*, torch.optim.AdamW "
+                "or Adam, torchao.optim's low-bit ones as the source): with no second moment, or one we cannot "
+                "read, there is nothing to carry"
+            )
+    return None
+
+
+# -- reading and writing one parameter's moments ------------------------------------------------------------------
+
+
+def _our_format(entry: dict, group: dict):
+    """The optimizers.* StateFormat of one saved entry: its group's, or fp32/bf16 for an unscaled entry (tiny
+    tensors keep fp32 states; optimizers.AdamW keeps bf16 or fp32)."""
+    from optimizers._format import format_named
+    from optimizers._unquantized import FORMAT_BF16, FORMAT_FP32
+
+    if "exp_avg_scale" in entry:
+        return format_named(group["state_format"])
+    return FORMAT_FP32 if entry["exp_avg"].dtype == torch.float32 else FORMAT_BF16
+
+
+def _read(entry: dict, group: dict, numel: int) -> Dict[str, torch.Tensor]:
+    """One saved entry as fp32 moments [numel] and its step."""
+    from optimizers import _portable
+
+    if "state_format" in group:
+        out = _portable.moments(entry, _our_format(entry, group), numel)
+    else:
+        if "exp_avg" not in entry or "exp_avg_sq" not in entry:  # (convertible lets only Adam-family classes here)
+            raise BadInput(f"a saved optimizer state has no moments to carry (keys {sorted(entry)})")
+        out = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = entry[key]
+            t = t.dequantize() if type(t) is not torch.Tensor and hasattr(t, "dequantize") else t  # torchao's
+            out[key] = t.detach().float().reshape(-1).cpu()
+    step = entry.get("step", 0)
+    out["step"] = float(step) if not isinstance(step, torch.Tensor) else float(step.float().item())
+    return out
+
+
+def _write(values: Dict[str, torch.Tensor], optimizer, p: torch.Tensor) -> dict:
+    """fp32 moments as ``optimizer``'s entry for parameter ``p`` (full shape: a DTensor's global one)."""
+    step = torch.tensor(values["step"], dtype=torch.float32)
+    if hasattr(optimizer, "_param_format"):  # optimizers.*: the format it gives this tensor (tiny ones: fp32)
+        from optimizers import _portable
+
+        return _portable.encode(values, optimizer._param_format(p), step)
+    return {
+        "step": step,
+        **{k: values[k].to(p.dtype).view(p.shape) for k in ("exp_avg", "exp_avg_sq")},
+    }
+
+
+def _groups(saved_groups: List[dict], optimizer) -> List[dict]:
+    """``optimizer``'s own param groups (its format, its flags) with the saved lr, initial_lr and parameter ids:
+    the schedule continues, the hyper-parameters are the live ones (read_resume checked they match)."""
+    out = []
+    for sg, g in zip(saved_groups, optimizer.param_groups):
+        group = {k: v for k, v in g.items() if k != "params"}
+        group.update({k: sg[k] for k in ("lr", "initial_lr") if k in sg})
+        out.append({**group, "params": list(sg["params"])})
+    return out
+
+
+def convert_one(saved: dict, optimizer, params: List[torch.Tensor]) -> Tuple[dict, int, bool]:
+    """A torch-style state dict (full tensors) of another Adam-family class as ``optimizer``'s, for ``params`` in
+    its order. Returns (state dict, parameters converted, whether compensation buffers were dropped)."""
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise BadInput("the saved optimizer state has another number of param groups than this optimizer")
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    group_of = {i: g for g in saved["param_groups"] for i in g["params"]}
+    state, dropped = {}, False
+    if len(ids) != len(params):
+        raise BadInput(f"the saved optimizer state has {len(ids)} parameters, this model {len(params)}")
+    for pid, p in zip(ids, params):
+        entry = saved["state"].get(pid)
+        if not entry:
+            continue
+        if entry.get("max_exp_avg_sq") is not None or getattr(optimizer, "defaults", {}).get("amsgrad"):
+            raise BadInput("amsgrad's running maximum of v has no counterpart in the other class")
+        dropped |= "error" in entry
+        state[pid] = _write(_read(entry, group_of[pid], p.numel()), optimizer, p)
+    return {"state": state, "param_groups": _groups(saved["param_groups"], optimizer)}, len(state), dropped
+
+
+def _describe(optimizer) -> str:
+    fmt = getattr(optimizer, "format", None)
+    if fmt is not None:
+        return f"{fmt.name} codes" + (f" in blocks of {fmt.block_size}" if fmt.scaled else "")
+    return "tensors in the parameters' dtype"
+
+
+def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, log=None) -> Any:
+    """``state["optimizer"]`` as the live optimizer(s) load it: as saved when the class is the one that saved it,
+    else converted (one warning line). ``optimizers``: the recipe's list (one, or one per parameter with
+    optimizer_in_bwd, in ``model.parameters()`` order)."""
+    saved_path = state.get("config", {}).get("optimizer") or now
+    saved = state["optimizer"]
+    if saved_path == now or saved is None:
+        return saved
+    why = convertible(saved_path, now)
+    if why is not None:  # (read_resume refuses these first; kept for a caller that did not)
+        raise BadInput(f"optimizer={now} cannot continue the state {saved_path} saved: {why}")
+    params = list(model.parameters())
+    if len(optimizers) > 1 or "param_groups" not in saved:  # optimizer_in_bwd: {name: one optimizer's state}
+        names = [n for n, _ in model.named_parameters()]
+        out, count, dropped = {}, 0, False
+        for name, p, opt in zip(names, params, optimizers):
+            out[name], n, d = convert_one(saved[name], opt, [p])
+            count, dropped = count + n, dropped or d
+    else:
+        out, count, dropped = convert_one(saved, optimizers[0], params)
+    if log:  # (None or False: a rank that does not log)
+        log.warning(
+            f"optimizer={now} continues the state {saved_path} saved: the moments of {count} parameters were "
+            f"decoded to fp32 and stored as {_describe(optimizers[0])}, step counts kept"
+            + (" (compensation buffers dropped: under 1 bf16 ulp of each weight)" if dropped else "")
+            + "; the losses will differ from the interrupted run's by the moments' rounding"
+        )
+    return out
+
+
+# -- the distributed recipe: the ranks' shards gathered into that format, and taken back out -----------------------
+
+
+def _is_ours(optimizer) -> bool:
+    return hasattr(optimizer, "_param_format") and hasattr(optimizer, "format")
+
+
+def _span(p: torch.Tensor) -> Tuple[int, int, int]:
+    """(element offset of this rank's shard in the flattened tensor, its element count, the tensor's) for a
+    DTensor sharded on dim 0 (FSDP2), or (0, numel, numel) for a plain tensor."""
+    if not hasattr(p, "device_mesh"):
+        return 0, p.numel(), p.numel()
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not isinstance(pl, (Shard, Replicate)) or (isinstance(pl, Shard) and pl.dim != 0) for pl in p.placements):
+        raise BadInput(f"a parameter sharded as {p.placements} (not on dim 0) has no portable optimizer state")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = math.prod(p.shape[1:])
+    return (offset[0] * row if offset else 0), math.prod(shape), p.numel()
+
+
+def gather_full(model: torch.nn.Module, optimizer, *, main: bool, device: torch.device) -> Optional[dict]:
+    """The full state dict on rank 0 (None on the others), every rank taking part: torch.optim's through torchtune
+    (its states are DTensors), ours by gathering each parameter's shard entries and joining them on the whole
+    tensor's blocks (``optimizers._portable.gather``)."""
+    if not _is_ours(optimizer):
+        from torchtune import training
+
+        return _private(training.get_full_optimizer_state_dict(model, optimizer, main, device), optimizer)
+    from optimizers import _portable
+
+    sd = optimizer.state_dict()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    world = dist.get_world_size()
+    state = {}
+    for i, p in enumerate(params):
+        entry = sd["state"].get(i)
+        off, n, numel = _span(p)
+        mine = None if not entry else {k: v.detach().to("cpu", copy=True) for k, v in entry.items()}
+        pieces = [None] * world if main else None
+        dist.gather_object((off, n, mine), pieces, dst=0)
+        if main and all(e is not None for _, _, e in pieces):
+            state[i] = _portable.gather(pieces, optimizer._param_format(p), numel)
+    return {"state": state, "param_groups": sd["param_groups"]} if main else None
+
+
+def _private(full: Optional[dict], optimizer) -> Optional[dict]:
+    """``full`` with every tensor that shares memory with the optimizer's live state replaced by a copy.
+
+    torch's gather (``get_optimizer_state_dict`` with ``cpu_offload``) copies only what it must: a tensor already on the
+    CPU comes back as itself. So on the CPU the step counts (plain tensors, not shards) and, with one rank, every moment
+    were the live tensors, and a background save (``async_save.Owned``: taken as a private copy) wrote whatever the
+    following optimizer steps had left in them by the time its thread got there: a checkpoint of step 3 resumed with
+    step 4's step count, and its steps 5 and 6 trained other losses (0.3 % off, seen when the machine was loaded)."""
+    if not full:
+        return full
+    live = set()
+    for entry in optimizer.state.values():
+        for v in entry.values():
+            if isinstance(v, torch.Tensor):
+                live.add((v.to_local() if hasattr(v, "to_local") else v).untyped_storage().data_ptr())
+
+    def own(v):
+        shared = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live
+        return v.clone() if shared else v
+
+    full["state"] = {k: {n: own(v) for n, v in entry.items()} for k, entry in full["state"].items()}
+    return full
+
+
+def load_full(model: torch.nn.Module, optimizer, full: dict, device: torch.device) -> None:
+    """Load a full state dict (any rank count's, or one device's) into this rank's shards: torch.optim's through
+    torchtune, ours by taking each parameter's shard out of the whole tensor's blocks (``_portable.shard``)."""
+    if not _is_ours(optimizer):
+        from torchtune import training
+
+        training.load_from_full_optimizer_state_dict(model, optimizer, full, device)
+        return
+    from optimizers import _portable
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in full["param_groups"] for i in g["params"]]
+    if len(ids) != len(params):
+        raise ValueError(f"the saved optimizer state has {len(ids)} parameters, this model {len(params)}")
+    state = {}
+    for pid, p in zip(ids, params):
+        entry = full["state"].get(pid)
+        if entry:
+            off, n, numel = _span(p)
+            state[pid] = _portable.shard(entry, optimizer._param_format(p), numel, off, n)
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
