@@ -12,6 +12,8 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
+from finetune.run_files import keep_wandb_logs_inside
+
 try:
     from lm_eval.models.huggingface import HFLM
 except ImportError as e:  # lm-eval installs its HF backend's dependencies only with the `lm_eval[hf]` extra
@@ -69,7 +71,7 @@ def log_to_wandb(
     logger.post_init(results)
     logger.log_eval_result()
     logger.run.summary.update(values or {})
-    logger.run.finish()
+    finish(logger.run)
 
 
 def scores(results: dict, task: str) -> Dict[str, Any]:
@@ -131,8 +133,27 @@ def log_to_training_run(
         # The folder holding both runs' files (docs/wandb.md, "Offline"): wandb's own hint names this run's folder
         # alone, whose upload before the training run's breaks the merge.
         where["wandb_sync"] = f"wandb sync {Path(run.dir).parent.parent}"
-    run.finish()
+    finish(run)
     return where
+
+
+def finish(run) -> None:
+    """Finish the eval's wandb run and leave its folder complete and self-contained.
+
+    ``run.finish()`` returns once wandb-core has taken the run's last records, but it only informs the service that
+    the run is done (a message, not a request it waits on): the service writes the run-*.wandb file's last records
+    and closes it a moment later. A reader right after the eval, in the same process, could then find the history
+    without the score row (seen under load: a file of 7 bytes, its header only, when finish returned). Stopping the
+    service, once no other run of this process is active, waits for it to close every run's files; the next
+    wandb.init starts a new one (about a second). Then the folder's one link out (``keep_wandb_logs_inside``)
+    becomes a copy."""
+    import wandb
+
+    run_dir = Path(run.dir).parent
+    run.finish()
+    if wandb.run is None:
+        wandb.teardown()
+    keep_wandb_logs_inside(run_dir)
 
 
 def quiet_settings(mode: Optional[str]) -> Dict[str, Any]:

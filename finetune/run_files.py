@@ -13,6 +13,7 @@ Both recipes/ and eval/ use these, so the file names (``metrics.jsonl``'s too) a
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -51,3 +52,16 @@ def read_run_file(checkpoint_dir: Path) -> Optional[Dict[str, Any]]:
     """``{checkpoint_dir}/run.json`` (None for a folder this repository's recipes did not write, or wrote without a
     metric logger)."""
     return read_json(Path(checkpoint_dir) / RUN_FILE)
+
+
+def keep_wandb_logs_inside(run_dir: Path) -> None:
+    """Replace the ``logs/debug-core.log`` of a finished wandb run folder by a copy of what it shows. wandb-core makes
+    it an absolute symlink to its own log in ~/.cache/wandb, so a run folder moved to another machine (to upload it
+    there) would carry a dangling link. Both the fine-tune's run and the eval's call this once their run is
+    finished."""
+    link = Path(run_dir) / "logs" / "debug-core.log"
+    if link.is_symlink():
+        target = link.resolve()
+        link.unlink()
+        if target.is_file():
+            shutil.copyfile(target, link)

@@ -19,9 +19,9 @@ TINY = 1.1754944e-38
 TINY_TL = tl.constexpr(TINY)
 
 
-def inv_absmax(x: torch.Tensor):
-    """Per-row absmax and its reciprocal (0 where the row is all zero). x: [nblk, k]."""
-    absmax = x.abs().amax(dim=1)
+def inv_absmax(x: torch.Tensor, *, is_abs: bool = False):
+    """Per-row absmax and its reciprocal (0 where the row is all zero). x: [nblk, k]; ``is_abs``: x is |x| already."""
+    absmax = (x if is_abs else x.abs()).amax(dim=1)
     inv = torch.where(absmax >= TINY, 1.0 / absmax, 0.0)
     return absmax, inv
 

@@ -40,18 +40,35 @@ def _m_dither(t_base, off, seed):
     return (k + off.to(tl.uint32) * 0x9E3779B1) >> 9
 
 
+_M32 = 0xFFFFFFFF
+_STEPS: dict = {}  # device -> i * 0x9E3779B1 mod 2^32 for i < its length (int64), grown on demand
+
+
+def _steps(n: int, device) -> torch.Tensor:
+    device = torch.device(device or "cpu")
+    t = _STEPS.get(device)
+    if t is None or t.numel() < n:
+        t = _STEPS[device] = (torch.arange(max(n, 1 << 15), dtype=torch.int64, device=device) * 0x9E3779B1) & _M32
+    return t[:n]
+
+
+def _weyl_sum(place: int, n: int, seed: int, seed_mult: int, device=None) -> torch.Tensor:
+    """(place + i) * 0x9E3779B1 + seed * seed_mult for i < n, as int64 in [0, 2^33): the Weyl step both random-bit
+    sources start from, its low 32 bits the kernel's 32-bit value. The per-element part comes from a table made
+    once (the plain path asks for the same chunk lengths every step), the rest is one constant added."""
+    c = ((place & _M32) * 0x9E3779B1 + (seed & _M32) * seed_mult) & _M32
+    return _steps(n, device) + c
+
+
 def _weyl(place: int, n: int, seed: int, seed_mult: int, device=None) -> torch.Tensor:
-    """The Weyl step both random-bit sources start from, in 32-bit arithmetic as the kernel's: (place + i) *
-    0x9E3779B1 + seed * seed_mult for i < n, as int64 values in [0, 2^32)."""
-    M = 0xFFFFFFFF
-    idx = (torch.arange(n, dtype=torch.int64, device=device) + place) & M
-    return (idx * 0x9E3779B1 + (seed & M) * seed_mult) & M
+    """The Weyl step as the kernel's 32-bit arithmetic leaves it: int64 values in [0, 2^32)."""
+    return _weyl_sum(place, n, seed, seed_mult, device) & _M32
 
 
 def m_dither(place: int, n: int, seed: int, device=None) -> torch.Tensor:
-    """The kernel's first-moment dither (``_m_dither``) for a tensor's elements place .. place + n - 1: int64 in
+    """The kernel's first-moment dither (``_m_dither``) for a tensor's elements place .. place + n - 1: int32 in
     [0, 2^23)."""
-    return _weyl(place, n, seed, _M_DITHER_SEED, device) >> 9
+    return ((_weyl_sum(place, n, seed, _M_DITHER_SEED, device) >> 9) & 0x7FFFFF).to(torch.int32)
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, place: int = 0) -> torch.Tensor:

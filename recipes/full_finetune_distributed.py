@@ -331,6 +331,7 @@ class FullFinetuneRecipeDistributed:
     def _train(self) -> None:
         s = self.settings
         params = [p for p in self._model.parameters() if p.requires_grad]
+        self._summary.training_started()
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
             skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
@@ -414,9 +415,8 @@ class FullFinetuneRecipeDistributed:
                 self.global_step += 1
 
                 loss_value = total_loss / total_tokens
-                if self._summary.first is None:  # the optimizer state exists now: size the checkpoint staging
+                if self._summary.step(self.global_step, loss_value):  # the first: size the checkpoint staging
                     self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch, gather_optimizer=False))
-                self._summary.step(self.global_step, loss_value)
                 # Every step is recorded by rank 0 (the terminal gets a line every log_every_n_steps: MetricsLog).
                 record = self._reduced_record(
                     self.global_step,
@@ -432,7 +432,7 @@ class FullFinetuneRecipeDistributed:
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 record.update(self._val.after_step(self.global_step, step_in_epoch))  # (every rank: reduced)
                 if self._rank0:
-                    record.update(self._checkpointer.metrics(since=t0))
+                    record.update(self._checkpointer.metrics(since=t0), **self._summary.first_step_field())
                     self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss, num_tokens = 0.0, 0

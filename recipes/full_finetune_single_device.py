@@ -301,7 +301,7 @@ class FullFinetuneRecipeSingleDevice:
         if s.compile:
             log.info("compile=True: the first steps compile and are slow")
         params = [p for p in self._model.parameters() if p.requires_grad]
-        t_start, first_step_s, first_logged = time.perf_counter(), None, False
+        self._summary.training_started()  # (the first step's time counts from here: compile included)
         timer = StepTimer(self._device)
         for epoch in range(self.epoch, s.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
@@ -366,11 +366,8 @@ class FullFinetuneRecipeSingleDevice:
                 step_in_epoch += 1
                 self.global_step += 1
 
-                self._summary.step(self.global_step, loss_value)
-                if first_step_s is None:
-                    first_step_s = time.perf_counter() - t_start
-                    # The optimizer state exists now: size the checkpoint staging buffers, off this thread.
-                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch))
+                if self._summary.step(self.global_step, loss_value):  # the first: the optimizer state exists now
+                    self._checkpointer.prepare(**self._checkpoint_parts(epoch, step_in_epoch))  # (sizes the staging)
                 # Every step is recorded (metrics.jsonl, the metric logger); the terminal gets a line every
                 # log_every_n_steps (MetricsLog), the bar the loss and tokens/s.
                 opt_ms = None if opt_timer is None else opt_timer.ms()  # (waits for the step's end on a GPU)
@@ -394,9 +391,7 @@ class FullFinetuneRecipeSingleDevice:
                 nonfinite = console.nonfinite_elements(self._optimizers)
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
-                if not first_logged:
-                    record["first_step_s"] = first_step_s  # the first step of this process: compile included
-                    first_logged = True
+                record.update(self._summary.first_step_field())  # (the first record of this process)
                 if s.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
                 record.update(self._checkpointer.metrics(since=t0))

@@ -78,7 +78,22 @@ def set_log_level(log, cfg: DictConfig, show: bool = True) -> None:
             "prints the config) or WARNING"
         )
     log.setLevel(level if show else "WARNING")
+    if not show and not any(isinstance(f, _AtLeast) for f in log.filters):
+        # torchtune's logger is one logger shared by its modules, and several set it to DEBUG when imported
+        # (metric_logging, checkpointing, ...), which the settings' checks of the config's components do after this
+        # call. The other ranks' messages (torchtune's seed line, set before the process group exists, so that each
+        # rank logged it as rank 0) then printed once per rank: a filter holds their floor whatever the level.
+        log.addFilter(_AtLeast(logging.WARNING))
     log.debug("Config:\n" + OmegaConf.to_yaml(cfg))
+
+
+class _AtLeast(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
 
 
 def log_banner(log, recipe_path: str, output_dir: Path) -> None:

@@ -287,6 +287,9 @@ class RunSummary:
         self.metrics_path, self.wandb_dir, self.wandb_run = Path(metrics_path), wandb_dir, wandb_run
         self.first: Optional[tuple] = None  # (step, loss) of the first and last step this process trained
         self.last: Optional[tuple] = None
+        self.first_step_s: Optional[float] = None  # the first step's time, from training_started (compile included)
+        self._t_train: Optional[float] = None
+        self._first_step_recorded = False
         self.saved: List[Path] = []
         self.skipped = 0
         self.stop: Optional[str] = None  # the signal that stopped the run
@@ -295,9 +298,26 @@ class RunSummary:
         self.summary_path: Optional[Path] = None
         self.resume_from: Optional[Path] = None  # stopped without a checkpoint of its own: where to continue from
 
-    def step(self, step: int, loss: float) -> None:
+    def training_started(self) -> None:
+        """The training loop begins: the first step's time (``first_step_s``) counts from here."""
+        self._t_train = time.perf_counter()
+
+    def step(self, step: int, loss: float) -> bool:
+        """A step trained. Returns True for this process's first (the optimizer state exists from then on)."""
         self.last = (step, loss)
-        self.first = self.first or self.last
+        if self.first is not None:
+            return False
+        self.first = self.last
+        self.first_step_s = time.perf_counter() - (self._t_train or self.t_start)
+        return True
+
+    def first_step_field(self) -> Dict[str, float]:
+        """``{"first_step_s": ...}`` for the first metrics record this process writes, {} for the others: the
+        summary's "first step" figure is read from that record (``summary_metrics``)."""
+        if self._first_step_recorded or self.first_step_s is None:
+            return {}
+        self._first_step_recorded = True
+        return {"first_step_s": self.first_step_s}
 
     def saved_checkpoint(self, folder: Path) -> None:
         self.saved = [p for p in self.saved if p != folder] + [folder]

@@ -11,12 +11,13 @@ device otherwise), the variant, and ``packed`` / ``compiled`` / ``in-backward`` 
 import atexit
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from finetune.run_files import keep_wandb_logs_inside
 
 # How a variant is named: ours by the class alone (optimizers.AdamW4bit -> AdamW4bit), the third-party anchors
 # with their library's short name (torch.AdamW, ao.AdamW8bit, bnb.AdamW8bit), anything else with its package's.
@@ -141,12 +142,7 @@ def metric_logger(cfg: DictConfig, log, identity: Dict[str, Any]):
 
         def close_and_copy_core_log():
             close()
-            link = run_dir / "logs" / "debug-core.log"
-            if link.is_symlink():
-                target = link.resolve()
-                link.unlink()
-                if target.is_file():
-                    shutil.copyfile(target, link)
+            keep_wandb_logs_inside(run_dir)
 
         logger.close = close_and_copy_core_log
     return logger, run_dir

@@ -153,6 +153,9 @@ def test_parity_with_lm_eval_hf(tiny_checkpoint, tmp_path):
 
 
 def test_wandb_logging(tmp_path, tiny_checkpoint, monkeypatch):
+    """The eval's own offline run, read as soon as the eval returns: the score row is in its history (the run's file
+    is complete: eval/harness.py's finish), and its folder holds no link out of it (wandb-core's logs/debug-core.log
+    points into ~/.cache/wandb; a folder moved to another machine would carry a dangling link)."""
     from conftest import wandb_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -167,6 +170,8 @@ def test_wandb_logging(tmp_path, tiny_checkpoint, monkeypatch):
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     logged = [row[f"{TASK_NAME}/acc"] for row in wandb_history(run_dir) if f"{TASK_NAME}/acc" in row]
     assert logged == [pytest.approx(score)]
+    assert [p for p in run_dir.rglob("*") if p.is_symlink()] == []
+    assert (run_dir / "logs" / "debug-core.log").stat().st_size > 0
 
 
 def test_one_definition_of_a_checkpoint_folder(tmp_path, tiny_checkpoint):

@@ -658,3 +658,22 @@ def test_kernel_arguments_are_built_in_the_kernels_order():
         1,
     )
     assert list(args) == list(_adamw_kernel.arg_names)
+
+
+def test_the_cpu_step_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    """The plain path's ops run serially on the CPU (an op split across cores waits at a barrier for a descheduled
+    thread on a shared machine: optimizers/_plain.py), and the thread count the rest of training uses is restored."""
+    from optimizers import _plain
+
+    seen, update = [], _plain.update_chunk
+    monkeypatch.setattr(_plain, "update_chunk", lambda *a: seen.append(torch.get_num_threads()) or update(*a))
+    p = torch.nn.Parameter(torch.randn(3 * _plain.chunk_elems(adamw4bit.BLOCK)))
+    p.grad = torch.randn_like(p)
+    opt = optimizers.AdamW4bit([p], backend="torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        opt.step()
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -424,6 +424,25 @@ def test_no_torchao_extensions_warning_in_a_two_rank_run(runs):
     assert "Skipping import of cpp extensions" not in run.stdout + run.stderr
 
 
+def test_one_seed_line_and_the_first_step_figure_with_a_metric_logger(tmp_path):
+    """With the wandb logger (offline), as the README's command runs: torchtune's seed line once (rank 0's), not once
+    per rank (the logger's import had set torchtune's shared logger back to DEBUG on every rank: console.set_log_level),
+    and the closing summary states the first step's time, as the single-device recipe's does, read from the first
+    metrics record."""
+    run = run_distributed(
+        tmp_path / "out",
+        "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
+        "max_steps_per_epoch=2",
+    )
+    assert run.ok, run.stderr[-4000:]
+    output = run.stdout + run.stderr
+    assert output.count("Setting manual seed") == 1, output[-4000:]
+    assert "first_step_s" in run.metrics[0] and all("first_step_s" not in m for m in run.metrics[1:])
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert summary["first_step_s"] == run.metrics[0]["first_step_s"] > 0
+    assert f"first step {summary['first_step_s']:.1f} s" in run.stdout
+
+
 # The launcher that makes a stop signal save (recipes/launch.py): `tune run`'s arguments, SIGTERM and SIGUSR1 its own.
 LAUNCH = [sys.executable, "-m", "recipes.launch"]
 

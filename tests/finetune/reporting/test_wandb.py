@@ -243,15 +243,16 @@ def test_metric_logger_name_group_tags_override_the_defaults():
     ] == ["AdamW4bit", "ao.AdamW8bit", "bnb.PagedAdamW8bit", "my.MyAdamW"]
 
 
-def test_the_training_runs_wandb_folder_holds_no_link_out_of_it(runs):
+def test_the_wandb_folders_hold_no_link_out_of_them(runs):
     """wandb-core links logs/debug-core.log to its log in ~/.cache/wandb by absolute path; a run folder moved to
-    another machine would carry a dangling link. The training run's folder holds a copy instead."""
+    another machine would carry a dangling link. The training run's folder and the eval's beside it hold a copy."""
     for optimizer in VARIANTS:
         folders = sorted((runs[optimizer]["run"].output_dir / "wandb").glob("offline-run-*"))
-        (training,) = [f for f in folders if (f / "files" / "torchtune_config.yaml").is_file()]
-        assert [p for p in training.rglob("*") if p.is_symlink()] == []
-        core_log = training / "logs" / "debug-core.log"
-        assert core_log.is_file() and core_log.stat().st_size > 0
+        assert len(folders) == 2  # the training run's and the eval's (same run id)
+        for folder in folders:
+            assert [p for p in folder.rglob("*") if p.is_symlink()] == []
+            core_log = folder / "logs" / "debug-core.log"
+            assert core_log.is_file() and core_log.stat().st_size > 0
 
 
 def test_wandb_is_silent_offline_and_quiet_online_unless_the_environment_says(monkeypatch):
