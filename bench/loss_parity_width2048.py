@@ -2,6 +2,8 @@
 
     python bench/loss_parity_width2048.py --data-dir /tmp/data \\
         --out bench/results/loss_parity_h200.json --plot docs/loss_parity_h200.png
+    python bench/loss_parity_width2048.py --arch qwen3 --variants ours4_fp8 --data-dir /tmp/data \\
+        --out bench/results/loss_parity_width2048_qwen3_h200.json     # FP8 matmuls on a Qwen3-shaped model
 
 A full fine-tune starts from a trained model and moves it by lr 2e-5 per step; with bf16 weights most of those
 updates are smaller than half a bf16 ulp of the weight and round away. A random-init CPU toy (bench/loss_parity.py)
@@ -11,6 +13,14 @@ that state once per row on identical batches and scores held-out Alpaca records 
 shares the model's tensors (weights are copied back in place), the batches (built once, on the device) and the
 held-out set, so the only difference between rows is the optimizer and the weights' dtype. It runs in one process,
 on a GPU (--device; a CPU does for a toy size such as the test's).
+
+``--arch`` picks the layer (``ARCHS``; the vocabulary stays Llama 2's 32,000, the data's tokenizer): ``llama2`` (the
+default: multi-head attention, heads of 128, the llama2 builder's MLP), or, at the same width and depth, the layer of
+a real model of that width in the families of configs/: ``llama3`` (Llama 3.2 1B's: 32 heads of 64 in 8 key/value
+groups, MLP 8,192, RoPE base 500,000 with Llama 3's scaling, tied embeddings), ``qwen3`` (Qwen3 1.7B's: 16 heads of 128
+in 8 groups, an RMSNorm over each head's query and key, MLP 6,144, base 1e6, tied), ``qwen2`` (Qwen2.5 3B's: 16 heads
+of 128 in 2 groups, biases on q/k/v, MLP 11,008, base 1e6, tied). As in the 7-8B models, the grouped-query key/value
+projections are small enough that FP8 leaves them in bf16.
 
 Rows (--variants, keys; `ref` always runs; default: all but the `_comp`, `_fp8` and `_fp8rw` extras): `ref` (torch fused AdamW, fp32
 master weights), `fused` (the same on bf16 weights), ours (every key of optimizers.VARIANTS, with their defaults),
@@ -44,6 +54,28 @@ import _harness as harness
 import _parity_report as report
 
 REGIME = dict(vocab_size=32000, num_layers=8, num_heads=16, num_kv_heads=16, embed_dim=2048, max_seq_len=512)
+# --arch: (builder, its keywords beyond the vocabulary, depth and width, which --width and --layers set; a description)
+ARCHS = {
+    "llama2": ("torchtune.models.llama2.llama2", {}, "torchtune llama2 builder (Llama2: RMSNorm, RoPE, SwiGLU)"),
+    "llama3": (
+        "torchtune.models.llama3_2.llama3_2",
+        dict(num_heads=32, num_kv_heads=8, intermediate_dim=8192, rope_base=500000, scale_factor=32),
+        "torchtune llama3_2 builder at Llama 3.2 1B's layer (GQA 32/8 heads of 64, RoPE 500,000 scaled, tied)",
+    ),
+    "qwen3": (
+        "finetune.model.builders.qwen3",
+        dict(num_heads=16, num_kv_heads=8, head_dim=128, intermediate_dim=6144, tie_word_embeddings=True),
+        "our qwen3 builder at Qwen3 1.7B's layer (GQA 16/8 heads of 128, q/k RMSNorm before RoPE, base 1e6, tied)",
+    ),
+    "qwen2": (
+        "torchtune.models.qwen2.qwen2",
+        dict(num_heads=16, num_kv_heads=2, intermediate_dim=11008, tie_word_embeddings=True),
+        "torchtune qwen2 builder at Qwen2.5 3B's layer (GQA 16/2 heads of 128, q/k/v biases, base 1e6, tied)",
+    ),
+}
+
+
+ARCH_NAMES = {"llama2": "Llama2", "llama3": "Llama 3", "qwen3": "Qwen3", "qwen2": "Qwen2.5"}
 
 
 def rows() -> tuple:
@@ -91,21 +123,24 @@ class Regime:
     """The shared state of the runs: data on the device, the pre-trained weights, the model."""
 
     def __init__(self, args, device):
+        from torchtune.config._utils import _get_component_from_path
         from torchtune.data import padded_collate_packed, padded_collate_sft
         from torchtune.datasets import alpaca_dataset
-        from torchtune.models.llama2 import llama2, llama2_tokenizer
+        from torchtune.models.llama2 import llama2_tokenizer
 
         from finetune.data.packing import PackedSFTDataset, TokenizedSamples
 
         self.args, self.device = args, device
-        shape = dict(
-            REGIME,
-            embed_dim=args.width,
-            num_layers=args.layers,
-            num_heads=args.width // 128,
-            num_kv_heads=args.width // 128,
-            max_seq_len=args.seq_len,
-        )
+        builder, arch, _ = ARCHS[args.arch]
+        shape = {
+            **REGIME,
+            "embed_dim": args.width,
+            "num_layers": args.layers,
+            "num_heads": args.width // 128,
+            "num_kv_heads": args.width // 128,
+            "max_seq_len": args.seq_len,
+            **arch,
+        }
         self.shape = shape
         data_dir = harness.repo_path(args.data_dir)
         data_file = str(data_dir / "alpaca" / "alpaca_data.json")
@@ -157,7 +192,7 @@ class Regime:
         )
         torch.manual_seed(args.seed)
         with torch.device(device):
-            self.model = llama2(**shape)
+            self.model = _get_component_from_path(builder)(**shape)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.dtype = torch.float32
         self.fp32_buffers = {name: buf.detach().clone() for name, buf in self.model.named_buffers()}
@@ -256,7 +291,8 @@ def parse_args(argv: Optional[List[str]] = None):
     )
     parser.add_argument("--plot", default=None, help="plot PNG (default: beside --out)")
     parser.add_argument("--replot", metavar="JSON", default=None, help="run nothing: redraw --plot from a results JSON")
-    parser.add_argument("--width", type=int, default=2048, help="model width (heads of 128)")
+    parser.add_argument("--arch", default="llama2", choices=list(ARCHS), help="the layer's shape (ARCHS)")
+    parser.add_argument("--width", type=int, default=2048, help="model width (llama2: heads of 128)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512, help="pack length")
     parser.add_argument("--batch", type=int, default=16, help="packed rows per fine-tune step")
@@ -310,17 +346,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
 
     title = (
-        f"Alpaca, Llama2 architecture {args.layers} x {args.width} ({reg.n_params / 1e9:.2f} B), fine-tuned at "
-        f"lr {args.lr:g} from a pre-trained state: {args.steps} steps of {args.batch} x {args.seq_len} tokens"
+        f"Alpaca, {ARCH_NAMES[args.arch]} architecture {args.layers} x {args.width} ({reg.n_params / 1e9:.2f} B), "
+        f"fine-tuned at lr {args.lr:g} from a pre-trained state: {args.steps} steps of {args.batch} x {args.seq_len} "
+        "tokens"
     )
     doc = {
         **prov,
         "title": title,
         "model": dict(
             reg.shape,
-            architecture="torchtune llama2 builder (Llama2: RMSNorm, RoPE, SwiGLU)",
+            architecture=ARCHS[args.arch][2],
             intermediate_dim=reg.model.layers[0].mlp.w1.weight.shape[0],
         ),
+        "arch": args.arch,
         "width": args.width,
         "parameters": reg.n_params,
         "steps": args.steps,

@@ -3,6 +3,7 @@
     python bench/model_families.py --data-dir /tmp/data --stock-dir .devsite/site/recipes \\
         --out bench/results/model_families_e2e_h200.json            # every family, over every visible GPU
     python bench/model_families.py --families qwen3_8b,mistral_7b --only ours_80gb,stock ...   # a subset
+    python bench/model_families.py --families llama3_1_8b --classes 80gb ...   # one class: its bf16, FP8, stock rows
     python bench/model_families.py ... --loss-rows --candidates   # also the loss paths, the configs' alternatives
     python bench/model_families.py --toy --stock-dir <torchtune's recipes folder>           # CPU: tiny models, seconds
 
@@ -17,20 +18,23 @@ six families on an 8-GPU host run side by side; on one GPU they run one after an
    every format, so both recipes train on the same tokens;
 2. the rows, each one fresh process for ``--steps`` optimizer steps, stopped once its last step is logged (as
    bench/e2e.py does): ours, ``configs/<family>/<size>_full_<class>.yaml`` capped at its class
-   (``device_memory_limit_gib``); the stock row, torchtune 0.6.1's own single-device recipe and config for the family
-   at the flags that fit 80 GB (``STOCK_ROWS``); and with ``--loss-rows``, the smaller-class config with each loss
-   (``finetune.model.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's ``CEWithChunkedOutputLoss``),
-   uncapped, on a GPU of their own;
+   (``device_memory_limit_gib``), and its FP8 twin ``<size>_full_<class>_fp8.yaml`` (FP8 matmuls and varlen
+   attention; row ``ours_<class>_fp8``) at the same cap; the stock row, torchtune 0.6.1's own single-device recipe and
+   config for the family at the flags that fit 80 GB (``STOCK_ROWS``); and with ``--loss-rows``, the smaller-class
+   config with each loss (``finetune.model.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's
+   ``CEWithChunkedOutputLoss``), uncapped, on a GPU of their own;
 3. the checkpoint is deleted before the worker's next family (a 7-8B one is 15-16 GB; the device disk is 64 GB).
 
 The JSON (``--out``; rewritten after every row) opens with the command, hardware, versions, date and commit
 (bench/_harness.py); per row: ``family``, ``config``, ``memory_class``, ``device_memory_limit_gib``, ``kind`` (ours /
 stock / loss), ``variant`` (the AdamW and the loss), ``tok_s`` (median trained tokens/s of the steps after
 ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``, ``mfu`` (6 x parameters x tok_s / 989 TFLOP/s),
-``vs_stock`` (over the family's stock row of the same invocation), ``first_step_s``, ``losses``, ``command``.
+``vs_stock`` (over the family's stock row of the same invocation), ``vs_bf16`` (an FP8 row: over the bf16 row of its
+class in the same invocation), ``first_step_s``, ``losses``, ``command``.
 
 ``--toy`` is the same pipeline on the CPU with 2-layer width-64 models and 3 steps (tests/bench/test_model_families.py
-runs it): a check of the machinery, not a measurement.
+runs it): a check of the machinery, not a measurement (flex attention, since varlen is CUDA's; the FP8 rows' matmuls
+emulated, and at width 64 no layer is large enough to convert).
 """
 
 from __future__ import annotations
@@ -373,6 +377,9 @@ LOSSES = {
 # --candidates: alternatives a class's config was chosen against, where one might be faster and still fit (the 3B
 # models at 24 GiB: half the batch with every activation kept, against the whole batch recomputed).
 CANDIDATES = {"24gb": {"bs8_no_ac": ["batch_size=8", "enable_activation_checkpointing=False"]}}
+# ... and of the FP8 twins (rows ours_<class>_fp8_<name>): flex attention, the share of varlen in the FP8 row's gain.
+FP8_CANDIDATES = {"flex": ["packed_attention=flex"]}
+FP8 = "_fp8"  # an FP8 twin: configs/<family>/<size>_full_<class>_fp8.yaml, row ours_<class>_fp8
 
 
 @dataclass
@@ -386,14 +393,24 @@ class Row:
 
 
 def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = False) -> List[Row]:
+    """The rows of ``kinds`` (ours: the bf16 configs; fp8: their FP8 twins; stock), class by class."""
     rows = []
-    if "ours" in kinds:
-        rows += [Row(f"ours_{c}", "ours", cfg, c, [], CLASS_GIB[c]) for c, cfg in spec.configs.items()]
+    for c, cfg in spec.configs.items():
+        if "ours" in kinds:
+            rows.append(Row(f"ours_{c}", "ours", cfg, c, [], CLASS_GIB[c]))
+        if "fp8" in kinds:
+            rows.append(Row(f"ours_{c}{FP8}", "ours", cfg + FP8, c, [], CLASS_GIB[c]))
     if "ours" in kinds and candidates:
         rows += [
             Row(f"ours_{c}_{name}", "ours", cfg, c, flags, CLASS_GIB[c])
             for c, cfg in spec.configs.items()
             for name, flags in CANDIDATES.get(c, {}).items()
+        ]
+    if "fp8" in kinds and candidates:
+        rows += [
+            Row(f"ours_{c}{FP8}_{name}", "ours", cfg + FP8, c, flags, CLASS_GIB[c])
+            for c, cfg in spec.configs.items()
+            for name, flags in FP8_CANDIDATES.items()
         ]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
@@ -452,6 +469,7 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
             "compile=False",
             "batch_size=2",
             "tokenizer.max_seq_len=128",
+            "packed_attention=flex",  # (varlen is CUDA's)
             *model_overrides(spec, json.loads((ck / "config.json").read_text())),
         ]
     )
@@ -474,7 +492,8 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
 
 
 def variant(row: Row, cmd: List[str]) -> str:
-    """The AdamW and the loss the row ran (its config's, or the overrides')."""
+    """The AdamW and the loss the row ran (its config's, or the overrides'), and its FP8 recipe and attention where
+    they are not bf16 matmuls and flex attention."""
     from omegaconf import OmegaConf
 
     if row.kind == "stock":
@@ -484,13 +503,21 @@ def variant(row: Row, cmd: List[str]) -> str:
     cfg = OmegaConf.merge(
         cfg,
         OmegaConf.from_dotlist(
-            [o for o in cmd if "=" in o and not o.startswith("~") and o.split("=")[0].startswith(("optimizer", "loss"))]
+            [
+                o
+                for o in cmd
+                if "=" in o
+                and not o.startswith("~")
+                and o.split("=")[0].startswith(("optimizer", "loss", "fp8", "packed_attention"))
+            ]
         ),
     )
     for deleted in [o[1:] for o in cmd if o.startswith("~loss.")]:
         cfg.loss.pop(deleted.split(".", 1)[1], None)
     loss = cfg.loss._component_.rsplit(".", 1)[1] + (f"({cfg.loss.impl})" if cfg.loss.get("impl") else "")
-    return f"{cfg.optimizer._component_} + {loss}"
+    extras = [f"fp8={cfg.fp8}"] if cfg.get("fp8") else []
+    extras += [f"packed_attention={cfg.packed_attention}"] if cfg.get("packed_attention", "flex") != "flex" else []
+    return f"{cfg.optimizer._component_} + {loss}" + "".join(f" + {e}" for e in extras)
 
 
 def read_records(kind: str, out: Path) -> List[dict]:
@@ -557,11 +584,16 @@ class Job:
 
 
 def jobs_of(args) -> List[Job]:
-    """One job per family (its ours and stock rows); --loss-rows add one per loss family, on a GPU of its own."""
+    """One job per family (its ours, FP8 and stock rows); --loss-rows add one per loss family, on a GPU of its own."""
     jobs = []
     for key in args.names:
         spec = SPECS[key]
-        rows = [r for r in rows_of(spec, args.kinds, False, args.candidates) if not args.only or r.name in args.only]
+        rows = [
+            r
+            for r in rows_of(spec, args.kinds, False, args.candidates)
+            if (not args.only or r.name in args.only)
+            and (not args.classes or r.kind != "ours" or r.memory_class in args.classes)
+        ]
         if rows:
             jobs.append(Job(key, spec, rows))
         if args.loss_rows and key in args.loss_families:
@@ -638,7 +670,14 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
 
 
 def finish(records: List[dict]) -> None:
-    """vs_stock: over the fastest stock row of the family that finished within 80 GiB reserved."""
+    """vs_stock: over the fastest stock row of the family that finished within 80 GiB reserved; vs_bf16 (an FP8
+    row): over the bf16 row of its class (ours_<class>_fp8[_<candidate>] over ours_<class>)."""
+    for r in records:
+        if FP8 in r.get("name", "") and not r.get("error"):
+            bf16 = f"ours_{r['memory_class']}"
+            base = [s for s in records if s["family"] == r["family"] and s.get("name") == bf16 and not s.get("error")]
+            if base:
+                r["vs_bf16"] = round(r["tok_s"] / base[0]["tok_s"], 3)
     for r in records:
         stock = [
             s
@@ -657,7 +696,7 @@ def table(records: List[dict]) -> str:
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append([r["family"], r.get("name", ""), "", f"error: {r['error'][:100]}", "", "", ""])
+            rows.append([r["family"], r.get("name", ""), "", f"error: {r['error'][:100]}", "", "", "", ""])
             continue
         rows.append(
             [
@@ -666,12 +705,13 @@ def table(records: List[dict]) -> str:
                 r["variant"],
                 f"{r['tok_s']:,.0f}",
                 f"{r['vs_stock']:.2f}x" if r.get("vs_stock") else "-",
+                f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-",
                 f"{r['mfu']:.2f}",
                 f"{r['peak_gib']} / {r['peak_reserved_gib']} (cap {r['device_memory_limit_gib']})",
             ]
         )
     return harness.table(
-        ["family", "row", "AdamW + loss", "tokens/s", "vs stock", "MFU", "peak alloc / reserved GiB"], rows
+        ["family", "row", "AdamW + loss", "tokens/s", "vs stock", "vs bf16", "MFU", "peak alloc / reserved GiB"], rows
     )
 
 
@@ -692,7 +732,16 @@ def gpus(toy: bool) -> List[Optional[int]]:
 def parse_args(argv: Optional[List[str]] = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(SPECS), help=f"comma-separated, of: {', '.join(SPECS)}")
-    ap.add_argument("--rows", default="ours,stock", help="ours, stock, or both (comma-separated)")
+    ap.add_argument(
+        "--rows",
+        default="ours,fp8,stock",
+        help="ours (the bf16 configs), fp8 (their _fp8 twins), stock; comma-separated",
+    )
+    ap.add_argument(
+        "--classes",
+        default="",
+        help="only our rows of these memory classes (e.g. 80gb or 32gb,24gb); default all. Stock rows are not filtered",
+    )
     ap.add_argument(
         "--loss-rows",
         action="store_true",
@@ -726,6 +775,13 @@ def parse_args(argv: Optional[List[str]] = None):
     args.kinds = [k for k in args.rows.split(",") if k]
     args.loss_families = args.loss_families.split(",")
     args.only = [r for r in args.only.split(",") if r]
+    args.classes = [c for c in args.classes.split(",") if c]
+    unknown = sorted(set(args.classes) - set(CLASS_GIB)) + sorted(set(args.kinds) - {"ours", "fp8", "stock"})
+    if unknown:
+        ap.error(
+            f"unknown --classes / --rows value(s) {', '.join(unknown)}: "
+            f"classes {', '.join(CLASS_GIB)}; rows ours, fp8, stock"
+        )
     if args.toy:
         args.steps, args.skip_steps, args.bpe_size, args.split = min(args.steps, 3), 1, TOY_BPE_SIZE, "train[:200]"
     if "stock" in args.kinds and not args.stock_dir and not args.make_checkpoint:

@@ -1,5 +1,6 @@
-"""bench/model_families.py: its CPU toy mode end to end (checkpoint, our row, torchtune's stock row, the JSON), the
-stand-in tokenizer being one BPE in every format, and the parameter counts its MFU uses."""
+"""bench/model_families.py: its CPU toy mode end to end (checkpoint, our row, its FP8 twin, torchtune's stock row, the
+JSON), the rows a command line picks, the stand-in tokenizer being one BPE in every format, and the parameter counts
+its MFU uses."""
 
 import json
 import subprocess
@@ -44,7 +45,7 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
         "--families",
         "llama3_2_3b",
         "--only",
-        "ours_24gb,stock",
+        "ours_24gb,ours_24gb_fp8,stock",
         "--stock-dir",
         str(STOCK_DIR),
         "--data-dir",
@@ -60,7 +61,7 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python bench/model_families.py --toy") and doc["hardware"] and doc["date"]
     records = {r["name"]: r for r in doc["records"]}
-    assert set(records) == {"ours_24gb", "stock"}, records
+    assert set(records) == {"ours_24gb", "ours_24gb_fp8", "stock"}, records
     for r in records.values():
         assert KEYS <= set(r) and not r.get("error"), r
         assert r["family"] == "llama3_2_3b" and r["tok_s"] > 0 and len(r["losses"]) == 3
@@ -72,7 +73,44 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
     assert stock["kind"] == "stock" and stock["config"] == "llama3_2/3B_full_single_device" and stock["vs_stock"] == 1.0
     assert "full_finetune_single_device.py" in stock["command"] and "optimizer_in_bwd=True" in stock["command"]
     assert ours["vs_stock"] == pytest.approx(ours["tok_s"] / stock["tok_s"], rel=1e-2)
+    # The FP8 twin: its own config at the same cap, named in the variant, and its speed over the bf16 row beside it
+    # (on the CPU, flex attention instead of varlen, the command's last word).
+    fp8 = records["ours_24gb_fp8"]
+    assert fp8["config"] == "llama3_2/3B_full_24gb_fp8" and fp8["device_memory_limit_gib"] == 24
+    assert fp8["variant"] == "optimizers.AdamW4bit + LinearCrossEntropyLoss(auto) + fp8=tensorwise"
+    assert fp8["vs_bf16"] == pytest.approx(fp8["tok_s"] / ours["tok_s"], rel=1e-2) and "vs_bf16" not in ours
     assert not (work / "checkpoints" / "llama3_2_3b").exists()  # deleted before the next family
+
+
+@pytest.mark.parametrize(
+    "argv, rows",
+    [
+        (  # the default: per class the bf16 config and its FP8 twin, then the stock rows
+            "--families llama3_1_8b",
+            "ours_80gb ours_80gb_fp8 ours_32gb ours_32gb_fp8 stock stock_8bit",
+        ),
+        ("--families qwen3_8b --classes 32gb", "ours_32gb ours_32gb_fp8"),  # (no stock recipe for Qwen3)
+        ("--families qwen2_5_3b --classes 80gb --rows fp8,stock --only ours_80gb_fp8,stock", "ours_80gb_fp8 stock"),
+        (
+            "--families mistral_7b --rows fp8 --candidates",
+            "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_32gb_fp8_flex",
+        ),
+    ],
+)
+def test_the_command_line_picks_the_rows(argv, rows):
+    args = mf.parse_args([*argv.split(), "--stock-dir", str(STOCK_DIR)])
+    (job,) = mf.jobs_of(args)
+    assert [r.name for r in job.rows] == rows.split()
+    for r in job.rows:
+        if r.kind == "ours":
+            assert r.config == job.spec.configs[r.memory_class] + ("_fp8" if "_fp8" in r.name else "")
+            assert r.cap == mf.CLASS_GIB[r.memory_class] and (REPO_ROOT / "configs" / f"{r.config}.yaml").is_file()
+
+
+def test_a_class_or_row_kind_that_does_not_exist_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        mf.parse_args(["--classes", "40gb", "--rows", "ours"])
+    assert e.value.code == 2 and "unknown --classes / --rows value(s) 40gb" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key", ["llama3_1_8b", "qwen2_5_7b"])

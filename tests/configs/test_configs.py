@@ -1,6 +1,7 @@
 """Every YAML in configs/ loads, resolves and names importable components; the fine-tune
 configs also instantiate their parts (the 7B model on the meta device, no weights needed)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,74 @@ def test_7b_config_is_the_real_job(tmp_path):
     assert (cfg.batch_size, cfg.epochs, cfg.dtype) == (16, 1, "bf16")
     assert cfg.enable_activation_checkpointing is True
     assert cfg.optimizer._component_ == "torch.optim.AdamW" and cfg.optimizer.fused is True
+
+
+# -- the FP8 twins ---------------------------------------------------------------------------------------------------
+
+CLASS_CONFIGS = sorted(p for p in ALL_CONFIGS if re.fullmatch(r"\w+_full_\d+gb", p.stem))
+
+
+def twin(path: Path) -> Path:
+    return path.with_name(f"{path.stem}_fp8.yaml")
+
+
+@pytest.mark.parametrize("path", CLASS_CONFIGS, ids=str)
+def test_every_memory_class_config_has_an_fp8_twin_that_differs_only_in_its_matmuls(path):
+    """``<size>_full_<class>_fp8.yaml`` beside each class config: the same run with FP8 matmuls and FlashAttention's
+    varlen kernel, written to its own output folder, and nothing else changed (a setting fixed in one and forgotten in
+    the other shows here)."""
+    bf16, fp8 = (OmegaConf.to_container(OmegaConf.load(REPO_ROOT / p)) for p in (path, twin(path)))
+    assert fp8.pop("fp8") == "tensorwise" and fp8.pop("packed_attention") == "varlen"
+    assert fp8.pop("output_dir") == bf16.pop("output_dir") + "-fp8"
+    bf16.pop("fp8", None), bf16.pop("packed_attention", None)
+    assert fp8 == bf16
+
+
+@pytest.mark.parametrize("path", [twin(p) for p in CLASS_CONFIGS], ids=str)
+def test_an_fp8_twin_runs_on_fp8_tensor_cores_and_is_refused_before_them(path, monkeypatch):
+    """On a GPU of compute capability 9.0 (a stand-in: there is none here) the twin's fp8 and packed_attention are
+    accepted as written; an A100 (8.0) is told to use the bf16 config's matmuls, before any work."""
+    from finetune.base import BadInput
+    from finetune.model import attention
+    from finetune.settings import read_fp8, read_packed_attention
+
+    cfg = OmegaConf.load(REPO_ROOT / path)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+    monkeypatch.setattr(attention, "varlen_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert read_fp8(cfg, cuda, compile_=cfg.compile) == "tensorwise"
+    assert read_packed_attention(cfg, cuda, packed=cfg.dataset.packed) == "varlen"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(BadInput, match="compute capability 8.9 or later.*set fp8=null"):
+        read_fp8(cfg, cuda, compile_=cfg.compile)
+
+
+@pytest.mark.parametrize("path", [twin(p) for p in CLASS_CONFIGS if "llama2" not in str(p)], ids=str)
+def test_an_fp8_twin_converts_the_query_output_and_mlp_projections_of_its_model(path):
+    """The model the twin names, at its real shapes on the meta device, through the recipe's conversion: in every
+    layer the query, output and MLP projections run in FP8; the grouped-query key/value projections (at most 1,024
+    wide) stay bf16, and so do Qwen3's q/k norms, the embedding and the output layer (tied to the embedding in the 3B
+    models). Qwen2.5's q bias stays on its (converted) projection, the same Parameter."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtune.modules import RMSNorm, TiedLinear
+
+    from finetune.model.prepare import convert_to_fp8
+
+    cfg = OmegaConf.load(REPO_ROOT / path)
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    params = dict(model.named_parameters())
+    assert convert_to_fp8(model, cfg.fp8) == 5 * len(model.layers)
+    for layer in model.layers:
+        attn, mlp = layer.attn, layer.mlp
+        assert all(isinstance(m, Float8Linear) for m in (attn.q_proj, attn.output_proj, mlp.w1, mlp.w2, mlp.w3))
+        assert type(attn.k_proj) is torch.nn.Linear and type(attn.v_proj) is torch.nn.Linear
+        assert attn.k_proj.weight.shape[0] <= 1024
+        assert (attn.q_proj.bias is not None) == ("qwen2_5" in str(path))
+        if "qwen3" in str(path):
+            assert isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+    tied = cfg.model._component_.endswith("_3b")
+    assert type(model.output) is (TiedLinear if tied else torch.nn.Linear)
+    assert type(model.tok_embeddings) is torch.nn.Embedding
+    assert dict(model.named_parameters()) == params  # the same Parameter objects: optimizer and checkpoint unchanged

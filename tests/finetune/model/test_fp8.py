@@ -136,3 +136,54 @@ def test_gpu_fp8_with_compile_in_backward_and_checkpointing(gpu_bf16_run, tmp_pa
     assert fp8.losses == pytest.approx(gpu_bf16_run.losses, rel=3e-2)
     graphs = [m["compiled_graphs"] for m in fp8.metrics]
     assert graphs[-1] == graphs[1], graphs  # nothing recompiles after the first steps
+
+
+# The other families' layers under FP8 (configs/<family>/*_fp8.yaml): support.py's toys of Qwen2.5 3B (q/k/v biases,
+# tied embeddings) and Qwen3 8B (q/k norms), built by the recipe's builders, widened until torchao's thresholds let
+# their layers convert: queries of 4 x 272 = 1,088 (out > 1,024), an MLP of 1,040.
+@pytest.mark.parametrize(
+    "key, width, converted",
+    [
+        ("qwen2_5_3b", 1088, ["q_proj", "output_proj", "w1", "w2", "w3"]),  # (1,088 / 4 heads: heads of 272)
+        ("qwen3_8b", 256, ["q_proj", "w1", "w3"]),  # (heads of 272 on a 256 residual: the output stays small)
+    ],
+)
+def test_biases_qk_norms_and_tied_embeddings_train_under_fp8(key, width, converted):
+    """The converted query projection keeps its bias (the same Parameter) and Qwen3's q/k norms act on its output;
+    the 544-wide key/value projections, the norms, the embedding and the output layer tied to it stay as they were.
+    A forward and backward on the CPU (FP8 emulated) agree with the unconverted model within FP8's rounding, and the
+    bias, the norms and the tied embedding get gradients."""
+    import copy
+
+    from torchtune.config._utils import _get_component_from_path
+
+    import support
+    from finetune.model.prepare import convert_to_fp8
+
+    toy = support.TOYS[key]
+    sizes = dict(vocab_size=1024, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=128)
+    torch.manual_seed(0)
+    extra = dict(toy.builder_extra, **({"head_dim": 272} if key == "qwen3_8b" else {}))
+    plain = _get_component_from_path(toy.sizes_builder)(**sizes, intermediate_dim=1040, **extra)
+    model = copy.deepcopy(plain)
+    params = dict(model.named_parameters())
+    assert convert_to_fp8(model, "tensorwise") == len(converted) * 2
+    layer = model.layers[0]
+    modules = {"q_proj": layer.attn.q_proj, "output_proj": layer.attn.output_proj, **dict(layer.mlp.named_children())}
+    assert sorted(n for n, m in modules.items() if type(m).__name__ == "Float8Linear") == sorted(converted)
+    assert type(layer.attn.k_proj) is torch.nn.Linear and layer.attn.k_proj.weight.shape[0] == 544
+    assert dict(model.named_parameters()) == params
+    if key == "qwen2_5_3b":
+        assert layer.attn.q_proj.bias is params["layers.0.attn.q_proj.bias"]
+        assert model.output.tied_module is model.tok_embeddings
+    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (plain, model):
+        logits = m(tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 1024), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] != losses[0] and losses[1] == pytest.approx(losses[0], rel=2e-2)
+    grads = [model.tok_embeddings.weight.grad]
+    grads += [layer.attn.q_proj.bias.grad] if key == "qwen2_5_3b" else [layer.attn.q_norm.scale.grad]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
