@@ -122,6 +122,25 @@ ROWS: Dict[str, tuple] = {
     # the same with the fused output loss (measured slower than the configs' chunked one)
     "ours_16gb_fused_ce": ("ours", "7B_full_16gb", FUSED_CE, "16gb"),
     "ours_16gb_fp8_fused_ce": ("ours", "7B_full_16gb_fp8", FUSED_CE, "16gb"),
+    # Weights in host memory too (stream_layers): the 12 GB class, and at 16 GB the same memory spent on keeping
+    # the saved activations on the GPU instead of offloading them.
+    "ours_12gb_fp8": ("ours", "7B_full_12gb_fp8", [], "12gb"),
+    "ours_12gb_fp8_s12": ("ours", "7B_full_12gb_fp8", ["stream_layers=12"], "12gb"),
+    "ours_12gb_fp8_s16": ("ours", "7B_full_12gb_fp8", ["stream_layers=16"], "12gb"),
+    "ours_16gb_fp8_s6": ("ours", "7B_full_16gb_fp8", ["stream_layers=6"], "16gb"),
+    "ours_16gb_s6": ("ours", "7B_full_16gb", ["stream_layers=6"], "16gb"),
+    "ours_16gb_fp8_s6_resident_acts": (
+        "ours",
+        "7B_full_16gb_fp8",
+        ["stream_layers=6", "enable_activation_offloading=False"],
+        "16gb",
+    ),
+    "ours_16gb_fp8_s8_resident_acts": (
+        "ours",
+        "7B_full_16gb_fp8",
+        ["stream_layers=8", "enable_activation_offloading=False"],
+        "16gb",
+    ),
     # device_memory_limit_gib caps the allocator at the class's size: a row that completes fits that card.
     "ours_80gb": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80"], "80gb"),
     "ours_80gb_8bit": (
@@ -158,7 +177,7 @@ ROWS: Dict[str, tuple] = {
     ),
 }
 # The stock row each class is compared with: torchtune's low-memory recipe (14.9 GiB reserved) for 16 GB too.
-ANCHOR = {"80gb": "stock_80gb", "24gb": "stock_low_memory", "16gb": "stock_low_memory"}
+ANCHOR = {"80gb": "stock_80gb", "24gb": "stock_low_memory", "16gb": "stock_low_memory", "12gb": "stock_low_memory"}
 
 
 def make_checkpoint(folder: Path, tokenizer: Path) -> None:
@@ -273,7 +292,7 @@ def run_row(name: str, args, runs: Path) -> dict:
         row["compiled_graphs"] = graphs
         row["recompiles_after_step_2"] = graphs[-1] - graphs[min(1, len(graphs) - 1)]
     if "host_copy_gb" in records[-1]:  # streamed states: what crossed the link, and what the GPU waited for it
-        row.update(streaming(steady))
+        row.update(streaming(steady, activation_offload_gb(config, overrides)))
     log_text = (out / "log.txt").read_text(errors="replace")
     m = re.search(r"Packed (\d+) samples into (\d+) rows of (\d+) tokens \(([\d.]+)% filled", log_text)
     if m:
@@ -284,20 +303,43 @@ def run_row(name: str, args, runs: Path) -> dict:
 PCIE4_GBPS = 25.0  # PCIe 4.0 x16, each way (a 4080, a 4060 Ti's x8 link is half that)
 
 
-def streaming(steady: List[dict]) -> dict:
-    """A streamed row's link figures (medians over the steady steps): GB copied per step (both ways, about half
-    each way), the ms the GPU waited on copies, and the step time projected at PCIe 4.0 x16. The projection takes
-    the step's own compute (step time less the wait) and the copies' time at 25 GB/s each way, and assumes, as on
-    the measured link, that copies overlap compute: step = max(compute, copy). It leaves out torchtune's activation
-    offloading traffic, which this recipe does not count."""
-    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+LAYERS, DIM = 32, 4096  # Llama2-7B
+
+
+def activation_offload_gb(config: str, overrides: List[str]) -> float:
+    """GB that torchtune's activation offloading moves each way per step for one of our rows: with every layer
+    checkpointed, each layer's saved input (batch x sequence x dim, bf16) goes to the host in forward and back in
+    backward. Computed from the config (the recipe does not count torchtune's copies); 0 without offloading."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs" / "llama2" / f"{config}.yaml"),
+        OmegaConf.from_dotlist([o for o in overrides if "=" in o and not o.startswith("~")]),
+    )
+    if not (cfg.get("enable_activation_offloading") and cfg.get("enable_activation_checkpointing")):
+        return 0.0
+    return LAYERS * cfg.batch_size * cfg.tokenizer.max_seq_len * DIM * 2 / 1e9
+
+
+def streaming(steady: List[dict], offload_gb: float = 0.0) -> dict:
+    """A streamed row's link figures (medians over the steady steps): GB copied per step (both ways), the ms the GPU
+    waited on copies, and the step time projected at PCIe 4.0 x16. The projection takes the step's own compute (step
+    time less the wait) and the busier direction's copies (host to GPU) at 25 GB/s, and assumes, as on
+    the measured link, that copies overlap compute: step = max(compute, copy). torchtune's activation offloading
+    (``offload_gb`` each way, computed from the config: ``activation_offload_gb``) shares the link and is added."""
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
     gb, wait_s, step_s = med("host_copy_gb"), med("copy_wait_ms") / 1e3, med("step_time_s")
+    # States cross once each way; streamed weights (stream_layers) twice up (forward, backward) and once down.
+    weights_gb = med("weights_copy_gb")
+    up_gb = (gb - weights_gb) / 2 + weights_gb * 2 / 3 + offload_gb
     compute_s = step_s - wait_s
-    pcie4_s = max(compute_s, gb / 2 / PCIE4_GBPS)
+    pcie4_s = max(compute_s, up_gb / PCIE4_GBPS)
     return {
         "host_copy_gb_per_step": round(gb, 2),
+        "weights_copy_gb_per_step": round(weights_gb, 2),
+        "activation_offload_gb_per_step": round(2 * offload_gb, 2),  # (both ways; not in host_copy_gb)
         "copy_wait_ms_per_step": round(wait_s * 1e3, 1),
-        "link_gbps_each_way": round(gb / 2 / step_s, 1),
+        "link_gbps_up": round(up_gb / step_s, 1),
         "pcie4_projected_tok_s": round(med("tokens") / pcie4_s, 1),
     }
 

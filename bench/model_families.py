@@ -340,7 +340,19 @@ def make_checkpoint(
 
 # -- the rows ---------------------------------------------------------------------------------------------------------
 
-CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24}
+CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24, "16gb": 14.9}  # (16gb: a 16 GB card less its CUDA context)
+# The 16 GB class exists as an FP8 config only, for the 7-8B models whose weights stream (stream_layers). Its stock row
+# is torchtune's low-memory setting (in backward, checkpointing, activation offloading, paged 8-bit AdamW), uncapped:
+# its peak says whether stock fits the class at all. The candidate streams fewer layers (faster, if it fits).
+STREAMED_16GB = {
+    "llama3_1_8b": ("llama3_1/8B_full_16gb_fp8", ["stream_layers=12"]),
+    "qwen2_5_7b": ("qwen2_5/7B_full_16gb_fp8", ["stream_layers=8"]),
+}
+STOCK_LOW_MEMORY = [
+    "optimizer=bitsandbytes.optim.PagedAdamW8bit",
+    "enable_activation_checkpointing=True",
+    "enable_activation_offloading=True",
+]
 # torchtune's stock recipe at the flags that fit 80 GB for every family here (its configs' defaults otherwise): the
 # packed, compiled setting that measured fastest for Llama2-7B (bench/e2e.py), with the gradients applied in backward
 # (7-8B x (2 bytes of weights + 4 of bf16 AdamW states) is 45-49 GiB; with their gradients too, no room is left for
@@ -414,6 +426,14 @@ def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = Fa
         ]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
+    if spec.key in STREAMED_16GB:
+        cfg, fewer = STREAMED_16GB[spec.key]
+        if "fp8" in kinds:
+            rows.append(Row(f"ours_16gb{FP8}", "ours", cfg, "16gb", [], CLASS_GIB["16gb"]))
+        if "fp8" in kinds and candidates:
+            rows.append(Row(f"ours_16gb{FP8}_fewer_streamed", "ours", cfg, "16gb", fewer, CLASS_GIB["16gb"]))
+        if "stock" in kinds and spec.stock is not None:
+            rows.append(Row("stock_low_memory", "stock", spec.stock[0], "16gb", STOCK_LOW_MEMORY))
     if loss_rows:
         small = [c for c in spec.configs if c != "80gb"][0]
         rows += [Row(f"loss_{name}", "loss", spec.configs[small], small, flags) for name, flags in LOSSES.items()]

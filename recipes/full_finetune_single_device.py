@@ -29,6 +29,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     clip_grad_norm                   clip the global grad norm to this; null = no clipping
     optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
     stream_optimizer_states          with optimizer_in_bwd: states in host memory, on the GPU for their step only
+    stream_layers                    with streamed states and AC: N layers' weights in host memory (default 0)
     compile                          torch.compile per layer and on the loss (default False)
     enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
     ac_mode, ac_option               full (default: every layer) or selective: one layer in ac_option
@@ -90,7 +91,7 @@ from finetune.reporting.wandb_run import push_summary  # noqa: E402
 from finetune.services import build_data, build_reporting  # noqa: E402
 from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
 from finetune.stops import SkipCounter, StopSignal  # noqa: E402
-from finetune.streaming import StreamedStates, check_host_memory  # noqa: E402
+from finetune.streaming import StreamedStates, check_host_memory, step_metrics, stream_weights  # noqa: E402
 
 log = utils.get_logger("INFO")
 
@@ -154,16 +155,18 @@ class FullFinetuneRecipeSingleDevice:
 
     def _setup_model(self, cfg: DictConfig) -> modules.TransformerDecoder:
         s = self.settings
-        with training.set_default_dtype(self._dtype), self._device:
+        weights = s.resume_dir or s.checkpoint_dir
+        # stream_layers: the model is never whole on the GPU (built with no memory, given the file's tensors)
+        home = torch.device("meta" if weights else "cpu") if s.stream_layers else self._device
+        with training.set_default_dtype(self._dtype), home:
             model = config.instantiate(s.model)
         if s.model_note:
             log.info(s.model_note)
         # The HF config is read off the model before AC and compile wrap its layers.
         self._family = hf_format.FAMILIES[s.family]
         self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
-        weights = s.resume_dir or s.checkpoint_dir
         if weights is not None:
-            hf_format.load_weights(model, weights, self._hf_config, self._family)
+            hf_format.load_weights(model, weights, self._hf_config, self._family, assign=home.type == "meta")
             log.info(f"Loaded weights from {weights}")
 
         if s.fp8 is not None:
@@ -179,6 +182,11 @@ class FullFinetuneRecipeSingleDevice:
             log.warning(
                 "enable_activation_offloading=True without activation checkpointing copies every activation "
                 "to the CPU and back: usually slower than enable_activation_checkpointing=True"
+            )
+        self._weights = stream_weights(model, s.stream_layers, self._device) if s.stream_layers else None
+        if self._weights:
+            log.info(
+                f"stream_layers={s.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in host memory"
             )
         self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.offload_activations)
         if s.compile:
@@ -197,7 +205,13 @@ class FullFinetuneRecipeSingleDevice:
             optim_dict = {p: spec.build([p]) for p in self._model.parameters()}
             if self.settings.stream_states:  # the same hooks, with each state fetched for its step and written back
                 check_host_memory(spec.build, self._model.parameters(), self._device)
-                self._streamed = StreamedStates(self._model, optim_dict, self._device)
+                weights = self._weights
+                self._streamed = StreamedStates(
+                    self._model,
+                    optim_dict,
+                    self._device,
+                    **(dict(link=weights.link, after_step=weights.after_step) if weights else {}),
+                )
             else:
                 training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
             self._optim_wrapper = training.create_optim_in_bwd_wrapper(model=self._model, optim_dict=optim_dict)
@@ -395,7 +409,7 @@ class FullFinetuneRecipeSingleDevice:
                 if s.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
                 record.update(self._checkpointer.metrics(since=t0))
-                record.update(self._streamed.metrics() if self._streamed else {})  # (bytes moved, waits on copies)
+                record.update(step_metrics(self._streamed, self._weights))  # (bytes moved, waits on copies)
                 if not math.isfinite(loss_value):
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)

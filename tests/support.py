@@ -152,14 +152,14 @@ TOYS: Dict[str, Toy] = {
 }
 
 
-def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128):
-    """A 2-layer torchtune Llama 2 decoder (vocabulary 512) in fp32, for tests of what trains it, without a folder."""
+def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128, layers: int = 2):
+    """A torchtune Llama 2 decoder (2 layers, vocabulary 512) in fp32, for tests of what trains it, without a folder."""
     import torch
     from torchtune.models.llama2 import llama2
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return llama2(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=64)
+        return llama2(vocab_size=512, num_layers=layers, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=64)
 
 
 def rope_theta(hf: Dict[str, Any]) -> float:

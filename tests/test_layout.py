@@ -55,6 +55,7 @@ LAYERS = [
         "finetune.checkpoint.hf_format",
         "finetune.settings.hardware",
         "finetune.streaming.states",
+        "finetune.streaming.weights",
     },
     {
         "finetune.reporting.metrics",

@@ -409,11 +409,17 @@ def misfit_error(folder: Path, detail: str, family: Optional[Family] = None) -> 
     )
 
 
-def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family) -> None:
-    """Load an HF checkpoint folder (safetensors or .bin shards) into a torchtune model built for ``hf``."""
+def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family, assign: bool = False) -> None:
+    """Load an HF checkpoint folder (safetensors or .bin shards) into a torchtune model built for ``hf``. ``assign``:
+    the file's tensors (cast to the model's dtype) become the parameters: a model built on the meta device gets its
+    weights in host memory without a copy of its own."""
     state = read_weights(folder)
     try:  # (a checkpoint of another size fails in the q/k permutation already, or in load_state_dict)
-        model.load_state_dict(to_tune(state, hf, family))
+        tune = to_tune(state, hf, family)
+        if assign:
+            dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+            tune = {k: v.to(dtypes.get(k, v.dtype)) for k, v in tune.items()}
+        model.load_state_dict(tune, assign=assign)
     except (RuntimeError, KeyError) as e:
         raise misfit_error(folder, " ".join(str(e).split())[:600], family) from None
 

@@ -113,6 +113,12 @@ def classify(name: str) -> str:
     return "elementwise"
 
 
+def _percent(part: float, whole: float) -> str:
+    """A share in whole percent; a share that is there but rounds to 0 reads "<1 %", not "0 %"."""
+    pct = 100 * part / whole
+    return "<1 %" if 0 < pct < 0.5 else f"{pct:.0f} %"
+
+
 def _in_optimizer_step(event) -> bool:
     while event is not None:
         if event.name.startswith("Optimizer.step#") or event.name.startswith("Optimizer.zero_grad#"):
@@ -233,7 +239,7 @@ class Profiler:
             if gpu
             else "CPU time (by PyTorch op: on the CPU there are no GPU kernels, so these are ops' self times)"
         )
-        shares = ", ".join(f"{c} {100 * total[c] / wall:.0f} %" for c in CATEGORIES if wall) if wall else "nothing"
+        shares = ", ".join(f"{c} {_percent(total[c], wall)}" for c in CATEGORIES) if wall else "nothing"
         where = f"steps {min(recorded)}-{max(recorded)}" if recorded else f"{steps} step(s)"
         return (
             f"Profiler: {where} ({steps} recorded, {wall / max(steps, 1) / 1e3:.1f} ms each): {what}: "

@@ -53,6 +53,7 @@ KNOWN_CONFIG_KEYS = (
     "ac_option",
     "enable_activation_offloading",
     "stream_optimizer_states",
+    "stream_layers",
     "device_memory_limit_gib",
     "pack_cache_dir",
     "save_every_n_steps",
@@ -119,6 +120,7 @@ class Settings:
     optimizer: OptimizerSpec
     model_component: str
     stream_states: bool = False  # optimizer states in host memory, streamed around each step in backward
+    stream_layers: int = 0  # transformer layers whose weights live in host memory (finetune/streaming/weights.py)
     fp8: Optional[str] = None  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"
     lr_scheduler: Optional[DictConfig] = None  # None: constant lr (lr_scheduler=null on the command line)
     dtype_name: str = "bf16"
@@ -248,6 +250,13 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
             "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
         )
+    stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
+    if stream_layers and not (stream_states and activation_checkpointing(cfg) == 1):
+        raise BadInput(
+            f"stream_layers={stream_layers} brings those layers' weights to the GPU for their forward and backward "
+            "only, and needs stream_optimizer_states=True (each weight is written back right after its step) and "
+            "enable_activation_checkpointing=True with ac_option=1 (no saved tensor may hold a streamed weight)"
+        )
     optimizer = resolve_optimizer(cfg.optimizer)
     # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
     # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
@@ -356,6 +365,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         overwrite=overwrite,
         optimizer_in_bwd=optimizer_in_bwd,
         stream_states=stream_states,
+        stream_layers=stream_layers,
         seed=seed,
         shuffle=bool(cfg.get("shuffle", True)),
         ac_every=ac_every,

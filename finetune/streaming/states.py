@@ -100,7 +100,8 @@ class StreamedStates:
     ``optim_dict``: parameter -> its optimizer. ``state_dict``/``load_state_dict`` take and give what torchtune's
     ``OptimizerInBackwardWrapper`` does (parameter name -> optimizer state dict), so checkpoints are the same files
     whether the states were streamed or not. ``trace``: a list that gets ``(op, parameter name)`` for every fetch,
-    wait, step and write, and ``("backward_end", None)``, in the order they are issued (for tests).
+    wait, step and write, and ``("backward_end", None)``, in the order they are issued (for tests). ``after_step``
+    is called with each parameter once its step is queued.
     """
 
     def __init__(
@@ -113,12 +114,14 @@ class StreamedStates:
         min_bytes: int = MIN_BYTES,
         link: Any = None,
         trace: Optional[list] = None,
+        after_step: Optional[Callable[[torch.nn.Parameter], None]] = None,
     ):
         self._optims = optim_dict
         self._by_name = {n: p for n, p in model.named_parameters() if p in optim_dict}
         self._name = {p: n for n, p in self._by_name.items()}
         self.link = link if link is not None else link_for(device)
         self.ahead_bytes, self.min_bytes, self.trace = ahead_bytes, min_bytes, trace
+        self._after_step = after_step  # (StreamedWeights: the parameter's own new weights go down too)
         self._pairs: Dict[torch.nn.Parameter, list] = {}  # streamed (device storage, host slot)s of each parameter
         self._bytes: Dict[torch.nn.Parameter, int] = {}
         self._order: List[torch.nn.Parameter] = []  # the last backward's hook order
@@ -161,6 +164,8 @@ class StreamedStates:
         opt.step()
         opt.zero_grad()
         self._write(p)
+        if self._after_step is not None:
+            self._after_step(p)
 
     def _prefetch(self) -> None:
         while self._next < len(self._order):

@@ -85,10 +85,11 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
 @pytest.mark.parametrize(
     "argv, rows",
     [
-        (  # the default: per class the bf16 config and its FP8 twin, then the stock rows
+        (  # the default: per class the bf16 config and its FP8 twin, then the stock rows; the streamed 16 GB class
             "--families llama3_1_8b",
-            "ours_80gb ours_80gb_fp8 ours_32gb ours_32gb_fp8 stock stock_8bit",
+            "ours_80gb ours_80gb_fp8 ours_32gb ours_32gb_fp8 stock stock_8bit ours_16gb_fp8 stock_low_memory",
         ),
+        ("--families qwen2_5_7b --classes 16gb --rows fp8 --candidates", "ours_16gb_fp8 ours_16gb_fp8_fewer_streamed"),
         ("--families qwen3_8b --classes 32gb", "ours_32gb ours_32gb_fp8"),  # (no stock recipe for Qwen3)
         ("--families qwen2_5_3b --classes 80gb --rows fp8,stock --only ours_80gb_fp8,stock", "ours_80gb_fp8 stock"),
         (
@@ -102,9 +103,13 @@ def test_the_command_line_picks_the_rows(argv, rows):
     (job,) = mf.jobs_of(args)
     assert [r.name for r in job.rows] == rows.split()
     for r in job.rows:
-        if r.kind == "ours":
+        if r.kind == "ours" and r.memory_class == "16gb":  # (an FP8 config only, its weights streamed)
+            assert r.config == mf.STREAMED_16GB[job.spec.key][0] and r.cap == 14.9
+        elif r.kind == "ours":
             assert r.config == job.spec.configs[r.memory_class] + ("_fp8" if "_fp8" in r.name else "")
-            assert r.cap == mf.CLASS_GIB[r.memory_class] and (REPO_ROOT / "configs" / f"{r.config}.yaml").is_file()
+            assert r.cap == mf.CLASS_GIB[r.memory_class]
+        if r.kind == "ours":
+            assert (REPO_ROOT / "configs" / f"{r.config}.yaml").is_file()
 
 
 def test_a_class_or_row_kind_that_does_not_exist_is_refused(capsys):

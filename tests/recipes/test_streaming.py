@@ -52,3 +52,100 @@ def test_streaming_without_optimizer_in_backward_is_one_error_line(tmp_path, cap
     errors = [line for line in (run.stderr + run.stdout).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stream_optimizer_states=True" in errors[0] and "optimizer_in_bwd=True" in errors[0]
     assert "Traceback" not in run.stderr
+
+
+LAYERS = [*IN_BACKWARD, "stream_optimizer_states=True", "enable_activation_checkpointing=True", "model.num_layers=4"]
+
+
+def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resume_exactly(
+    tmp_path, capsys, monkeypatch
+):
+    from safetensors.torch import load_file
+
+    resident = run_in_process(tmp_path / "resident", *LAYERS, capsys=capsys, monkeypatch=monkeypatch)
+    streamed = run_in_process(tmp_path / "streamed", *LAYERS, "stream_layers=2", capsys=capsys, monkeypatch=monkeypatch)
+    assert resident.ok, resident.stderr[-3000:]
+    assert streamed.ok, streamed.stderr[-3000:]
+    assert len(streamed.losses) == 4 and streamed.losses == resident.losses
+    assert all(m["weights_copy_gb"] > 0 and m["host_copy_gb"] > m["weights_copy_gb"] for m in streamed.metrics[1:])
+    a, b = (load_file(run.output_dir / "step_2" / "model.safetensors") for run in (resident, streamed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # A resume builds the model on the meta device and takes the checkpoint's tensors as its weights.
+    resumed = run_in_process(
+        tmp_path / "resumed",
+        *LAYERS,
+        "stream_layers=2",
+        f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert resumed.losses == streamed.losses[2:]
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["stream_layers=2", *IN_BACKWARD, "enable_activation_checkpointing=True"], "stream_optimizer_states=True"),
+        (["stream_layers=2", *IN_BACKWARD, "stream_optimizer_states=True"], "enable_activation_checkpointing=True"),
+        ([*LAYERS, "stream_layers=5"], "stream_layers<=4"),
+    ],
+    ids=["without-streamed-states", "without-checkpointing", "more-than-the-layers"],
+)
+def test_stream_layers_that_cannot_work_is_one_error_line(overrides, named, tmp_path, capsys, monkeypatch):
+    run = run_in_process(tmp_path / "bad", *overrides, capsys=capsys, monkeypatch=monkeypatch)
+    assert run.returncode == 2
+    errors = [line for line in (run.stderr + run.stdout).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0], errors
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    "family, config, fields",
+    # (wide enough that some of the layers' weights reach the 64 KiB below which a weight stays resident; Qwen's
+    # folder loads as Llama 2's does, and tests/finetune/streaming/test_weights.py builds its model on the meta device)
+    [("llama3_1", "llama3_1/8B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512))],
+    ids=["llama3_1"],
+)
+def test_a_16gb_config_streams_an_hf_folder_of_its_family_as_the_resident_run_trains_it(
+    family, config, fields, tmp_path
+):
+    """The 16 GB config of a family whose weights stream, on its toy HF folder (the CPU stand-ins for what needs a GPU):
+    the model is built on the meta device and takes the folder's tensors (Llama 3's q/k permutation, its scaled RoPE
+    built on the device), and trains the losses of the same run with every weight resident."""
+    import json
+    import subprocess
+    import sys
+
+    import support
+    from conftest import DATA_DIR, REPO_ROOT, read_metrics, recipe_env
+    from finetune.model import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(folder, family=family, fields=fields, data_dir=DATA_DIR)
+    cpu = [*toy_folder.CPU_OVERRIDES, "fp8=null", "enable_activation_offloading=False", "device_memory_limit_gib=null"]
+    runs = {
+        n: [
+            "--config",
+            f"configs/{config}.yaml",
+            f"checkpoint_dir={folder}",
+            f"output_dir={tmp_path / f'streamed_{n}'}",
+            f"data_dir={DATA_DIR}",
+            "pack_cache_dir=off",
+            *cpu,
+            "max_steps_per_epoch=3",
+            f"stream_layers={n}",
+        ]
+        for n in (0, 1)
+    }
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps(list(runs.values())))
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[0, 0]", (proc.stdout + proc.stderr)[
+        -3000:
+    ]
+    resident, streamed = (read_metrics(tmp_path / f"streamed_{n}") for n in (0, 1))
+    assert len(streamed) == 3 and [m["loss"] for m in streamed] == [m["loss"] for m in resident]
+    assert all(m["weights_copy_gb"] > 0 for m in streamed)

@@ -36,9 +36,11 @@ def settings(**changes):
         ("llama2/7B_full_80gb.yaml", 24, "llama2/7B_full_24gb.yaml"),
         ("llama2/7B_full_80gb_fp8.yaml", 24, "llama2/7B_full_24gb_fp8.yaml"),  # the same variant first
         ("llama2/7B_full_80gb.yaml", 16, "llama2/7B_full_16gb.yaml"),  # (states streamed from host memory)
-        ("llama2/7B_full_80gb.yaml", 12, None),  # nothing shipped below 16 GB
+        ("llama2/7B_full_80gb.yaml", 12, "llama2/7B_full_12gb_fp8.yaml"),  # (another variant where it is the only one)
+        ("llama2/7B_full_80gb.yaml", 11, None),  # nothing shipped below 12 GB
         ("qwen2_5/7B_full_80gb.yaml", 40, "qwen2_5/7B_full_32gb.yaml"),  # the same model, not the 3B beside it
-        ("qwen2_5/7B_full_32gb.yaml", 30, None),
+        ("qwen2_5/7B_full_32gb.yaml", 30, "qwen2_5/7B_full_16gb_fp8.yaml"),
+        ("qwen2_5/7B_full_32gb.yaml", 15, None),
         ("tiny.yaml", 8, None),  # not a memory-class config
     ],
 )
@@ -78,10 +80,10 @@ def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
     assert "or try batch_size=8 gradient_accumulation_steps=2" in line
     assert line.endswith("no checkpoint was written")
     assert "\n" not in line
-    # Without a cap, the card's capacity is the budget; at 12 GB no shipped class fits: the keys alone.
+    # Without a cap, the card's capacity is the budget; at 10 GB no shipped class fits: the keys alone.
     line = out_of_memory_line(settings(memory_limit_gib=None), RuntimeError(CUDA_OOM), where="during setup", argv=[])
     assert "reserved of 140.0 GiB;" in line
-    line = out_of_memory_line(settings(memory_limit_gib=12.0), RuntimeError(CUDA_OOM), where="during setup", argv=argv)
+    line = out_of_memory_line(settings(memory_limit_gib=10.0), RuntimeError(CUDA_OOM), where="during setup", argv=argv)
     assert "; try batch_size=8 gradient_accumulation_steps=2; enable_activation_checkpointing=True" in line
 
 

@@ -51,7 +51,8 @@ def run_in_process(recipe: str, out: Path, *overrides: str):
 
 
 def shares(paragraph: str) -> dict:
-    return {name: int(pct) for name, pct in re.findall(r"(\w+) (\d+) %", paragraph)}
+    """Category -> percent ("<1 %", a share that rounds to 0 but is there: 0.5)."""
+    return {name: 0.5 if pct == "<1" else int(pct) for name, pct in re.findall(r"(\w+) (<1|\d+) %", paragraph)}
 
 
 def test_a_cpu_run_writes_a_trace_and_says_where_the_time_went(tmp_path):
