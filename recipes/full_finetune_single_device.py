@@ -258,7 +258,7 @@ class FullFinetuneRecipeSingleDevice:
         state = resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
         try:
             self._optim_state.load_state_dict(
-                restore(state, self._optimizers, self._model, now=s.optimizer.path, log=log)
+                restore(state, self._optimizers, self._model, now=s.optimizer.path, in_bwd=s.optimizer_in_bwd, log=log)
             )
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(

@@ -13,6 +13,13 @@ for any rank count.
 Another optimizer at resume (``convert``): the moments are decoded to fp32 and stored in the new class's format,
 step counts kept, with one warning line. What converts, and what is refused with the reason, is ``convertible``;
 docs/recipes.md ("What may change at a resume") prints the rules.
+
+Another ``optimizer_in_bwd`` at resume: the two layouts hold the same per-parameter entries, keyed by parameter name
+(one optimizer per parameter) or by position in ``model.parameters()`` (one optimizer over all), so ``restore`` only
+re-keys them (``_join``, ``_split``): moments and step counts as saved, nothing rounded, each parameter's param group
+(lr, betas, ...) carried; with another class too, the entries are then converted as above. The lr schedule needs
+nothing: both layouts drive one LambdaLR over one param group (with optimizer_in_bwd, the first parameter's
+optimizer's, whose lr torchtune's wrapper copies to the others after each step), so its saved state loads as it is.
 """
 
 import math
@@ -161,34 +168,136 @@ def _describe(optimizer) -> str:
     return "tensors in the parameters' dtype"
 
 
-def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, log=None) -> Any:
-    """``state["optimizer"]`` as the live optimizer(s) load it: as saved when the class is the one that saved it,
-    else converted (one warning line). ``optimizers``: the recipe's list (one, or one per parameter with
-    optimizer_in_bwd, in ``model.parameters()`` order)."""
+def _saved_in_bwd(state: dict) -> bool:
+    """Whether ``state["optimizer"]`` is optimizer_in_bwd's {parameter name: one optimizer's state dict}: as the run
+    recorded it, or (a file without the record) by its shape. (Not by the absence of "param_groups" alone: torchao's
+    CPU offload saves {"offloaded": [...]}, one optimizer's state.)"""
+    recorded = state.get("config", {}).get("optimizer_in_bwd")
+    if recorded is not None:
+        return bool(recorded)
+    saved = state["optimizer"]
+    return bool(saved) and all(isinstance(v, dict) and "param_groups" in v for v in saved.values())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+_WRAPPED = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper, in the names of the layers it wraps
+
+
+def _by_name(per_name: Dict[str, dict], names: List[str]) -> Dict[str, dict]:
+    """optimizer_in_bwd's saved states keyed by this model's parameter names (``names``): a parameter's name is the
+    same with and without activation checkpointing's wrapper, which a resume may turn on or off."""
+    if list(per_name) == names:
+        return per_name
+    saved = {n.replace(_WRAPPED, ""): v for n, v in per_name.items()}
+    missing = [n for n in names if n.replace(_WRAPPED, "") not in saved]
+    if missing or len(saved) != len(names):
+        extra = sorted(set(saved) - {n.replace(_WRAPPED, "") for n in names})
+        raise ValueError(f"the saved per-parameter optimizer states do not fit this model ({(missing or extra)[:3]})")
+    return {n: saved[n.replace(_WRAPPED, "")] for n in names}
+
+
+def _join(per_name: Dict[str, dict], names: List[str]) -> dict:
+    """optimizer_in_bwd's states (``_by_name``'s) as one optimizer's over the parameters ``names``
+    (``model.named_parameters()``): entry i is parameter i's, as saved. The param group is the first parameter's
+    (the lr schedule's optimizer, the one with ``initial_lr``); the others' must equal it, as torchtune's wrapper
+    keeps them."""
+    state, group = {}, None
+    for i, name in enumerate(names):
+        groups = per_name[name]["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != 1:
+            raise ValueError(f"the saved optimizer state of {name} is not one parameter's")
+        entry = per_name[name]["state"].get(groups[0]["params"][0])
+        if entry:
+            state[i] = entry
+        mine = {k: v for k, v in groups[0].items() if k != "params"}
+        group = group or mine
+        differ = [k for k in set(group) | set(mine) if k != "initial_lr" and not _same(group.get(k), mine.get(k))]
+        if differ:
+            raise ValueError(
+                f"the per-parameter optimizers' {differ[0]} differ ({names[0]}, {name}): one optimizer has one value"
+            )
+    return {"state": state, "param_groups": [{**group, "params": list(range(len(names)))}]}
+
+
+def _split(one: dict, names: List[str]) -> Dict[str, dict]:
+    """One optimizer's state as optimizer_in_bwd's {parameter name: one optimizer's state dict}: each parameter's
+    entry as saved, with its param group (lr, initial_lr, betas, ...)."""
+    ids = [i for g in one["param_groups"] for i in g["params"]]
+    if len(ids) != len(names):
+        raise ValueError(f"the saved optimizer state has {len(ids)} parameters, this model {len(names)}")
+    group_of = {i: g for g in one["param_groups"] for i in g["params"]}
+    out = {}
+    for name, pid in zip(names, ids):
+        entry = one["state"].get(pid)
+        group = {k: v for k, v in group_of[pid].items() if k != "params"}
+        out[name] = {"state": {0: entry} if entry else {}, "param_groups": [{**group, "params": [0]}]}
+    return out
+
+
+def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, in_bwd: bool = False, log=None) -> Any:
+    """``state["optimizer"]`` as the live optimizer(s) load it: as saved when the class and the layout are the ones
+    that saved it, else re-keyed to this run's layout and/or converted to its class (one warning line saying what
+    changed). ``optimizers``: the recipe's list (one, or with ``in_bwd`` (optimizer_in_bwd=True) one per parameter,
+    in ``model.parameters()`` order)."""
     saved_path = state.get("config", {}).get("optimizer") or now
     saved = state["optimizer"]
-    if saved_path == now or saved is None:
+    if saved is None:
         return saved
-    why = convertible(saved_path, now)
-    if why is not None:  # (read_resume refuses these first; kept for a caller that did not)
-        raise BadInput(f"optimizer={now} cannot continue the state {saved_path} saved: {why}")
+    saved_bwd = _saved_in_bwd(state)
+    names = [n for n, _ in model.named_parameters()]
+    if saved_bwd:
+        saved = _by_name(saved, names)
+    other_class, other_layout = saved_path != now, saved_bwd != in_bwd
+    if not other_class and not other_layout:
+        return saved
+    if other_class:
+        why = convertible(saved_path, now)
+        if why is not None:  # (read_resume refuses these first; kept for a caller that did not)
+            raise BadInput(f"optimizer={now} cannot continue the state {saved_path} saved: {why}")
     params = list(model.parameters())
-    if len(optimizers) > 1 or "param_groups" not in saved:  # optimizer_in_bwd: {name: one optimizer's state}
-        names = [n for n, _ in model.named_parameters()]
-        out, count, dropped = {}, 0, False
-        for name, p, opt in zip(names, params, optimizers):
-            out[name], n, d = convert_one(saved[name], opt, [p])
-            count, dropped = count + n, dropped or d
+    if in_bwd:  # {name: one optimizer's state}
+        out = dict(saved) if saved_bwd else _split(saved, names)
+        count, dropped = sum(bool(out[n]["state"]) for n in names), False
+        if other_class:
+            for name, p, opt in zip(names, params, optimizers):
+                out[name], _, d = convert_one(out[name], opt, [p])
+                dropped = dropped or d
     else:
-        out, count, dropped = convert_one(saved, optimizers[0], params)
+        out = _join(saved, names) if saved_bwd else saved
+        count, dropped = len(out["state"]), False
+        if other_class:
+            out, count, dropped = convert_one(out, optimizers[0], params)
     if log:  # (None or False: a rank that does not log)
-        log.warning(
-            f"optimizer={now} continues the state {saved_path} saved: the moments of {count} parameters were "
-            f"decoded to fp32 and stored as {_describe(optimizers[0])}, step counts kept"
+        log.warning(_what_changed(saved_path, now, saved_bwd, in_bwd, count, optimizers[0], dropped))
+    return out
+
+
+def _what_changed(saved_path: str, now: str, saved_bwd: bool, in_bwd: bool, count: int, optimizer, dropped) -> str:
+    """The one warning line of a converted resume."""
+    other_class, other_layout = saved_path != now, saved_bwd != in_bwd
+    who = " ".join([f"optimizer={now}"] * other_class + [f"optimizer_in_bwd={in_bwd}"] * other_layout)
+    whence = (
+        (f"{saved_path} " if other_class else "") + "saved" + (f" with optimizer_in_bwd={saved_bwd}" * other_layout)
+    )
+    done = []
+    if other_layout:
+        how = "joined into one optimizer's" if saved_bwd else "split into one optimizer per parameter"
+        done.append(f"the states of {count} parameters were {how} with the saved param group (lr included)")
+    if other_class:
+        done.append(
+            ("their" if other_layout else f"the {count} parameters'") + " moments were decoded to fp32 and stored as "
+            f"{_describe(optimizer)}, step counts kept"
             + (" (compensation buffers dropped: under 1 bf16 ulp of each weight)" if dropped else "")
             + "; the losses will differ from the interrupted run's by the moments' rounding"
         )
-    return out
+    else:
+        done.append("moments and step counts as saved, nothing rounded")
+    return f"{who} continues the state {whence}: " + ", ".join(done)
 
 
 # -- the distributed recipe: the ranks' shards gathered into that format, and taken back out -----------------------

@@ -65,7 +65,16 @@ RESUME_TABLE = (
         "class without a second moment (SGD), bitsandbytes' and CPU offload's own layouts, torchao's as the target "
         "(its format depends on the shard sizes), amsgrad",
     ),
-    ("optimizer_in_bwd", MUST, ("optimizer_in_bwd",), "the saved optimizer state has that layout"),
+    (
+        "optimizer_in_bwd",
+        CONVERT,
+        ("optimizer_in_bwd",),
+        "the saved per-parameter states (one optimizer per parameter name, or one optimizer's by position) are "
+        "re-keyed into the other layout, moments, step counts and param groups (lr included) as saved, with the "
+        "class conversion above where optimizer changes too; the lr schedule is the same LambdaLR in both. One "
+        "device steps each parameter with the same arithmetic in either layout (bf16 weights rounded "
+        "stochastically by optimizers.* excepted: their random bits follow a parameter's place in the optimizer)",
+    ),
     ("lr", MUST, (), "a resume continues the saved lr schedule"),
     (
         "optimizer_settings",

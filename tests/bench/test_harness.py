@@ -371,7 +371,7 @@ def test_loss_parity_width2048_smoke(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("arch, fp8_layers", [("qwen3", 4), ("llama3", 3)])
+@pytest.mark.parametrize("arch, fp8_layers", [("qwen3", 4)])  # (one architecture of --arch: the CI time)
 def test_loss_parity_width2048_other_architectures_with_fp8_matmuls(tmp_path, arch, fp8_layers):
     """--arch: the same benchmark on a Qwen3-shaped layer (grouped-query heads of 128, q/k norms) and a Llama 3-shaped
     one (32 heads in 8 groups, RoPE base 500,000, tied embeddings), FP8 matmuls on the CPU (emulated). At width 128

@@ -340,20 +340,33 @@ def faults(tmp_path):
     return {"PYTHONPATH": str(tmp_path)}
 
 
-def test_a_late_background_write_holds_the_state_of_its_step(tmp_path, faults):
+def test_a_late_background_write_holds_its_steps_state_and_the_run_prints_one_seed_line(tmp_path, faults):
     """step_3's optimizer state is step 3's even when the writer gets to it only after steps 4-6 have run: torch's
     gather had handed the live step counts to the background save, which wrote 6 here (and, by the machine's load,
-    sometimes 4: the resume tests' flake, steps 5-6 trained 0.3 % off)."""
+    sometimes 4: the resume tests' flake, steps 5-6 trained 0.3 % off).
+
+    The same two-rank run (one run for two checks: CI time) logs to wandb (offline), as the README's command does:
+    torchtune's seed line once (rank 0's), not once per rank (the logger's import had set torchtune's shared logger
+    back to DEBUG on every rank: console.set_log_level), and the closing summary states the first step's time, as the
+    single-device recipe's does, read from the first metrics record."""
     run = run_distributed(
         tmp_path / "out",
         "optimizer._component_=faults.LateWriteAdamW",
         "optimizer.write_s=3",
         "save_every_n_steps=3",
+        "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
         env=faults,
     )
     assert run.ok, run.stderr[-4000:]
     state = torch.load(run.output_dir / "step_3" / "recipe_state.pt", weights_only=False)["optimizer"]["state"]
     assert state and {float(entry["step"]) for entry in state.values()} == {3.0}
+
+    output = run.stdout + run.stderr
+    assert output.count("Setting manual seed") == 1, output[-4000:]
+    assert "first_step_s" in run.metrics[0] and all("first_step_s" not in m for m in run.metrics[1:])
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert summary["first_step_s"] == run.metrics[0]["first_step_s"] > 0
+    assert f"first step {summary['first_step_s']:.1f} s" in run.stdout
 
 
 def test_signal_on_one_rank_and_a_nonfinite_step_stop_both_at_one_boundary(tmp_path, faults):
@@ -422,25 +435,6 @@ def test_no_torchao_extensions_warning_in_a_two_rank_run(runs):
     `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook, finetune/tune_run.py)."""
     run = runs("torch.optim.AdamW")
     assert "Skipping import of cpp extensions" not in run.stdout + run.stderr
-
-
-def test_one_seed_line_and_the_first_step_figure_with_a_metric_logger(tmp_path):
-    """With the wandb logger (offline), as the README's command runs: torchtune's seed line once (rank 0's), not once
-    per rank (the logger's import had set torchtune's shared logger back to DEBUG on every rank: console.set_log_level),
-    and the closing summary states the first step's time, as the single-device recipe's does, read from the first
-    metrics record."""
-    run = run_distributed(
-        tmp_path / "out",
-        "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
-        "max_steps_per_epoch=2",
-    )
-    assert run.ok, run.stderr[-4000:]
-    output = run.stdout + run.stderr
-    assert output.count("Setting manual seed") == 1, output[-4000:]
-    assert "first_step_s" in run.metrics[0] and all("first_step_s" not in m for m in run.metrics[1:])
-    summary = json.loads((run.output_dir / "summary.json").read_text())
-    assert summary["first_step_s"] == run.metrics[0]["first_step_s"] > 0
-    assert f"first step {summary['first_step_s']:.1f} s" in run.stdout
 
 
 # The launcher that makes a stop signal save (recipes/launch.py): `tune run`'s arguments, SIGTERM and SIGUSR1 its own.

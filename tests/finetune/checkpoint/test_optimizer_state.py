@@ -125,6 +125,108 @@ def test_conversions_that_cannot_carry_the_state_say_why():
         restore(state, [new], model, now="optimizers.AdamW8bit")
 
 
+# -- optimizer_in_bwd's layout: one optimizer per parameter name, or one over all -----------------------------------
+
+
+def stepped_in_bwd(cls, shapes, steps=3, **kw):
+    """``stepped``'s run with optimizer_in_bwd's layout: one ``cls`` per parameter, on the same gradients."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes])
+    opts = [cls([p], lr=0.01, **kw) for p in model]
+    for _ in range(steps):
+        for p, opt in zip(model, opts):
+            p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+    return model, opts
+
+
+def saved(path, optimizer, in_bwd: bool) -> dict:
+    """A checkpoint's recipe state: the optimizer state of ``optimizer`` (a list: one per parameter) as recorded."""
+    return {"optimizer": optimizer, "config": {"optimizer": path, "optimizer_in_bwd": in_bwd}}
+
+
+def tensors_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
+
+
+def test_optimizer_in_backward_states_join_and_split_exactly_with_their_param_groups(caplog):
+    """One optimizer per parameter and one over all step each parameter with the same arithmetic (fp32 weights), so
+    the per-parameter states joined are the one optimizer's, tensor for tensor, and split back are the per-parameter
+    ones; the scheduled lr of the saved param group is carried either way, and each conversion says so in one line."""
+    log = logging.getLogger("resume-test")
+    model_b, per = stepped_in_bwd(optimizers.AdamW8bit, SHAPES)
+    model_1, one = stepped(optimizers.AdamW8bit, SHAPES)
+    for opt in [one, *per]:  # as the lr schedule leaves them (its optimizer, the first, also has initial_lr)
+        opt.param_groups[0]["lr"] = 0.004
+    one.param_groups[0]["initial_lr"] = per[0].param_groups[0]["initial_lr"] = 0.01
+    names = [n for n, _ in model_b.named_parameters()]
+
+    joined_into = optimizers.AdamW8bit(model_b.parameters(), lr=0.01)
+    state = saved("optimizers.AdamW8bit", {n: o.state_dict() for n, o in zip(names, per)}, True)
+    with caplog.at_level(logging.WARNING):
+        joined_into.load_state_dict(restore(state, [joined_into], model_b, now="optimizers.AdamW8bit", log=log))
+    assert all(tensors_equal(joined_into.state[p], one.state[q]) for p, q in zip(model_b, model_1))
+    assert joined_into.param_groups[0]["lr"] == 0.004 and joined_into.param_groups[0]["initial_lr"] == 0.01
+
+    split_into = [optimizers.AdamW8bit([p], lr=0.01) for p in model_1]
+    state = saved("optimizers.AdamW8bit", one.state_dict(), False)
+    loaded = restore(state, split_into, model_1, now="optimizers.AdamW8bit", in_bwd=True, log=log)
+    assert list(loaded) == names
+    for opt, name, p, q in zip(split_into, names, model_1, model_b):
+        opt.load_state_dict(loaded[name])
+        assert tensors_equal(opt.state[p], per[names.index(name)].state[q])
+        assert opt.param_groups[0]["lr"] == 0.004
+    # (names as activation checkpointing's wrapper leaves them: the same parameters, which a resume may wrap or not)
+    wrapped = {f"_checkpoint_wrapped_module.{n}": v for n, v in loaded.items()}
+    again = restore(
+        saved("optimizers.AdamW8bit", wrapped, True), split_into, model_1, now="optimizers.AdamW8bit", in_bwd=True
+    )
+    assert list(again) == names
+
+    lines = [r.getMessage() for r in caplog.records if "continues the state" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("optimizer_in_bwd=False continues the state saved with optimizer_in_bwd=True: the ")
+    assert "2 parameters were joined into one optimizer's" in lines[0] and "nothing rounded" in lines[0]
+    assert lines[1].startswith("optimizer_in_bwd=True continues the state saved with optimizer_in_bwd=False")
+    assert "split into one optimizer per parameter" in lines[1]
+
+
+def test_another_layout_and_another_class_at_once(caplog):
+    """optimizer_in_bwd's 8-bit states into one torch AdamW (the moments decoded exactly), and one torch AdamW's
+    state into 8-bit optimizers in backward (within one 8-bit rounding), step counts kept, one line each."""
+    log = logging.getLogger("resume-test")
+    model, per = stepped_in_bwd(optimizers.AdamW8bit, SHAPES)
+    names = [n for n, _ in model.named_parameters()]
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = saved("optimizers.AdamW8bit", {n: o.state_dict() for n, o in zip(names, per)}, True)
+    with caplog.at_level(logging.WARNING):
+        adamw.load_state_dict(restore(state, [adamw], model, now="torch.optim.AdamW", log=log))
+    for p, opt in zip(model, per):
+        assert torch.equal(adamw.state[p]["exp_avg"].reshape(-1), fp32_moments(opt, p)["exp_avg"])
+        assert torch.equal(adamw.state[p]["exp_avg_sq"].reshape(-1), fp32_moments(opt, p)["exp_avg_sq"])
+        assert float(adamw.state[p]["step"]) == 3.0
+
+    per8 = [optimizers.AdamW8bit([p], lr=0.01) for p in model]
+    state = saved("torch.optim.AdamW", adamw.state_dict(), False)
+    with caplog.at_level(logging.WARNING):
+        loaded = restore(state, per8, model, now="optimizers.AdamW8bit", in_bwd=True, log=log)
+    for name, p, opt in zip(names, model, per8):
+        opt.load_state_dict(loaded[name])
+        assert float(opt.state[p]["step"]) == 3.0
+        for key, want in fp32_moments(adamw, p).items():
+            got = fp32_moments(opt, p)[key]
+            assert float((got - want).norm() / want.norm()) < 0.02, (name, key)  # one 8-bit rounding (fp32: exact)
+    assert per8[0].state[model[0]]["exp_avg"].dtype == torch.uint8  # (the big tensor in 8-bit codes again)
+    lines = [r.getMessage() for r in caplog.records if "continues the state" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(
+        "optimizer=torch.optim.AdamW optimizer_in_bwd=False continues the state optimizers.AdamW8bit saved with "
+        "optimizer_in_bwd=True: the states of 2 parameters were joined into one optimizer's"
+    )
+    assert "decoded to fp32" in lines[0] and "tensors in the parameters' dtype" in lines[0]
+    assert "split into one optimizer per parameter" in lines[1] and "8bit" in lines[1]
+
+
 # -- 2 gloo ranks: shards smaller than a block ---------------------------------------------------------------------
 
 # (3, 40): shards of 80 and 40 elements, both under one block, the second starting inside one; (4, 256): shards on
