@@ -205,12 +205,13 @@ class FullFinetuneRecipeSingleDevice:
             optim_dict = {p: spec.build([p]) for p in self._model.parameters()}
             if self.settings.stream_states:  # the same hooks, with each state fetched for its step and written back
                 check_host_memory(spec.build, self._model.parameters(), self._device)
-                weights = self._weights
+                weights = self._weights  # (streamed weights share the copy streams and go down after each step)
                 self._streamed = StreamedStates(
                     self._model,
                     optim_dict,
                     self._device,
-                    **(dict(link=weights.link, after_step=weights.after_step) if weights else {}),
+                    link=weights and weights.link,
+                    after_step=weights and weights.after_step,
                 )
             else:
                 training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)

@@ -250,13 +250,6 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
             "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
         )
-    stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
-    if stream_layers and not (stream_states and activation_checkpointing(cfg) == 1):
-        raise BadInput(
-            f"stream_layers={stream_layers} brings those layers' weights to the GPU for their forward and backward "
-            "only, and needs stream_optimizer_states=True (each weight is written back right after its step) and "
-            "enable_activation_checkpointing=True with ac_option=1 (no saved tensor may hold a streamed weight)"
-        )
     optimizer = resolve_optimizer(cfg.optimizer)
     # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
     # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
@@ -270,6 +263,13 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
 
     seed = number(cfg, "seed", integer=True, low=0, strict=False, default=0, example=42)
     ac_every = activation_checkpointing(cfg)
+    stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
+    if stream_layers and not (stream_states and ac_every == 1):
+        raise BadInput(
+            f"stream_layers={stream_layers} brings those layers' weights to the GPU for their forward and backward "
+            "only, and needs stream_optimizer_states=True (each weight is written back right after its step) and "
+            "enable_activation_checkpointing=True with ac_option=1 (no saved tensor may hold a streamed weight)"
+        )
     offload_activations = bool(cfg.get("enable_activation_offloading", False))
     if offload_activations and device.type != "cuda":
         raise BadInput(

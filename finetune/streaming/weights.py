@@ -34,16 +34,21 @@ from finetune.streaming.link import link_for
 MIN_BYTES = 64 * 2**10
 
 
+def streamed_params(layer: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The weights of ``layer`` that go to host memory: those of at least ``MIN_BYTES`` (the norms stay)."""
+    return [p for p in layer.parameters() if p.numel() * p.element_size() >= MIN_BYTES]
+
+
 def spread(count: int, layers: int) -> List[int]:
     """``count`` layer indices spread evenly over ``layers`` (each gap of resident layers hides a copy)."""
     return sorted({min(layers - 1, int((j + 0.5) * layers / count)) for j in range(count)})
 
 
 class _Layer:
-    """One streamed layer: its (device storage, host slot) pairs and where its weights are."""
+    """One streamed layer: its streamed weights, their (device storage, host slot) pairs, and where they are."""
 
-    def __init__(self, index: int, pairs: list):
-        self.index, self.pairs = index, pairs
+    def __init__(self, index: int, position: int, params: list, pairs: list):
+        self.index, self.position, self.params, self.pairs = index, position, params, pairs
         self.nbytes = sum(h.numel() for _, h in pairs)
         self.ready: Any = None  # the fetch's event once fetched (None on CPU)
         self.on_device = False
@@ -63,35 +68,30 @@ class StreamedWeights:
         self, model: torch.nn.Module, indices: List[int], device: torch.device, *, link: Any = None, trace=None
     ):
         self.link = link if link is not None else link_for(device)
-        self.trace, self.device = trace, device
+        self.trace = trace
         self._layers: List[_Layer] = []
         self._of: Dict[torch.nn.Parameter, _Layer] = {}
         self._host: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._moved = 0
         self._in_backward = False
-        for i in indices:
-            pairs = []
-            for p in model.layers[i].parameters():
-                if p.numel() * p.element_size() < MIN_BYTES:
-                    continue
+        for position, i in enumerate(indices):
+            params, pairs = streamed_params(model.layers[i]), []
+            for p in params:
                 host = self.link.slots.take(p.numel() * p.element_size())
                 host.view(p.dtype).view(p.shape).copy_(p.detach())
                 p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
                 p.untyped_storage().resize_(0)
                 pairs.append((p.untyped_storage(), host))
                 self._host[p] = host
-            layer = _Layer(i, pairs)
+            layer = _Layer(i, position, params, pairs)
             self._layers.append(layer)
-            for p in model.layers[i].parameters():
-                if p in self._host:
-                    self._of[p] = layer
+            self._of.update((p, layer) for p in params)
             model.layers[i].register_forward_pre_hook(self._before_forward(layer))
             model.layers[i].register_forward_hook(self._after_forward(layer))
-        for name, module in model.named_modules():
+        for module in model.modules():
             if any(p in self._host for p in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(
-                    lambda *args: self._host_views(*args)
-                )  # (a function, not a method)
+                # (a function, not a bound method: the public hook API marks the callable it is given)
+                module.register_state_dict_post_hook(lambda *args: self._host_views(*args))
         for module in model.modules():  # RoPE's cache: built from the config on the device, as a resident run's
             if hasattr(module, "rope_init"):  # (on the meta device it is a meta buffer, or, Llama 3's, not built)
                 with device:
@@ -126,7 +126,7 @@ class StreamedWeights:
         layer.on_device = False
 
     def _neighbour(self, layer: _Layer, step: int) -> Optional[_Layer]:
-        k = self._layers.index(layer) + step
+        k = layer.position + step
         return self._layers[k] if 0 <= k < len(self._layers) else None
 
     def _before_forward(self, layer: _Layer):
@@ -154,7 +154,7 @@ class StreamedWeights:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
             self._ensure(layer)
-            layer.unwritten = {p for p, owner in self._of.items() if owner is layer}
+            layer.unwritten = set(layer.params)
             previous = self._neighbour(layer, -1)
             if previous is not None:
                 self._fetch(previous)
@@ -198,12 +198,7 @@ class StreamedWeights:
 
 def check_weights_memory(model: torch.nn.Module, indices: List[int]) -> int:
     """Refuse, before anything moves, streamed weights that would not fit in the host's available memory."""
-    need = sum(
-        p.numel() * p.element_size()
-        for i in indices
-        for p in model.layers[i].parameters()
-        if p.numel() * p.element_size() >= MIN_BYTES
-    )
+    need = sum(p.numel() * p.element_size() for i in indices for p in streamed_params(model.layers[i]))
     free = available_host_bytes()
     if free is not None and need > free:
         raise BadInput(
