@@ -13,8 +13,11 @@ Use from any test module (in any folder under tests/):
 or take the ``recipe_runner`` fixture, which fills in a fresh output_dir.
 """
 
+import contextlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import signal
 import struct
@@ -223,31 +226,40 @@ def run_recipe(
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
 
-def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
-    """recipe_main in this process, as `tune run` would call it (FAST tiny, no metric logger, no pack cache)."""
+def run_here(output_dir, *overrides: str, config: str = TINY_CONFIG, fast: bool = True) -> RecipeRun:
+    """recipe_main in this process, as `tune run` would call it (FAST tiny unless fast=False, no metric logger, no pack
+    cache), its stdout and stderr captured. No fixtures needed, so a module-scoped fixture can share a run.
+
+    A recipe subprocess spends about 6.5 of its 11 seconds importing torch, torchtune and torchao; in this process
+    they are imported once. Use a subprocess (run_recipe) where the process is the subject: its exit status as a
+    shell sees it, signals, `tune run` itself, or losses recorded under the pinned vector ISA of recipe_env (this
+    process is not pinned, so quantized optimizers may round differently on an AVX-512 machine)."""
     from recipes.full_finetune_single_device import recipe_main
 
-    argv = [
-        RECIPE,
-        "--config",
-        TINY_CONFIG,
-        f"data_dir={DATA_DIR}",
-        f"output_dir={output_dir}",
-        *FAST,
-        "metric_logger=null",
-        "pack_cache_dir=off",
-        *overrides,
-    ]
-    monkeypatch.setattr(sys, "argv", argv)
-    monkeypatch.chdir(REPO_ROOT)
+    argv = [RECIPE, "--config", config, f"data_dir={DATA_DIR}", f"output_dir={output_dir}"]
+    argv += [*(FAST if fast else []), "metric_logger=null", "pack_cache_dir=off", *overrides]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    # The recipes' INFO lines go through torchtune's logger, which has a stderr handler of its own only where nothing
+    # handled logging when it was made (in a subprocess; under pytest the root logger has pytest's): give it this
+    # run's stderr, so that run.stderr holds them as a subprocess's does.
+    log, to_err = logging.getLogger("torchtune.utils._logging"), logging.StreamHandler(err)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(sys, "argv", argv)
+        patch.chdir(REPO_ROOT)
+        log.addHandler(to_err)
+        try:
+            recipe_main()
+        except SystemExit as e:
+            code = e.code or 0
+        finally:
+            log.removeHandler(to_err)
+    return RecipeRun(code, out.getvalue(), err.getvalue(), Path(output_dir), read_metrics(output_dir))
+
+
+def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
+    """run_here, for tests that already take capsys and monkeypatch."""
     capsys.readouterr()
-    code = 0
-    try:
-        recipe_main()
-    except SystemExit as e:
-        code = e.code or 0
-    captured = capsys.readouterr()
-    return RecipeRun(code, captured.out, captured.err, Path(output_dir), read_metrics(output_dir))
+    return run_here(output_dir, *overrides)
 
 
 def run_distributed(
@@ -369,6 +381,18 @@ def throwaway():
         yield v
     finally:
         del optimizers.VARIANTS[THROWAWAY_KEY]
+
+
+@pytest.fixture(scope="module")
+def no_environment_report():
+    """lm-eval puts torch's environment report (torch.utils.collect_env: about a second and ten commands, `pip list`
+    among them) into every evaluation's results; no test reads it. A module that evaluates in this process many times
+    takes this fixture to leave it out (`tune run` evaluations in subprocesses still write it)."""
+    from torch.utils import collect_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(collect_env, "get_pretty_env_info", lambda: "(not collected in the tests)")
+        yield
 
 
 @pytest.fixture

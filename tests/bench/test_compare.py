@@ -3,10 +3,12 @@
 bench/_harness.py (provenance, the dirty-tree refusal, default output folders) and the other benchmarks' smoke runs
 are tested in test_harness.py beside this file."""
 
+import contextlib
 import dataclasses
+import io
 import json
+import os
 import statistics
-import subprocess
 import sys
 
 import pytest
@@ -23,36 +25,40 @@ STEPS = 4
 BROKEN = "no_such_package.AdamW"
 
 
+@dataclasses.dataclass
+class BenchRun:
+    returncode: int
+    stdout: str
+
+
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
+    """bench/compare.py's main() in this process: each variant is still a fresh recipe process, stopped once its last
+    step is logged, with recipe_env's environment (set here, for the rows to inherit); a process of the benchmark's
+    own would only add its imports. Its printed progress is kept for the tests."""
     out_dir = tmp_path_factory.mktemp("bench")
-    cmd = [
-        sys.executable,
-        "bench/compare.py",
-        "--config",
-        "configs/tiny.yaml",
-        "--variants",
-        f"fused,ours16,{BROKEN}",
-        # --allow-dirty: the suite runs on a working tree, committed or not
-        "--steps",
-        str(STEPS),
-        "--out-dir",
-        str(out_dir),
-        "--allow-dirty",
-        f"data_dir={DATA_DIR}",
-        *[o for o in FAST if not o.startswith("max_steps_per_epoch=")],
-    ]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True)
-    return proc, out_dir
+    argv = ["--config", "configs/tiny.yaml", "--variants", f"fused,ours16,{BROKEN}", "--steps", str(STEPS)]
+    # --allow-dirty: the suite runs on a working tree, committed or not
+    argv += ["--out-dir", str(out_dir), "--allow-dirty", f"data_dir={DATA_DIR}"]
+    argv += [o for o in FAST if not o.startswith("max_steps_per_epoch=")]
+    env, stdout = recipe_env(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        for key in set(os.environ) - set(env):
+            patch.delenv(key)
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                patch.setenv(key, value)
+        returncode = compare.main(argv)
+    return BenchRun(returncode, stdout.getvalue()), out_dir
 
 
 def test_compare_runs_and_reports(bench_run):
-    proc, out_dir = bench_run
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run, out_dir = bench_run
+    assert run.returncode == 0, run.stdout
     # Progress while it runs: a start and a done line per variant, and step lines.
     for name in (FUSED, OURS, BROKEN):
-        assert f"{name}] start:" in proc.stdout and f"{name}] done in" in proc.stdout
-    assert f"step {STEPS} loss" in proc.stdout
+        assert f"{name}] start:" in run.stdout and f"{name}] done in" in run.stdout
+    assert f"step {STEPS} loss" in run.stdout
 
     result = json.loads((out_dir / "compare.json").read_text())
     for key in ("command", "hardware", "versions", "date", "code", "records", "config", "steps"):
@@ -212,13 +218,7 @@ def test_replot_keeps_a_record_without_per_step_losses(bench_run, tmp_path):
     result["records"].append(kept)
     path = tmp_path / "kept.json"
     path.write_text(json.dumps(result))
-    proc = subprocess.run(
-        [sys.executable, "bench/compare.py", "--replot", str(path), "--out-dir", str(tmp_path)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert compare.main(["--replot", str(path), "--out-dir", str(tmp_path)]) == 0
     row = next(
         line for line in (tmp_path / "compare.md").read_text().splitlines() if line.startswith(f"| {FUSED}+in_bwd |")
     )

@@ -324,19 +324,20 @@ def test_loss_parity_width2048_smoke(tmp_path):
     pre-trains, fine-tunes the reference and two of ours from the same state, scores, and writes its JSON and plot.
     One run for the CI time, on --arch qwen3 (grouped-query heads of 128, q/k norms; llama2, the default, differs
     only in the model it builds) with FP8 matmuls on the CPU (emulated) in one row: at width 128 the MLP converts, and
-    Qwen3's 2,048-wide query projection; the key/value projections stay bf16, as in the 7-8B models."""
+    Qwen3's 2,048-wide query projection; the key/value projections stay bf16, as in the 7-8B models.
+
+    The benchmark runs in one process of its own making, so its main() runs here: a subprocess would add its imports,
+    and recipe_env's AVX2 pins, which nothing here needs (no recorded numbers are compared), slow its bf16 matmuls
+    several times over on an AVX-512 machine."""
+    import loss_parity_width2048
+
     out = tmp_path / "w.json"
     argv = "--device cpu --width 128 --layers 1 --seq-len 64 --batch 2 --steps 3 --pretrain-steps 2 --pretrain-batch 2"
     argv += " --heldout 8 --train-records 32 --variants ours16,ours4_fp8 --arch qwen3"
-    proc = subprocess.run(
-        [sys.executable, "bench/loss_parity_width2048.py", *argv.split(), "--data-dir", str(DATA_DIR)]
-        + ["--out", str(out), "--allow-dirty"],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
+    status = loss_parity_width2048.main(
+        [*argv.split(), "--data-dir", str(DATA_DIR), "--out", str(out), "--allow-dirty"]
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert status == 0
     result = json.loads(out.read_text())
     assert [r["key"] for r in result["records"]] == ["ref", "ours16", "ours4_fp8"]
     ref, ours, fp8 = result["records"]

@@ -3,7 +3,7 @@ JSON), the rows a command line picks, the stand-in tokenizer being one BPE in ev
 its MFU uses."""
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -36,28 +36,20 @@ KEYS = {
 }
 
 
-def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path):
+def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monkeypatch):
+    # The benchmark's main() runs here: each row is still a fresh recipe process (stopped once its steps are logged,
+    # as in a real run); a process of the benchmark's own would only add its imports. Its rows get recipe_env's
+    # environment through this process's, one thread each as before.
+    env = recipe_env(OMP_NUM_THREADS="1")
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
     out, work = tmp_path / "families.json", tmp_path / "work"
-    cmd = [
-        sys.executable,
-        "bench/model_families.py",
-        "--toy",
-        "--families",
-        "llama3_2_3b",
-        "--only",
-        "ours_24gb,ours_24gb_fp8,stock",
-        "--stock-dir",
-        str(STOCK_DIR),
-        "--data-dir",
-        str(DATA_DIR),
-        "--work-dir",
-        str(work),
-        "--out",
-        str(out),
-        "--allow-dirty",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    argv = ["--toy", "--families", "llama3_2_3b", "--only", "ours_24gb,ours_24gb_fp8,stock", "--stock-dir"]
+    argv += [str(STOCK_DIR), "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
+    mf.main(argv)
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python bench/model_families.py --toy") and doc["hardware"] and doc["date"]
     records = {r["name"]: r for r in doc["records"]}

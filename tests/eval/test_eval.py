@@ -5,6 +5,7 @@ CPU only, about a minute and a half on 2 cores. The model is a random-init 2-lay
 32000-token vocabulary, so the tokenizer, the prompt lengths and lm-eval's code paths are the real ones.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import pytest
 import sentencepiece
 import torch
 import transformers
+from lm_eval import utils as lm_eval_utils
 from lm_eval.tasks import TaskManager
 from omegaconf import OmegaConf
 
@@ -29,6 +31,9 @@ from eval.checkpoint import load_tokenizer  # noqa: E402
 from eval.harness import HFLM  # noqa: E402  (lm-eval's class; the import says what to install if it fails)
 from eval.parity import reference_task_config, run_lm_eval_hf  # noqa: E402
 from eval.truthfulqa import TASK_NAME, local_task_config  # noqa: E402
+
+# lm-eval's environment report is left out of the evaluations run in this process (conftest).
+pytestmark = pytest.mark.usefixtures("no_environment_report")
 
 MC_TASK = DATA_DIR / "truthfulqa" / "mc_task.json"
 LIMIT = 8  # questions in the parity test (~60 loglikelihood requests)
@@ -57,7 +62,12 @@ def _task(spec):
 # (1) The offline task is lm-eval's task: same documents, prompt, choices, requests.
 
 
-def test_offline_task_equals_lm_eval_task_on_hub_rows(tmp_path):
+def test_offline_task_equals_lm_eval_task_on_hub_rows(tmp_path, monkeypatch):
+    # lm-eval compiles a task's Jinja template anew for every document it renders (~8,000 times here, most of the
+    # test's time); the same template string compiles to the same template, so each is compiled once.
+    monkeypatch.setattr(
+        lm_eval_utils.env, "from_string", functools.lru_cache(maxsize=None)(lm_eval_utils.env.from_string)
+    )
     # The hub's truthful_qa "multiple_choice" rows, built here from the file: each {answer: label} map becomes
     # parallel choices/labels lists, in the map's order.
     questions = json.loads(MC_TASK.read_text())
@@ -131,19 +141,20 @@ def test_requests_tokenized_like_sentencepiece_and_lm_eval_hf(tiny_checkpoint, a
     assert ours._encode_pair(context, continuation) == hf_path._encode_pair(context, continuation)
 
 
-def test_parity_with_lm_eval_hf(tiny_checkpoint, tmp_path):
+def test_parity_with_lm_eval_hf(tiny_checkpoint, tmp_path, capsys):
+    """Our recipe's score against lm-eval's own `hf` path on the same folder. Both run in this process (the recipe
+    past its command-line parsing, which test_recipe_checkpoint_evaluates covers through `tune run`)."""
     out = tmp_path / "eval_out"
-    cmd = [
-        TUNE, "run", "recipes/evaluate.py", "--config", str(EVAL_CONFIG), f"checkpoint_dir={tiny_checkpoint}",
-        f"data_dir={DATA_DIR}", f"output_dir={out}", f"limit={LIMIT}", "batch_size=4", "device=cpu", "dtype=fp32",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_tune_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    overrides = {"checkpoint_dir": str(tiny_checkpoint), "data_dir": str(DATA_DIR), "output_dir": str(out),
+                 "limit": LIMIT, "batch_size": 4, "device": "cpu", "dtype": "fp32"}  # fmt: skip
+    status = eval_recipe_module().recipe_main.__wrapped__(OmegaConf.merge(OmegaConf.load(EVAL_CONFIG), overrides))
+    printed = capsys.readouterr()
+    assert status == 0, printed.err[-3000:]
     (results_file,) = out.glob("results_*.json")
     ours = json.loads(results_file.read_text())
-    assert f"|{TASK_NAME}|" in proc.stdout  # lm-eval's table
-    assert f"on {LIMIT} questions in" in proc.stdout  # the score line with the time taken
-    assert "Running loglikelihood requests" in proc.stderr  # lm-eval's progress bar
+    assert f"|{TASK_NAME}|" in printed.out  # lm-eval's table
+    assert f"on {LIMIT} questions in" in printed.out  # the score line with the time taken
+    assert "Running loglikelihood requests" in printed.err  # lm-eval's progress bar
     assert ours["recipe"]["add_bos"] is False and ours["n-samples"][TASK_NAME]["effective"] == LIMIT  # the default
 
     ref, _ = run_lm_eval_hf(tiny_checkpoint, DATA_DIR, limit=LIMIT, batch_size=4, add_bos=False)

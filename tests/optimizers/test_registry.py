@@ -30,6 +30,24 @@ class ThrowawayAdamW(optimizers.AdamW8bit):
 optimizers.register(optimizers.Variant("throwaway", "throwaway_variant.ThrowawayAdamW", ThrowawayAdamW, 2.03125,
                                        "as ours8", tol_contract=0.05))
 '''
+# A second plugin (``-p collect_then_run``) for one pytest process to do what ``--collect-only`` and a run of a few
+# cases would do in two: it writes the node ids of everything collected to $COLLECTED (as --collect-only -q lists
+# them, after every other plugin's changes) and deselects all but the ids in $RUN (each pytest process spends most
+# of its time importing torch, torchtune and the test modules).
+COLLECT_THEN_RUN = """
+import os
+
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    with open(os.environ["COLLECTED"], "w") as f:
+        f.write("\\n".join(item.nodeid for item in items))
+    run = set(os.environ["RUN"].split())
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in run])
+    items[:] = [item for item in items if item.nodeid in run]
+"""
 MATRICES = [
     "tests/optimizers/test_optimizers.py",
     "tests/optimizers/test_optimizer_contract.py",
@@ -75,39 +93,46 @@ def test_the_registry_imports_neither_torchtune_nor_needs_triton():
     assert "ours16" in proc.stdout
 
 
-def pytest_with_the_variant(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """pytest on this checkout's tests, in one process, with PLUGIN's variant registered before collection."""
+def pytest_with_the_variant(tmp_path, run: list, *args: str) -> subprocess.CompletedProcess:
+    """pytest on this checkout's tests, in one process, with PLUGIN's variant registered before collection; of what
+    it collects (the ids are left in tmp_path/collected.txt), only the ids in ``run`` run."""
     (tmp_path / "throwaway_variant.py").write_text(PLUGIN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
+    (tmp_path / "collect_then_run.py").write_text(COLLECT_THEN_RUN)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p),
+        "COLLECTED": str(tmp_path / "collected.txt"),
+        "RUN": " ".join(run),
+    }
+    plugins = ["-p", "throwaway_variant", "-p", "collect_then_run", "-p", "no:cacheprovider"]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "throwaway_variant", "-p", "no:cacheprovider", "-n0", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "pytest", *plugins, "-n0", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
 
 
 def test_a_registered_variant_is_picked_up_everywhere(tmp_path):
     """Collected by the real test modules (pytest in a subprocess): a case in the spec matrix, the contract tests,
     the DTensor test and the recipe matrix; then the DTensor check passes on it (2 spawned ranks) and its recipe case
-    runs and fails until its losses are recorded."""
-    collected = pytest_with_the_variant(tmp_path, "--collect-only", "-q", *MATRICES)
-    assert collected.returncode == 0, (collected.stdout + collected.stderr)[-3000:]
-    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    runs and fails until its losses are recorded. (One pytest process collects the four modules and runs those two
+    cases.)"""
+    ran = pytest_with_the_variant(
+        tmp_path,
+        [
+            "tests/optimizers/test_optimizers_dtensor.py::test_sharded_step_equals_local_step[throwaway]",
+            "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]",
+        ],
+        "-q",
+        "-rA",
+        *MATRICES,
+    )
+    out = ran.stdout + ran.stderr
+    assert (tmp_path / "collected.txt").is_file(), out[-3000:]
+    ids = (tmp_path / "collected.txt").read_text().splitlines()
     for module in MATRICES:
         mine = [i for i in ids if i.startswith(module + "::") and ("throwaway" in i or "ThrowawayAdamW" in i)]
         assert mine, f"{module} has no case for a registered variant"
     assert "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]" in ids
 
-    ran = pytest_with_the_variant(
-        tmp_path,
-        "-q",
-        "-rA",
-        "tests/optimizers/test_optimizers_dtensor.py::test_sharded_step_equals_local_step[throwaway]",
-        "tests/recipes/test_recipe.py::test_optimizer_losses[ours-ThrowawayAdamW]",
-    )
-    out = ran.stdout + ran.stderr
     assert "PASSED tests/optimizers/test_optimizers_dtensor.py::test_sharded_step_equals_local_step[throwaway]" in out
     assert "no recorded losses for ['optimizer=throwaway_variant.ThrowawayAdamW']: add [" in out, out[-3000:]
     assert ran.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]

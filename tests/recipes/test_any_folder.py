@@ -9,13 +9,12 @@ has, Llama 3.1's RoPE scaling with every number changed, tying flipped against t
 docs' command (its overrides read from the page) on a slice of Alpaca of 8 records (2-3 steps); its epoch_0 holds
 the source's config.json (only the dtype is the run's), the tokenizer's files, and weights that transformers loads
 into the model the recipe trained (same logits). A folder the family cannot honour is refused before anything is
-tokenized. The six fine-tunes run in one subprocess (support.run_batch); about 40 s on 2 cores.
+tokenized. The six fine-tunes and the refused start run in this process (conftest.run_here: nothing here depends on
+the process, and a subprocess would spend most of its time importing torch and transformers again).
 """
 
 import json
 import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import transformers
 from omegaconf import OmegaConf
 
 import support
-from conftest import DATA_DIR, REPO_ROOT, recipe_env, run_command
+from conftest import DATA_DIR, REPO_ROOT, run_here
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
 from finetune.model import from_hf_config, toy_folder
@@ -90,36 +89,24 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, folders):
     """Per family: the docs' command (its 80 GB config, checkpoint_dir, the documented CPU overrides) on 8 Alpaca
-    records; one process for the six."""
+    records."""
     root = tmp_path_factory.mktemp("runs")
     data = root / "alpaca.json"
     data.write_text(json.dumps(json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[:8]))
-    batch = [
-        [
-            "--config",
-            support.ANY_FOLDERS[key][1],
+    said = []
+    for key in KEYS:
+        run = run_here(
+            root / key,
             f"checkpoint_dir={folders[key][0]}",
-            f"output_dir={root / key}",
-            f"data_dir={DATA_DIR}",
             f"dataset.data_files={data}",
             f"pack_cache_dir={root / 'cache'}",
             *documented_cpu_overrides(),
-        ]
-        for key in KEYS
-    ]
-    spec_file = root / "runs.json"
-    spec_file.write_text(json.dumps(batch))
-    proc = subprocess.run(
-        [sys.executable, support.__file__, str(spec_file)],
-        cwd=REPO_ROOT,
-        env=recipe_env(OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == json.dumps([0] * len(batch)), (
-        proc.stdout + proc.stderr
-    )[-4000:]
-    return {key: root / key for key in KEYS}, proc.stdout + proc.stderr
+            config=support.ANY_FOLDERS[key][1],
+            fast=False,
+        )
+        assert run.ok, (key, (run.stdout + run.stderr)[-4000:])
+        said.append(run.stdout + run.stderr)
+    return {key: root / key for key in KEYS}, "".join(said)
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -177,7 +164,7 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
         f"pack_cache_dir={tmp_path / 'cache'}",
         *documented_cpu_overrides(),
     ]
-    # The check itself, in this process (the subprocess below also pays for importing torch and torchtune)
+    # The check itself, timed alone (the recipe's start below runs it among the rest of its setup)
     cfg = OmegaConf.merge(
         OmegaConf.load(REPO_ROOT / "configs/qwen2_5/7B_full_80gb.yaml"), OmegaConf.from_dotlist(overrides)
     )
@@ -186,21 +173,9 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
         read_settings(cfg)
     assert time.monotonic() - started < 10
 
-    proc = subprocess.run(
-        [
-            *run_command("recipes/full_finetune_single_device.py"),
-            "--config",
-            "configs/qwen2_5/7B_full_80gb.yaml",
-            *overrides,
-        ],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-    )
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("error: checkpoint_dir's config.json has use_sliding_window=True")
+    run = run_here(tmp_path / "out", *overrides, config="configs/qwen2_5/7B_full_80gb.yaml", fast=False)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.error.startswith("error: checkpoint_dir's config.json has use_sliding_window=True")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
 
 

@@ -24,9 +24,11 @@ reference. What still differs:
   (FP8 on one device, batch 2 x 2 accumulation vs batch 4, already differs by 5e-5: the same sensitivity).
   RTOL_QUANT allows 1e-3, RTOL_FP8 3e-3.
 
-Runtime: 8 two-rank runs and two single-process runs, about 230 s of CPU time: about 2 minutes on 2 idle cores
-(each run is mostly start-up), 4.5 minutes when other jobs share the cores. The two stop-signal runs through
-recipes/launch.py (a launcher process, two ranks, a save made 3 s slow) add about 55 s of wall time.
+Runtime: each launch is mostly start-up (the launcher and every rank import torch, torchtune and torchao, ~6.5 s
+each), so launches are shared where the checks allow: one 2-rank run per optimizer serves the matching, metrics,
+layout, resume and late-write checks (``runs``), and one process re-runs the five single-device references. What
+is left: 8 two-rank runs, two single-process resumes and that one reference process, plus the two stop-signal runs
+through recipes/launch.py (a launcher process, two ranks, a save made 3 s slow).
 """
 
 import json
@@ -42,6 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import support
 from conftest import (
     DATA_DIR,
     FAST,
@@ -50,11 +53,13 @@ from conftest import (
     TINY_CONFIG,
     RecipeRun,
     read_metrics,
+    recipe_command,
     recipe_env,
+    run_command,
     run_distributed,
-    run_recipe,
 )
 from conftest import DISTRIBUTED_RECIPE as RECIPE
+from conftest import RECIPE as SINGLE_DEVICE_RECIPE
 
 RTOL_EXACT = 1e-4
 RTOL_QUANT = 1e-3
@@ -128,16 +133,32 @@ METRIC_KEYS = {
 }
 
 
+# How each run of ``runs`` names its optimizer (a resume of it must name the same). torch's AdamW is run as
+# faults.LateWriteAdamW: torch.optim.AdamW itself, stepping the same numbers, whose background checkpoint writer
+# reaches recipe_state.pt LATE_WRITE_S seconds late (set for that run only): the run serves the late-write test too,
+# and the resumes from its step_3 continue from a state written while steps 4-6 trained.
+OPTIMIZER_OVERRIDES = {"torch.optim.AdamW": ["optimizer._component_=faults.LateWriteAdamW"]}
+
+
+def optimizer_overrides(optimizer: str) -> list:
+    return OPTIMIZER_OVERRIDES.get(optimizer, [f"optimizer={optimizer}"])
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One 2-rank run per optimizer, batch 2 per rank; torch's AdamW and our 8-bit also save step_3."""
+def runs(tmp_path_factory, faults):
+    """One 2-rank run per optimizer, batch 2 per rank; torch's AdamW and our 8-bit also save step_3, and torch's
+    writes it late and logs to wandb (offline), as the README's command does (the late-write test)."""
     cache = {}
 
     def get(optimizer: str) -> RecipeRun:
         if optimizer not in cache:
             out = tmp_path_factory.mktemp(optimizer.replace(".", "_")) / "out"
             extra = ["save_every_n_steps=3"] if optimizer in ("torch.optim.AdamW", "optimizers.AdamW8bit") else []
-            run = run_distributed(out, f"optimizer={optimizer}", *extra)
+            env = dict(faults)
+            if optimizer == "torch.optim.AdamW":
+                extra.append("metric_logger._component_=torchtune.training.metric_logging.WandBLogger")
+                env["LATE_WRITE_S"] = "3"
+            run = run_distributed(out, *optimizer_overrides(optimizer), *extra, env=env)
             assert run.ok, run.stderr[-4000:]
             cache[optimizer] = run
         return cache[optimizer]
@@ -205,10 +226,12 @@ def test_checkpoint_layout_and_full_weights(runs):
 
 
 @pytest.mark.parametrize("optimizer", ["torch.optim.AdamW", "optimizers.AdamW8bit"])
-def test_resume_on_two_ranks_continues_with_the_same_losses(runs, tmp_path, optimizer):
+def test_resume_on_two_ranks_continues_with_the_same_losses(runs, tmp_path, faults, optimizer):
     full = runs(optimizer)
     out = tmp_path / "out"
-    resumed = run_distributed(out, f"optimizer={optimizer}", f"resume_from_checkpoint={full.output_dir / 'step_3'}")
+    resumed = run_distributed(
+        out, *optimizer_overrides(optimizer), f"resume_from_checkpoint={full.output_dir / 'step_3'}", env=faults
+    )
     assert resumed.ok, resumed.stderr[-4000:]
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6]
     # Same weights, optimizer shards, lr and data position: the same numbers as the uninterrupted run.
@@ -216,15 +239,16 @@ def test_resume_on_two_ranks_continues_with_the_same_losses(runs, tmp_path, opti
     assert [m["lr"] for m in resumed.metrics] == pytest.approx([m["lr"] for m in full.metrics[3:]])
 
 
-def test_full_torch_state_resumes_on_another_rank_count(runs, tmp_path):
+def test_full_torch_state_resumes_on_another_rank_count(runs, tmp_path, faults):
     """torch.optim's state is saved in full, so 2 ranks x batch 2 resume on 1 rank x batch 4 (same global batch)."""
     full = runs("torch.optim.AdamW")
     resumed = run_distributed(
         tmp_path / "out",
-        "optimizer=torch.optim.AdamW",
+        *optimizer_overrides("torch.optim.AdamW"),
         "batch_size=4",
         f"resume_from_checkpoint={full.output_dir / 'step_3'}",
         nproc=0,
+        env=faults,
     )
     assert resumed.ok, resumed.stderr[-4000:]
     assert [m["step"] for m in resumed.metrics] == [4, 5, 6] and resumed.metrics[0]["world_size"] == 1
@@ -247,10 +271,34 @@ def test_quantized_state_resumes_on_another_rank_count(runs, tmp_path):
     assert run.losses == pytest.approx(full.losses[3:], rel=RTOL_QUANT)
 
 
+@pytest.fixture(scope="module")
+def single_device_references(tmp_path_factory):
+    """{optimizer: its single-device run at batch 4}, the five run one after another in one subprocess pinned as the
+    recorded runs were (recipe_env; support.run_batch: each a fresh recipe_main with `tune run`'s arguments). Start-up
+    (importing torch, torchtune and torchao) is most of a run: paid once for the five."""
+    root = tmp_path_factory.mktemp("single_device")
+    outs = {o: root / o.replace(".", "_") for o in SINGLE_DEVICE_BATCH4}
+    skip = len(run_command(SINGLE_DEVICE_RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
+    spec = root / "runs.json"
+    spec.write_text(
+        json.dumps([recipe_command(out, f"optimizer={o}", "batch_size=4")[skip:] for o, out in outs.items()])
+    )
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
+    )
+    try:
+        codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):  # the batch died (an exception in a run): every case fails with its traceback
+        codes = [proc.returncode or 1] * len(outs)
+    return {
+        o: RecipeRun(c, proc.stdout, proc.stderr, out, read_metrics(out)) for (o, out), c in zip(outs.items(), codes)
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(SINGLE_DEVICE_BATCH4))
-def test_single_device_reference_is_current(tmp_path, optimizer):
-    run = run_recipe(tmp_path / "out", f"optimizer={optimizer}", "batch_size=4")
+def test_single_device_reference_is_current(single_device_references, optimizer):
+    run = single_device_references[optimizer]
     assert run.ok, run.stderr[-3000:]
     assert run.losses == pytest.approx(SINGLE_DEVICE_BATCH4[optimizer], rel=1e-4)
 
@@ -304,13 +352,14 @@ class FaultyAdamW(torch.optim.AdamW):
 
 
 class LateWriteAdamW(torch.optim.AdamW):
-    """torch's AdamW in a run whose background checkpoint writer reaches recipe_state.pt ``write_s`` seconds late, as
-    a writer thread on a loaded machine may: training takes its next steps meanwhile."""
+    """torch's AdamW in a run whose background checkpoint writer reaches recipe_state.pt $LATE_WRITE_S seconds late,
+    as a writer thread on a loaded machine may: training takes its next steps meanwhile. (An environment variable, not
+    an optimizer setting: a resume must repeat the optimizer's settings, and need not wait.)"""
 
-    def __init__(self, params, write_s=0.0, **kwargs):
+    def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
         import time
-        save = torch.save
+        save, write_s = torch.save, float(os.environ.get("LATE_WRITE_S", "0"))
 
         def late(obj, f, *args, **kw):
             if str(f).endswith("recipe_state.pt"):
@@ -334,30 +383,24 @@ class SlowSaveAdamW(torch.optim.AdamW):
 '''
 
 
-@pytest.fixture
-def faults(tmp_path):
-    (tmp_path / "faults.py").write_text(FAULTS)
-    return {"PYTHONPATH": str(tmp_path)}
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The environment that lets the ranks import FAULTS (as ``faults``)."""
+    folder = tmp_path_factory.mktemp("faults")
+    (folder / "faults.py").write_text(FAULTS)
+    return {"PYTHONPATH": str(folder)}
 
 
-def test_a_late_background_write_holds_its_steps_state_and_the_run_prints_one_seed_line(tmp_path, faults):
+def test_a_late_background_write_holds_its_steps_state_and_the_run_prints_one_seed_line(runs):
     """step_3's optimizer state is step 3's even when the writer gets to it only after steps 4-6 have run: torch's
     gather had handed the live step counts to the background save, which wrote 6 here (and, by the machine's load,
     sometimes 4: the resume tests' flake, steps 5-6 trained 0.3 % off).
 
-    The same two-rank run (one run for two checks: CI time) logs to wandb (offline), as the README's command does:
-    torchtune's seed line once (rank 0's), not once per rank (the logger's import had set torchtune's shared logger
-    back to DEBUG on every rank: console.set_log_level), and the closing summary states the first step's time, as the
-    single-device recipe's does, read from the first metrics record."""
-    run = run_distributed(
-        tmp_path / "out",
-        "optimizer._component_=faults.LateWriteAdamW",
-        "optimizer.write_s=3",
-        "save_every_n_steps=3",
-        "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
-        env=faults,
-    )
-    assert run.ok, run.stderr[-4000:]
+    The same two-rank run (``runs``' torch AdamW run, which writes 3 s late) logs to wandb (offline), as the README's
+    command does: torchtune's seed line once (rank 0's), not once per rank (the logger's import had set torchtune's
+    shared logger back to DEBUG on every rank: console.set_log_level), and the closing summary states the first
+    step's time, as the single-device recipe's does, read from the first metrics record."""
+    run = runs("torch.optim.AdamW")
     state = torch.load(run.output_dir / "step_3" / "recipe_state.pt", weights_only=False)["optimizer"]["state"]
     assert state and {float(entry["step"]) for entry in state.values()} == {3.0}
 
@@ -431,8 +474,9 @@ def test_a_live_lock_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_no_torchao_extensions_warning_in_a_two_rank_run(runs):
-    """The ranks filter torchao's "Skipping import of cpp extensions" (finetune/reporting/console.py, KNOWN_NOISE), and the
-    `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook, finetune/tune_run.py)."""
+    """The ranks filter torchao's "Skipping import of cpp extensions" (finetune/reporting/console.py, KNOWN_NOISE), and
+    the `tune` launcher, which imports torchtune before any recipe code runs, too (the import hook,
+    finetune/tune_run.py)."""
     run = runs("torch.optim.AdamW")
     assert "Skipping import of cpp extensions" not in run.stdout + run.stderr
 

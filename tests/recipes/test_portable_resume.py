@@ -17,13 +17,14 @@ reduce-scatters the gradients, so they differ in the last bits, and an 8-bit cod
 falls inside a quantization block, that block is rounded once more when the ranks' shards are joined
 (optimizers/_portable.py).
 
-Runtime: 6 one-device runs, 1 two-rank run and one refused start.
+Runtime: 6 one-device runs and one refused start, in this process (conftest.run_here: every comparison here is
+run against run, so the process need not be pinned as for recorded losses), and 1 two-rank run.
 """
 
 import pytest
 import torch
 
-from conftest import run_distributed, run_recipe
+from conftest import run_distributed, run_here
 
 RTOL_QUANT = 1e-3
 RTOL_VARIANT = 1e-2
@@ -34,7 +35,7 @@ BATCH4 = "batch_size=4"  # one device: the global batch of 2 ranks x batch_size=
 def straight(tmp_path_factory):
     """The uninterrupted one-device 8-bit run, saving step_2 and step_4."""
     out = tmp_path_factory.mktemp("straight") / "out"
-    run = run_recipe(out, "optimizer=optimizers.AdamW8bit", BATCH4, "save_every_n_steps=2")
+    run = run_here(out, "optimizer=optimizers.AdamW8bit", BATCH4, "save_every_n_steps=2")
     assert run.ok, run.stderr[-4000:]
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5, 6]
     return run
@@ -45,7 +46,7 @@ def conversion_lines(run) -> list:
 
 
 def test_8bit_then_4bit_then_torch_adamw_train_on_from_the_converted_moments(straight, tmp_path):
-    four = run_recipe(
+    four = run_here(
         tmp_path / "four",
         "optimizer=optimizers.AdamW4bit",
         BATCH4,
@@ -61,7 +62,7 @@ def test_8bit_then_4bit_then_torch_adamw_train_on_from_the_converted_moments(str
     assert state["optimizer"]["param_groups"][0]["state_format"] == "4bit.v4"
     assert {float(e["step"]) for e in state["optimizer"]["state"].values()} == {4.0}  # 2 carried + 2
 
-    adamw = run_recipe(
+    adamw = run_here(
         tmp_path / "adamw",
         "optimizer=torch.optim.AdamW",
         BATCH4,
@@ -77,7 +78,7 @@ def test_8bit_then_4bit_then_torch_adamw_train_on_from_the_converted_moments(str
 
 
 def test_an_optimizer_without_a_second_moment_is_refused_in_one_line(straight, tmp_path):
-    run = run_recipe(
+    run = run_here(
         tmp_path / "sgd",
         "optimizer=torch.optim.SGD",
         "~optimizer.fused",
@@ -100,7 +101,7 @@ IN_BWD = ["optimizer_in_bwd=True"]
 def in_bwd(tmp_path_factory):
     """The uninterrupted one-device 8-bit run in backward with streamed states, saving step_2, step_4 and step_6."""
     out = tmp_path_factory.mktemp("in_bwd") / "out"
-    run = run_recipe(out, *EIGHT_STEPS, BATCH4, *IN_BWD, "stream_optimizer_states=True")
+    run = run_here(out, *EIGHT_STEPS, BATCH4, *IN_BWD, "stream_optimizer_states=True")
     assert run.ok, run.stderr[-4000:]
     assert [m["step"] for m in run.metrics] == list(range(1, 9))
     return run
@@ -112,7 +113,7 @@ def lrs(run) -> list:
 
 def test_in_backward_goes_on_as_one_optimizer_and_on_two_ranks_and_back(in_bwd, tmp_path):
     # One device, one optimizer over all parameters, from step_2: exact (the same arithmetic per parameter).
-    one = run_recipe(tmp_path / "one", *EIGHT_STEPS, BATCH4, f"resume_from_checkpoint={in_bwd.output_dir / 'step_2'}")
+    one = run_here(tmp_path / "one", *EIGHT_STEPS, BATCH4, f"resume_from_checkpoint={in_bwd.output_dir / 'step_2'}")
     assert one.ok, one.stderr[-4000:]
     lines = conversion_lines(one)
     assert len(lines) == 1 and "optimizer_in_bwd=False continues the state saved with optimizer_in_bwd=True" in lines[0]
@@ -143,7 +144,7 @@ def test_in_backward_goes_on_as_one_optimizer_and_on_two_ranks_and_back(in_bwd, 
         }
 
     # One device in backward again, from the 2 ranks' step_6.
-    back = run_recipe(
+    back = run_here(
         tmp_path / "back", *EIGHT_STEPS, BATCH4, *IN_BWD, f"resume_from_checkpoint={two.output_dir / 'step_6'}"
     )
     assert back.ok, back.stderr[-4000:]

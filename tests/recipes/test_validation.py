@@ -19,7 +19,20 @@ import pytest
 from omegaconf import OmegaConf
 
 import support
-from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG, run_distributed, run_in_process, run_recipe
+from conftest import (
+    DATA_DIR,
+    RECIPE,
+    REPO_ROOT,
+    TINY_CONFIG,
+    RecipeRun,
+    read_metrics,
+    recipe_command,
+    recipe_env,
+    run_command,
+    run_distributed,
+    run_here,
+    run_in_process,
+)
 
 VAL_RECORDS = 7
 TWO_EPOCHS = ["epochs=2", "max_steps_per_epoch=3"]
@@ -36,15 +49,25 @@ def val_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, val_file):
-    """The same FAST two-epoch run with and without validation every 2 steps, wandb on (offline)."""
+    """The same FAST two-epoch run with and without validation every 2 steps, wandb on (offline).
+
+    Both in one subprocess (support.run_batch: torch imported once), not in this process: wandb would start its
+    service from, and take over the console of, the test process. Their stdout and stderr are the batch's: only the
+    run with validation prints what the tests look for there."""
     root = tmp_path_factory.mktemp("runs")
-    without = run_recipe(root / "without", *TWO_EPOCHS, wandb=True)
-    with_val = run_recipe(
-        root / "with", *TWO_EPOCHS, f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", wandb=True
+    overrides = {
+        "without": TWO_EPOCHS,
+        "with": [*TWO_EPOCHS, f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2"],
+    }
+    skip = len(run_command(RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
+    spec = root / "runs.json"
+    spec.write_text(json.dumps([recipe_command(root / name, *o, wandb=True)[skip:] for name, o in overrides.items()]))
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
     )
-    assert without.ok, without.stderr[-3000:]
-    assert with_val.ok, with_val.stderr[-3000:]
-    return {"without": without, "with": with_val}
+    said = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[0, 0]", said  # (each run's exit code)
+    return {name: RecipeRun(0, proc.stdout, proc.stderr, root / name, read_metrics(root / name)) for name in overrides}
 
 
 def val_losses(run):
@@ -132,7 +155,7 @@ def test_distributed_val_loss_is_reduced_over_ranks(tmp_path, val_file):
     val = [f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", *TWO_EPOCHS]
     ranks = run_distributed(tmp_path / "ranks", *val, "batch_size_val=2")
     assert ranks.ok, ranks.stderr[-3000:]
-    one = run_recipe(tmp_path / "one", *val, "batch_size=4")
+    one = run_here(tmp_path / "one", *val, "batch_size=4")
     assert one.ok, one.stderr[-3000:]
     assert sorted(val_losses(ranks)) == VAL_STEPS
     assert ranks.losses == pytest.approx(one.losses, rel=1e-4)

@@ -18,13 +18,11 @@ Resumed losses are compared at rel=1e-5 (as in test_reliability.py): the interru
 kernels are capped at AVX2, the reference is an in-process run. Two subprocess runs, six in-process ones.
 """
 
-import contextlib
 import errno
 import io
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,18 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import (
-    DATA_DIR,
-    FAST,
-    HANG_GUARD_S,
-    RECIPE,
-    REPO_ROOT,
-    TINY_CONFIG,
-    RecipeRun,
-    read_metrics,
-    recipe_command,
-    recipe_env,
-)
+from conftest import HANG_GUARD_S, REPO_ROOT, read_metrics, recipe_command, recipe_env, run_here
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "recipe_state.pt", "tokenizer.model"}
 
@@ -89,37 +76,6 @@ class GatedAdamW(torch.optim.AdamW):
         checkpointer.Checkpointer._write = held
 '''
 GATED = "optimizer._component_=faults.GatedAdamW"
-
-
-def run_here(output_dir: Path, *overrides: str) -> RecipeRun:
-    """The recipe's entry point in this process (no ~8 s of imports per run), as `tune run` calls it."""
-    from recipes.full_finetune_single_device import recipe_main
-
-    argv = [
-        RECIPE,
-        "--config",
-        TINY_CONFIG,
-        f"data_dir={DATA_DIR}",
-        f"output_dir={output_dir}",
-        *FAST,
-        "metric_logger=null",
-        "pack_cache_dir=off",
-        *overrides,
-    ]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    old_argv, old_cwd = sys.argv, os.getcwd()
-    sys.argv = argv
-    os.chdir(REPO_ROOT)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                recipe_main()
-            except SystemExit as e:
-                code = e.code or 0
-    finally:
-        sys.argv = old_argv
-        os.chdir(old_cwd)
-    return RecipeRun(code, out.getvalue(), err.getvalue(), Path(output_dir), read_metrics(output_dir))
 
 
 def hold(patch, name: str, until_step: int) -> list:

@@ -1,8 +1,10 @@
 """Packing (``dataset.packed=True``), the activation-memory keys and compile with packing.
 
-Unit tests of finetune/data/packing.py run in-process on real Alpaca records; the recipe tests run ``tune run`` on the
+Unit tests of finetune/data/packing.py run in-process on real Alpaca records; the recipe tests run the recipe on the
 FAST tiny model (tests/conftest.py) over the first 400 records at a pack length of 256 tokens (about two samples a
-row), with the pack cache in the test's own folder.
+row), with the pack cache in the test's own folder. They call it in this process (conftest.run_here: torch's AdamW
+trains the same here as in a subprocess, without a subprocess's seconds of imports), but for the run killed after a
+save, the compiled run (torch.compile stays out of the test process) and the two ranks.
 """
 
 import math
@@ -18,6 +20,7 @@ from conftest import (
     pinned_inductor_cache,
     recipe_env,
     run_distributed,
+    run_here,
     run_recipe,
 )
 from finetune.data import packing as _packing
@@ -106,7 +109,7 @@ def test_cache_round_trip_and_a_corrupt_cache_is_rebuilt(tmp_path):
 
 
 def test_packed_run_losses_and_tokens(tmp_path):
-    run = run_recipe(tmp_path / "a", *PACKED, f"pack_cache_dir={tmp_path / 'cache'}")
+    run = run_here(tmp_path / "a", *PACKED, f"pack_cache_dir={tmp_path / 'cache'}")
     assert run.ok, run.stderr[-3000:]
     assert run.losses == pytest.approx(PACKED_LOSSES, rel=RTOL)
     assert [m["tokens"] for m in run.metrics] == PACKED_TOKENS
@@ -117,8 +120,8 @@ def test_packed_run_losses_and_tokens(tmp_path):
 def test_packed_and_unpacked_epochs_train_on_the_same_number_of_tokens(tmp_path):
     """A whole epoch over 16 records: unpacked in batches of 2 (none dropped), packed one row a step."""
     split = "dataset.split=train[:16]"
-    unpacked = run_recipe(tmp_path / "u", split, "tokenizer.max_seq_len=256", "max_steps_per_epoch=null")
-    packed = run_recipe(
+    unpacked = run_here(tmp_path / "u", split, "tokenizer.max_seq_len=256", "max_steps_per_epoch=null")
+    packed = run_here(
         tmp_path / "p",
         split,
         "dataset.packed=True",
@@ -135,7 +138,7 @@ def test_packed_and_unpacked_epochs_train_on_the_same_number_of_tokens(tmp_path)
 def test_packed_resume_after_kill_continues_with_same_losses(tmp_path):
     out, common = tmp_path / "out", [*PACKED, f"pack_cache_dir={tmp_path / 'c'}", "save_every_n_steps=2"]
     kill_once_saved(out, "step_4", *common)
-    resumed = run_recipe(out, *common, f"resume_from_checkpoint={out / 'step_4'}")
+    resumed = run_here(out, *common, f"resume_from_checkpoint={out / 'step_4'}")
     assert resumed.ok, resumed.stderr[-3000:]
     assert "cache in" in resumed.stdout + resumed.stderr  # the killed run's tokenized samples were reused
     tail = resumed.metrics[-2:]
@@ -174,8 +177,8 @@ def test_packed_compile_with_selective_checkpointing_does_not_recompile(tmp_path
 def test_in_backward_warmup_matches_the_one_optimizer_run(tmp_path):
     """With a warmup, every per-parameter optimizer takes the scheduler's first lr (0), as one optimizer does."""
     common = ["clip_grad_norm=null", "lr_scheduler.num_warmup_steps=2", "max_steps_per_epoch=3"]
-    plain = run_recipe(tmp_path / "plain", *common)
-    in_bwd = run_recipe(tmp_path / "bwd", *common, "optimizer_in_bwd=True")
+    plain = run_here(tmp_path / "plain", *common)
+    in_bwd = run_here(tmp_path / "bwd", *common, "optimizer_in_bwd=True")
     assert plain.ok and in_bwd.ok, (plain.stderr + in_bwd.stderr)[-3000:]
     assert in_bwd.losses == pytest.approx(plain.losses, rel=RTOL)
     assert [m["lr"] for m in in_bwd.metrics] == pytest.approx([m["lr"] for m in plain.metrics])
@@ -197,7 +200,7 @@ def test_in_backward_warmup_matches_the_one_optimizer_run(tmp_path):
     ],
 )
 def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
-    """Checked in-process (the recipe's own classes, fast); the subprocess test below shows the one-line exit 2."""
+    """Checked on the recipe's own classes; the test below shows the recipe's one-line exit 2."""
     from omegaconf import OmegaConf
 
     from finetune.base import BadInput
@@ -212,8 +215,9 @@ def test_bad_memory_and_packing_keys_name_the_key(tmp_path, overrides, key):
         FullFinetuneRecipeSingleDevice(cfg).setup(cfg)
 
 
-def test_bad_ac_mode_is_a_one_line_error_with_exit_2(recipe_runner):
-    run = recipe_runner("ac_mode=partial", "enable_activation_checkpointing=True")
+def test_bad_ac_mode_is_a_one_line_error_with_exit_2(tmp_path):
+    # (The exit status as a shell sees it, through `tune run`: tests/recipes/test_bad_input.py's -via-tune-run cases.)
+    run = run_here(tmp_path / "out", "ac_mode=partial", "enable_activation_checkpointing=True")
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "ac_mode" in errors[0] and "Traceback" not in run.stderr

@@ -24,6 +24,9 @@ from omegaconf import OmegaConf
 import support
 from conftest import DATA_DIR, EVAL_CONFIG, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics
 
+# lm-eval's environment report is left out of the evaluations run in this process (conftest).
+pytestmark = pytest.mark.usefixtures("no_environment_report")
+
 VARIANTS = {"torch.optim.AdamW": "torch.AdamW", "optimizers.AdamW8bit": "AdamW8bit"}
 STEPS = 4
 # The numbers every run's summary holds, in summary.json and in its wandb run alike (finetune/reporting/metrics.py).
