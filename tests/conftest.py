@@ -226,6 +226,33 @@ def run_recipe(
     return RecipeRun(proc.returncode, proc.stdout, proc.stderr, Path(output_dir), read_metrics(output_dir))
 
 
+def run_in_one_process(runs: Dict[str, Sequence], *, wandb: bool = False) -> Dict[str, RecipeRun]:
+    """``{name: (output_dir, overrides)}`` run one after another in one subprocess pinned as run_recipe's
+    (recipe_env; support.run_batch: each a fresh recipe_main with `tune run`'s arguments): start-up (importing torch,
+    torchtune and torchao) paid once for all of them. Each RecipeRun carries the batch's stdout and stderr; if the
+    batch itself dies, every run gets its exit status."""
+    import support
+
+    skip = len(run_command(RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
+    items = list(runs.items())
+    if not items:
+        return {}
+    spec = Path(items[0][1][0]).parent / "runs.json"
+    spec.write_text(json.dumps([recipe_command(out, *o, wandb=wandb)[skip:] for _, (out, o) in items]))
+    proc = subprocess.run(
+        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
+    )
+    try:
+        codes = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (IndexError, ValueError):
+        codes = None
+    codes = codes or [proc.returncode or 1] * len(items)
+    return {
+        name: RecipeRun(c, proc.stdout, proc.stderr, Path(out), read_metrics(out))
+        for (name, (out, _)), c in zip(items, codes)
+    }
+
+
 def run_here(output_dir, *overrides: str, config: str = TINY_CONFIG, fast: bool = True) -> RecipeRun:
     """recipe_main in this process, as `tune run` would call it (FAST tiny unless fast=False, no metric logger, no pack
     cache), its stdout and stderr captured. No fixtures needed, so a module-scoped fixture can share a run.

@@ -44,7 +44,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import support
 from conftest import (
     DATA_DIR,
     FAST,
@@ -53,13 +52,11 @@ from conftest import (
     TINY_CONFIG,
     RecipeRun,
     read_metrics,
-    recipe_command,
     recipe_env,
-    run_command,
     run_distributed,
+    run_in_one_process,
 )
 from conftest import DISTRIBUTED_RECIPE as RECIPE
-from conftest import RECIPE as SINGLE_DEVICE_RECIPE
 
 RTOL_EXACT = 1e-4
 RTOL_QUANT = 1e-3
@@ -277,22 +274,9 @@ def single_device_references(tmp_path_factory):
     recorded runs were (recipe_env; support.run_batch: each a fresh recipe_main with `tune run`'s arguments). Start-up
     (importing torch, torchtune and torchao) is most of a run: paid once for the five."""
     root = tmp_path_factory.mktemp("single_device")
-    outs = {o: root / o.replace(".", "_") for o in SINGLE_DEVICE_BATCH4}
-    skip = len(run_command(SINGLE_DEVICE_RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
-    spec = root / "runs.json"
-    spec.write_text(
-        json.dumps([recipe_command(out, f"optimizer={o}", "batch_size=4")[skip:] for o, out in outs.items()])
+    return run_in_one_process(
+        {o: (root / o.replace(".", "_"), [f"optimizer={o}", "batch_size=4"]) for o in SINGLE_DEVICE_BATCH4}
     )
-    proc = subprocess.run(
-        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
-    )
-    try:
-        codes = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):  # the batch died (an exception in a run): every case fails with its traceback
-        codes = [proc.returncode or 1] * len(outs)
-    return {
-        o: RecipeRun(c, proc.stdout, proc.stderr, out, read_metrics(out)) for (o, out), c in zip(outs.items(), codes)
-    }
 
 
 @pytest.mark.slow

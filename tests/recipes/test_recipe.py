@@ -21,18 +21,13 @@ import pytest
 import torch
 
 import optimizers
-import support
 from conftest import (
-    RECIPE,
-    REPO_ROOT,
     TORCH_ADAMW_LOSSES,
-    RecipeRun,
     kill_once_saved,
     read_metrics,
-    recipe_command,
     recipe_env,
-    run_command,
     run_here,
+    run_in_one_process,
     run_recipe,
     wandb_history,
 )
@@ -220,21 +215,9 @@ def pinned_runs(request, tmp_path_factory):
         if getattr(item, "module", None) is request.module
         and getattr(item, "originalname", None) == "test_optimizer_losses"
     }
-    cases = [(i, o) for i, o, _, _, how in OPTIMIZER_CASES if how == PINNED and i in selected]
     root = tmp_path_factory.mktemp("pinned")
-    skip = len(run_command(RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
-    spec = root / "runs.json"
-    spec.write_text(json.dumps([recipe_command(root / i, *o)[skip:] for i, o in cases]))
-    proc = subprocess.run(
-        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
-    )
-    try:
-        codes = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):  # the batch died (an exception in a run): every case fails with its traceback
-        codes = [proc.returncode or 1] * len(cases)
-    return {
-        i: RecipeRun(c, proc.stdout, proc.stderr, root / i, read_metrics(root / i)) for (i, _), c in zip(cases, codes)
-    }
+    cases = {i: (root / i, o) for i, o, _, _, how in OPTIMIZER_CASES if how == PINNED and i in selected}
+    return run_in_one_process(cases)
 
 
 @pytest.mark.parametrize(

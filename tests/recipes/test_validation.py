@@ -21,16 +21,11 @@ from omegaconf import OmegaConf
 import support
 from conftest import (
     DATA_DIR,
-    RECIPE,
     REPO_ROOT,
     TINY_CONFIG,
-    RecipeRun,
-    read_metrics,
-    recipe_command,
-    recipe_env,
-    run_command,
     run_distributed,
     run_here,
+    run_in_one_process,
     run_in_process,
 )
 
@@ -59,15 +54,10 @@ def runs(tmp_path_factory, val_file):
         "without": TWO_EPOCHS,
         "with": [*TWO_EPOCHS, f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2"],
     }
-    skip = len(run_command(RECIPE))  # what follows `tune run <recipe>` is what run_batch takes
-    spec = root / "runs.json"
-    spec.write_text(json.dumps([recipe_command(root / name, *o, wandb=True)[skip:] for name, o in overrides.items()]))
-    proc = subprocess.run(
-        [sys.executable, support.__file__, str(spec)], cwd=REPO_ROOT, env=recipe_env(), capture_output=True, text=True
-    )
-    said = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[0, 0]", said  # (each run's exit code)
-    return {name: RecipeRun(0, proc.stdout, proc.stderr, root / name, read_metrics(root / name)) for name in overrides}
+    done = run_in_one_process({name: (root / name, o) for name, o in overrides.items()}, wandb=True)
+    for run in done.values():
+        assert run.ok, (run.stdout + run.stderr)[-3000:]
+    return done
 
 
 def val_losses(run):
