@@ -347,6 +347,8 @@ CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24, "16gb": 14.9}  # (16gb: a 16 GB
 STREAMED_16GB = {
     "llama3_1_8b": ("llama3_1/8B_full_16gb_fp8", ["stream_layers=12"]),
     "qwen2_5_7b": ("qwen2_5/7B_full_16gb_fp8", ["stream_layers=8"]),
+    "qwen3_8b": ("qwen3/8B_full_16gb_fp8", ["stream_layers=14"]),
+    "mistral_7b": ("mistral/7B_full_16gb_fp8", ["stream_layers=8"]),
 }
 STOCK_LOW_MEMORY = [
     "optimizer=bitsandbytes.optim.PagedAdamW8bit",

@@ -83,10 +83,11 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monk
         ),
         ("--families qwen2_5_7b --classes 16gb --rows fp8 --candidates", "ours_16gb_fp8 ours_16gb_fp8_fewer_streamed"),
         ("--families qwen3_8b --classes 32gb", "ours_32gb ours_32gb_fp8"),  # (no stock recipe for Qwen3)
+        ("--families qwen3_8b --classes 16gb --rows fp8,stock", "ours_16gb_fp8"),  # (nor a low-memory one)
         ("--families qwen2_5_3b --classes 80gb --rows fp8,stock --only ours_80gb_fp8,stock", "ours_80gb_fp8 stock"),
         (
             "--families mistral_7b --rows fp8 --candidates",
-            "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_32gb_fp8_flex",
+            "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_32gb_fp8_flex ours_16gb_fp8 ours_16gb_fp8_fewer_streamed",
         ),
     ],
 )

@@ -104,8 +104,12 @@ def test_stream_layers_that_cannot_work_is_one_error_line(overrides, named, tmp_
     "family, config, fields",
     # (wide enough that some of the layers' weights reach the 64 KiB below which a weight stays resident; Qwen's
     # folder loads as Llama 2's does, and tests/finetune/streaming/test_weights.py builds its model on the meta device)
-    [("llama3_1", "llama3_1/8B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512))],
-    ids=["llama3_1"],
+    [
+        ("llama3_1", "llama3_1/8B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512)),
+        ("qwen3", "qwen3/8B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512)),  # (q/k norms)
+        ("mistral", "mistral/7B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512)),
+    ],
+    ids=["llama3_1", "qwen3", "mistral"],
 )
 def test_a_16gb_config_streams_an_hf_folder_of_its_family_as_the_resident_run_trains_it(
     family, config, fields, tmp_path
