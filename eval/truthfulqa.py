@@ -17,6 +17,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 from eval.errors import EvalInputError
 
 TASK_NAME = "truthfulqa_mc2"
+TASK_DIR = Path(lm_eval.tasks.__file__).parent / "truthfulqa"  # lm-eval's YAMLs of the truthfulqa tasks
 SUPPORTED_TASKS = (TASK_NAME,)
 DATA_FILE = Path("truthfulqa") / "mc_task.json"  # inside data_dir
 DATA_SOURCES = ("local", "hub")
@@ -37,7 +38,7 @@ def check_tasks(tasks) -> list[str]:
 
 def lm_eval_task_config(name: str = TASK_NAME) -> dict:
     """lm-eval's own config for `name` (its YAML with `include` merged and `!function` imported)."""
-    return load_yaml(Path(lm_eval.tasks.__file__).parent / "truthfulqa" / f"{name}.yaml", resolve_func=True)
+    return load_yaml(TASK_DIR / f"{name}.yaml", resolve_func=True)
 
 
 def read_mc_task(path) -> list[dict]:

@@ -48,7 +48,7 @@ console.quiet_known_noise()  # before torchtune and lm-eval are imported (see co
 from eval import harness  # noqa: E402
 from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
 from eval.errors import EvalInputError  # noqa: E402
-from eval.truthfulqa import DATA_FILE, TASK_NAME, check_tasks, task_spec  # noqa: E402
+from eval.truthfulqa import DATA_FILE, TASK_DIR, TASK_NAME, check_tasks, task_spec  # noqa: E402
 from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
 from finetune.settings import command_line  # noqa: E402
 
@@ -111,6 +111,7 @@ class EvalRecipe:
                 add_bos=self.add_bos,
                 batch_size=self.batch_size,
                 limit=self.limit,
+                task_dir=TASK_DIR,
             )
         except ConnectionError as e:  # `datasets` could not fetch lm-eval's dataset
             if self.data_source != "hub":
