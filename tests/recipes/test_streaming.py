@@ -102,7 +102,7 @@ def test_stream_layers_that_cannot_work_is_one_error_line(overrides, named, tmp_
 
 @pytest.mark.parametrize(
     "family, config, fields",
-    # (wide enough that some of the layers' weights reach the 64 KiB below which a weight stays resident; Qwen's
+    # (wide enough that some of the layers' weights reach the 64 KiB below which a weight stays resident; Qwen2.5's
     # folder loads as Llama 2's does, and tests/finetune/streaming/test_weights.py builds its model on the meta device)
     [
         ("llama3_1", "llama3_1/8B_full_16gb_fp8", dict(hidden_size=128, intermediate_size=512)),
