@@ -41,6 +41,8 @@ def settings(**changes):
         ("qwen2_5/7B_full_80gb.yaml", 40, "qwen2_5/7B_full_32gb.yaml"),  # the same model, not the 3B beside it
         ("qwen2_5/7B_full_32gb.yaml", 30, "qwen2_5/7B_full_16gb_fp8.yaml"),
         ("qwen2_5/7B_full_32gb.yaml", 15, None),
+        ("qwen3/8B_full_32gb_fp8.yaml", 16, "qwen3/8B_full_16gb_fp8.yaml"),
+        ("mistral/7B_full_80gb.yaml", 16, "mistral/7B_full_16gb_fp8.yaml"),
         ("tiny.yaml", 8, None),  # not a memory-class config
     ],
 )
