@@ -9,15 +9,13 @@ nothing written. That the printed command trains every family's folder: tests/re
 
 import json
 import shlex
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
 from omegaconf import OmegaConf
 
-from conftest import DATA_DIR, REPO_ROOT, recipe_env
+from conftest import DATA_DIR, REPO_ROOT
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
 from finetune.data import HFTokenizer
@@ -125,20 +123,13 @@ def test_a_folder_is_not_written_over(tmp_path):
     assert [p.name for p in (tmp_path / "toy").iterdir()] == ["notes.txt"]
 
 
-def test_the_command_line_prints_the_docs_command(tmp_path):
-    """``python -m finetune.model.toy_folder`` as the docs run it: the folder, then the command that trains it (the
-    family's 80 GB config, checkpoint_dir, output_dir, CPU_OVERRIDES), quoted for the shell."""
+def test_the_command_line_prints_the_docs_command(tmp_path, capsys):
+    """``python -m finetune.model.toy_folder`` as the docs run it (its main(), in this process: a subprocess would
+    spend most of its time importing transformers and torchtune again): the folder, then the command that trains it
+    (the family's 80 GB config, checkpoint_dir, output_dir, CPU_OVERRIDES), quoted for the shell."""
     out = tmp_path / "toy-llama3_2"
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune.model.toy_folder", "--family", "llama3_2", "--out", str(out)]
-        + ["--data-dir", str(DATA_DIR)],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    toy_folder.main(["--family", "llama3_2", "--out", str(out), "--data-dir", str(DATA_DIR)])
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"wrote {out}: LlamaForCausalLM (llama3), 2 layers of width 96, 6 heads (2 key/value)")
     assert "(llama3 scaling, factor 32)" in lines[0] and "tied embeddings True" in lines[0]
     command = shlex.split(lines[-1])
