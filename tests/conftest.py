@@ -283,12 +283,6 @@ def run_here(output_dir, *overrides: str, config: str = TINY_CONFIG, fast: bool 
     return RecipeRun(code, out.getvalue(), err.getvalue(), Path(output_dir), read_metrics(output_dir))
 
 
-def run_in_process(output_dir, *overrides, capsys, monkeypatch) -> RecipeRun:
-    """run_here, for tests that already take capsys and monkeypatch."""
-    capsys.readouterr()
-    return run_here(output_dir, *overrides)
-
-
 def run_distributed(
     output_dir: Path,
     *overrides: str,

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import RECIPE, run_here, run_in_process, run_recipe
+from conftest import RECIPE, run_here, run_recipe
 
 
 def snapshot(folder):
@@ -188,9 +188,7 @@ CLI_CASES = ("missing-data-file", "override-without-equals")
     "make_overrides, words, via_cli",
     [pytest.param(o, w, i in CLI_CASES, id=i + ("-via-tune-run" if i in CLI_CASES else "")) for i, o, w in CASES],
 )
-def test_bad_input_stops_before_training(
-    tmp_path, out_with_checkpoint, make_overrides, words, via_cli, capsys, monkeypatch
-):
+def test_bad_input_stops_before_training(tmp_path, out_with_checkpoint, make_overrides, words, via_cli):
     (tmp_path / "bad.json").write_text('[{"instruction": "a", "output": "b"}, {"instruction": ')
     write_json(tmp_path / "no_output.json", [GOOD, {"instruction": "Say bye.", "input": ""}, GOOD])
     write_json(tmp_path / "no_instruction.json", [{"input": "", "output": "x"}] * 3)
@@ -203,7 +201,7 @@ def test_bad_input_stops_before_training(
     if via_cli:
         run = run_recipe(out_with_checkpoint, *make_overrides(tmp_path))
     else:
-        run = run_in_process(out_with_checkpoint, *make_overrides(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
+        run = run_here(out_with_checkpoint, *make_overrides(tmp_path))
 
     assert run.returncode == 2, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
@@ -250,30 +248,21 @@ def test_a_config_file_that_is_not_yaml_of_keys_is_one_error(tmp_path, text, wor
     assert not (tmp_path / "out").exists()
 
 
-def test_a_state_file_edited_to_name_another_optimizer_is_one_error(tmp_path, capsys, monkeypatch):
+def test_a_state_file_edited_to_name_another_optimizer_is_one_error(tmp_path):
     """An optimizers.AdamW8bit checkpoint whose recipe_state.pt was edited to record torch.optim.AdamW: torch's
     AdamW would load the 8-bit codes and fail at the first step with a shape error. One line names the writer."""
     trained = tmp_path / "trained"
-    run = run_in_process(
-        trained,
-        "optimizer=optimizers.AdamW8bit",
-        "max_steps_per_epoch=4",
-        "save_every_n_steps=2",
-        capsys=capsys,
-        monkeypatch=monkeypatch,
-    )
+    run = run_here(trained, "optimizer=optimizers.AdamW8bit", "max_steps_per_epoch=4", "save_every_n_steps=2")
     assert not run.returncode, run.stderr[-3000:]  # (sys.exit(None): done)
     state_file = trained / "step_2" / "recipe_state.pt"
     state = torch.load(state_file, weights_only=True)
     state["config"]["optimizer"] = "torch.optim.AdamW"
     torch.save(state, state_file)
-    run = run_in_process(
+    run = run_here(
         tmp_path / "out",
         "optimizer=torch.optim.AdamW",
         "max_steps_per_epoch=4",
         f"resume_from_checkpoint={trained / 'step_2'}",
-        capsys=capsys,
-        monkeypatch=monkeypatch,
     )
     assert run.returncode == 2 and "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]

@@ -33,15 +33,15 @@ from conftest import (
     read_metrics,
     recipe_command,
     recipe_env,
-    run_in_process,
+    run_here,
     run_recipe,
 )
 
 
 @pytest.fixture
-def run(tmp_path, capsys, monkeypatch):
+def run(tmp_path):
     def go(*overrides, out=None):
-        return run_in_process(out or tmp_path / "out", *overrides, capsys=capsys, monkeypatch=monkeypatch)
+        return run_here(out or tmp_path / "out", *overrides)
 
     return go
 

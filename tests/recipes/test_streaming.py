@@ -6,23 +6,21 @@ stream is refused in one line."""
 import pytest
 import torch
 
-from conftest import run_in_process
+from conftest import run_here
 
 IN_BACKWARD = ["optimizer_in_bwd=True", "clip_grad_norm=null", "max_steps_per_epoch=4", "save_every_n_steps=2"]
 
 
 @pytest.fixture
-def runs(tmp_path, capsys, monkeypatch):
-    resident = run_in_process(tmp_path / "resident", *IN_BACKWARD, capsys=capsys, monkeypatch=monkeypatch)
-    streamed = run_in_process(
-        tmp_path / "streamed", *IN_BACKWARD, "stream_optimizer_states=True", capsys=capsys, monkeypatch=monkeypatch
-    )
+def runs(tmp_path):
+    resident = run_here(tmp_path / "resident", *IN_BACKWARD)
+    streamed = run_here(tmp_path / "streamed", *IN_BACKWARD, "stream_optimizer_states=True")
     assert resident.ok, resident.stderr[-3000:]
     assert streamed.ok, streamed.stderr[-3000:]
     return resident, streamed
 
 
-def test_streamed_states_train_the_resident_losses_and_resume_exactly(runs, tmp_path, capsys, monkeypatch):
+def test_streamed_states_train_the_resident_losses_and_resume_exactly(runs, tmp_path):
     resident, streamed = runs
     assert len(streamed.losses) == 4 and streamed.losses == resident.losses
     assert all(m["host_copy_gb"] > 0 for m in streamed.metrics)  # (the first step writes out only)
@@ -34,20 +32,18 @@ def test_streamed_states_train_the_resident_losses_and_resume_exactly(runs, tmp_
         for pid, entry in a[name]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(value, b[name]["state"][pid][key]), (name, key)
-    resumed = run_in_process(
+    resumed = run_here(
         tmp_path / "resumed",
         *IN_BACKWARD,
         "stream_optimizer_states=True",
         f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
-        capsys=capsys,
-        monkeypatch=monkeypatch,
     )
     assert resumed.ok, resumed.stderr[-3000:]
     assert resumed.losses == streamed.losses[2:]
 
 
-def test_streaming_without_optimizer_in_backward_is_one_error_line(tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "bad", "stream_optimizer_states=True", capsys=capsys, monkeypatch=monkeypatch)
+def test_streaming_without_optimizer_in_backward_is_one_error_line(tmp_path):
+    run = run_here(tmp_path / "bad", "stream_optimizer_states=True")
     assert run.returncode == 2
     errors = [line for line in (run.stderr + run.stdout).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "stream_optimizer_states=True" in errors[0] and "optimizer_in_bwd=True" in errors[0]
@@ -57,13 +53,11 @@ def test_streaming_without_optimizer_in_backward_is_one_error_line(tmp_path, cap
 LAYERS = [*IN_BACKWARD, "stream_optimizer_states=True", "enable_activation_checkpointing=True", "model.num_layers=4"]
 
 
-def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resume_exactly(
-    tmp_path, capsys, monkeypatch
-):
+def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resume_exactly(tmp_path):
     from safetensors.torch import load_file
 
-    resident = run_in_process(tmp_path / "resident", *LAYERS, capsys=capsys, monkeypatch=monkeypatch)
-    streamed = run_in_process(tmp_path / "streamed", *LAYERS, "stream_layers=2", capsys=capsys, monkeypatch=monkeypatch)
+    resident = run_here(tmp_path / "resident", *LAYERS)
+    streamed = run_here(tmp_path / "streamed", *LAYERS, "stream_layers=2")
     assert resident.ok, resident.stderr[-3000:]
     assert streamed.ok, streamed.stderr[-3000:]
     assert len(streamed.losses) == 4 and streamed.losses == resident.losses
@@ -71,13 +65,8 @@ def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resu
     a, b = (load_file(run.output_dir / "step_2" / "model.safetensors") for run in (resident, streamed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # A resume builds the model on the meta device and takes the checkpoint's tensors as its weights.
-    resumed = run_in_process(
-        tmp_path / "resumed",
-        *LAYERS,
-        "stream_layers=2",
-        f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
-        capsys=capsys,
-        monkeypatch=monkeypatch,
+    resumed = run_here(
+        tmp_path / "resumed", *LAYERS, "stream_layers=2", f"resume_from_checkpoint={streamed.output_dir / 'step_2'}"
     )
     assert resumed.ok, resumed.stderr[-3000:]
     assert resumed.losses == streamed.losses[2:]
@@ -92,8 +81,8 @@ def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resu
     ],
     ids=["without-streamed-states", "without-checkpointing", "more-than-the-layers"],
 )
-def test_stream_layers_that_cannot_work_is_one_error_line(overrides, named, tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "bad", *overrides, capsys=capsys, monkeypatch=monkeypatch)
+def test_stream_layers_that_cannot_work_is_one_error_line(overrides, named, tmp_path):
+    run = run_here(tmp_path / "bad", *overrides)
     assert run.returncode == 2
     errors = [line for line in (run.stderr + run.stdout).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and named in errors[0], errors
@@ -117,7 +106,7 @@ def test_a_16gb_config_streams_an_hf_folder_of_its_family_as_the_resident_run_tr
     """The 16 GB config of a family whose weights stream, on its toy HF folder (the CPU stand-ins for what needs a GPU):
     the model is built on the meta device and takes the folder's tensors (Llama 3's q/k permutation, its scaled RoPE
     built on the device), and trains the losses of the same run with every weight resident."""
-    from conftest import DATA_DIR, run_here
+    from conftest import DATA_DIR
     from finetune.model import toy_folder
 
     folder = tmp_path / "folder"

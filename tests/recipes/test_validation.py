@@ -26,7 +26,6 @@ from conftest import (
     run_distributed,
     run_here,
     run_in_one_process,
-    run_in_process,
 )
 
 VAL_RECORDS = 7
@@ -121,7 +120,7 @@ def test_table_shows_val_loss_only_when_a_run_has_it(runs, tmp_path):
     assert alone.returncode == 0 and "val loss" not in (tmp_path / "alone" / "table.md").read_text()
 
 
-def test_val_loss_is_the_token_weighted_mean_for_any_batch_and_packing(tmp_path, val_file, capsys, monkeypatch):
+def test_val_loss_is_the_token_weighted_mean_for_any_batch_and_packing(tmp_path, val_file):
     """Batches of 1, of 3 (the last one short) and packed rows hold the same tokens: the same mean. (A mean of the
     batches' means would differ with the batch size: the samples have different lengths.)"""
     val = [f"dataset_val.data_files={val_file}", "run_val_every_n_steps=2", "max_steps_per_epoch=2"]
@@ -131,7 +130,7 @@ def test_val_loss_is_the_token_weighted_mean_for_any_batch_and_packing(tmp_path,
         ("three", ["batch_size_val=3"]),
         ("packed", ["dataset_val.packed=True"]),
     ):
-        run = run_in_process(tmp_path / name, *val, *extra, capsys=capsys, monkeypatch=monkeypatch)
+        run = run_here(tmp_path / name, *val, *extra)
         assert run.ok, run.stderr[-3000:]
         found[name] = val_losses(run)
         assert sorted(found[name]) == [2]
@@ -202,8 +201,8 @@ def test_validation_settings_are_read_once(val_file):
     assert plain.dataset_val is None
 
 
-def test_bad_validation_value_is_one_error_line_from_the_recipe(tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "out", "run_val_every_n_steps=2", capsys=capsys, monkeypatch=monkeypatch)
+def test_bad_validation_value_is_one_error_line_from_the_recipe(tmp_path):
+    run = run_here(tmp_path / "out", "run_val_every_n_steps=2")
     assert run.returncode == 2
     assert run.error.startswith("error: run_val_every_n_steps=2 needs a validation set")
     assert "Traceback" not in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import run_in_process, run_recipe
+from conftest import run_here, run_recipe
 
 
 def tiny_model(num_kv_heads=4):
@@ -137,8 +137,8 @@ def test_packed_attention_gpu_checks(monkeypatch, capability, available, words):
             read_packed_attention(cfg, torch.device("cuda"), packed=True)
 
 
-def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "out", "packed_attention=flash", capsys=capsys, monkeypatch=monkeypatch)
+def test_a_bad_value_is_refused_before_training(tmp_path):
+    run = run_here(tmp_path / "out", "packed_attention=flash")
     assert run.returncode == 2
     assert "packed_attention='flash' is not an attention of packed rows; use packed_attention=flex" in run.error
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

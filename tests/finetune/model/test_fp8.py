@@ -9,11 +9,11 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import run_in_process, run_recipe
+from conftest import run_here, run_recipe
 
 
-def test_a_bad_value_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    run = run_in_process(tmp_path / "out", "fp8=fast", capsys=capsys, monkeypatch=monkeypatch)
+def test_a_bad_value_is_refused_before_training(tmp_path):
+    run = run_here(tmp_path / "out", "fp8=fast")
     assert run.returncode == 2
     assert "fp8='fast' is not an FP8 recipe; use fp8=tensorwise" in run.error
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
@@ -77,9 +77,9 @@ def test_small_layers_stay_bf16():
 WIDE_MLP = ["model.intermediate_dim=1040", "max_steps_per_epoch=4"]
 
 
-def test_a_cpu_run_trains_like_bf16_matmuls_and_writes_the_same_checkpoint(tmp_path, capsys, monkeypatch, caplog):
-    plain = run_in_process(tmp_path / "plain", *WIDE_MLP, capsys=capsys, monkeypatch=monkeypatch)
-    fp8 = run_in_process(tmp_path / "fp8", *WIDE_MLP, "fp8=tensorwise", capsys=capsys, monkeypatch=monkeypatch)
+def test_a_cpu_run_trains_like_bf16_matmuls_and_writes_the_same_checkpoint(tmp_path, caplog):
+    plain = run_here(tmp_path / "plain", *WIDE_MLP)
+    fp8 = run_here(tmp_path / "fp8", *WIDE_MLP, "fp8=tensorwise")
     assert plain.ok and fp8.ok, fp8.stderr[-3000:]
     assert "fp8=tensorwise: 2 linear layers run their matmuls in FP8" in caplog.text
     # FP8's rounding moves the losses a little (e4m3 keeps 3 mantissa bits; the dynamic scales keep the range).

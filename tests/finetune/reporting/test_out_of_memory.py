@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchtune.modules import TransformerDecoder
 
-from conftest import REPO_ROOT, run_in_process
+from conftest import REPO_ROOT, run_here
 from finetune.reporting.out_of_memory import keys_to_try, out_of_memory_line, smaller_class_config
 
 CONFIGS = REPO_ROOT / "configs"
@@ -89,7 +89,7 @@ def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
     assert "; try batch_size=8 gradient_accumulation_steps=2; enable_activation_checkpointing=True" in line
 
 
-def test_a_run_out_of_memory_mid_training_ends_in_one_line_and_keeps_its_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_run_out_of_memory_mid_training_ends_in_one_line_and_keeps_its_checkpoint(tmp_path, monkeypatch):
     """The model's third forward raises torch's OutOfMemoryError (what a GPU raises; the CPU cannot be made to):
     the run ends with exit 2 and one error line naming the step and the step_2 checkpoint, which is complete."""
     forward, calls = TransformerDecoder.forward, []
@@ -102,7 +102,7 @@ def test_a_run_out_of_memory_mid_training_ends_in_one_line_and_keeps_its_checkpo
 
     monkeypatch.setattr(TransformerDecoder, "forward", forward_until_out_of_memory)
     out = tmp_path / "out"
-    run = run_in_process(out, "save_every_n_steps=2", capsys=capsys, monkeypatch=monkeypatch)
+    run = run_here(out, "save_every_n_steps=2")
     assert run.returncode == 2, run.stderr[-3000:]
     assert "Traceback" not in run.stderr
     assert run.error.startswith("error: out of memory at step 3: the process reached ")
@@ -111,7 +111,7 @@ def test_a_run_out_of_memory_mid_training_ends_in_one_line_and_keeps_its_checkpo
     assert {"model.safetensors", "recipe_state.pt", "config.json"} <= {p.name for p in (out / "step_2").iterdir()}
 
 
-def test_out_of_memory_during_setup_says_so(tmp_path, capsys, monkeypatch):
+def test_out_of_memory_during_setup_says_so(tmp_path, monkeypatch):
     """Building the optimizer's states (setup's last large allocation) runs out: no step is named, none was
     trained, no checkpoint exists."""
     from finetune.optimizer import OptimizerSpec
@@ -120,7 +120,7 @@ def test_out_of_memory_during_setup_says_so(tmp_path, capsys, monkeypatch):
         raise torch.OutOfMemoryError(CUDA_OOM)
 
     monkeypatch.setattr(OptimizerSpec, "build", no_memory)
-    run = run_in_process(tmp_path / "out", capsys=capsys, monkeypatch=monkeypatch)
+    run = run_here(tmp_path / "out")
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.error.startswith("error: out of memory during setup: the process reached ")
     assert run.error.endswith("no checkpoint was written") and run.metrics == []
