@@ -30,7 +30,8 @@ The JSON (``--out``; rewritten after every row) opens with the command, hardware
 stock / loss), ``variant`` (the AdamW and the loss), ``tok_s`` (median trained tokens/s of the steps after
 ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``, ``mfu`` (6 x parameters x tok_s / 989 TFLOP/s),
 ``vs_stock`` (over the family's stock row of the same invocation), ``vs_bf16`` (an FP8 row: over the bf16 row of its
-class in the same invocation), ``first_step_s``, ``losses``, ``command``.
+class in the same invocation), ``first_step_s``, ``losses``, ``tok_s_per_step`` (every step, the skipped ones too:
+a row whose median moves between runs shows here whether a few steps or all of them were slow), ``command``.
 
 ``--toy`` is the same pipeline on the CPU with 2-layer width-64 models and 3 steps (tests/bench/test_model_families.py
 runs it): a check of the machinery, not a measurement (flex attention, since varlen is CUDA's; the FP8 rows' matmuls
@@ -585,6 +586,7 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
         mfu=round(6 * n_params(spec) * tok_s / PEAK_FLOPS, 3),
         first_step_s=round(records[0]["first_step_s"], 1) if "first_step_s" in records[0] else None,
         losses=[round(r["loss"], 5) for r in records],
+        tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
     )
     return record
 

@@ -4,6 +4,7 @@ its MFU uses."""
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monk
     for r in records.values():
         assert KEYS <= set(r) and not r.get("error"), r
         assert r["family"] == "llama3_2_3b" and r["tok_s"] > 0 and len(r["losses"]) == 3
+        # Every step's speed is kept beside the median, the skipped steps too.
+        steady = r["tok_s_per_step"][doc["skip_steps"] :]
+        assert len(r["tok_s_per_step"]) == 3 and statistics.median(steady) == pytest.approx(r["tok_s"], rel=1e-3)
     ours, stock = records["ours_24gb"], records["stock"]
     assert (
         ours["kind"] == "ours" and ours["config"] == "llama3_2/3B_full_24gb" and ours["device_memory_limit_gib"] == 24
