@@ -31,7 +31,10 @@ stock / loss), ``variant`` (the AdamW and the loss), ``tok_s`` (median trained t
 ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``, ``mfu`` (6 x parameters x tok_s / 989 TFLOP/s),
 ``vs_stock`` (over the family's stock row of the same invocation), ``vs_bf16`` (an FP8 row: over the bf16 row of its
 class in the same invocation), ``first_step_s``, ``losses``, ``tok_s_per_step`` (every step, the skipped ones too:
-a row whose median moves between runs shows here whether a few steps or all of them were slow), ``command``.
+a row whose median moves between runs shows here whether a few steps or all of them were slow), ``command``; with
+``--profile``, our rows' ``profile`` (finetune/reporting/profiler.py's summary of the last two steps: milliseconds
+per step by category, idle being the GPU's gaps between kernels, a step bound by the CPU that launches it shows
+there) and ``profiled_steps`` (the last three, left out of ``tok_s``).
 
 ``--toy`` is the same pipeline on the CPU with 2-layer width-64 models and 3 steps (tests/bench/test_model_families.py
 runs it): a check of the machinery, not a measurement (flex attention, since varlen is CUDA's; the FP8 rows' matmuls
@@ -392,8 +395,14 @@ LOSSES = {
 # --candidates: alternatives a class's config was chosen against, where one might be faster and still fit (the 3B
 # models at 24 GiB: half the batch with every activation kept, against the whole batch recomputed).
 CANDIDATES = {"24gb": {"bs8_no_ac": ["batch_size=8", "enable_activation_checkpointing=False"]}}
-# ... and of the FP8 twins (rows ours_<class>_fp8_<name>): flex attention, the share of varlen in the FP8 row's gain.
-FP8_CANDIDATES = {"flex": ["packed_attention=flex"]}
+# ... and of the FP8 twins (rows ours_<class>_fp8_<name>), each for the classes named (None: every class): flex
+# attention, the share of varlen in the FP8 row's gain; at 24 GiB, where the 3B twins use about half the cap with every
+# layer recomputed, every other layer recomputed.
+FP8_CANDIDATES = {
+    "flex": (["packed_attention=flex"], None),
+    "ac2": (["ac_mode=selective", "ac_option=2"], {"24gb"}),
+}
+PROFILED = 3  # --profile: the last steps of our rows, one warming the profiler up and two recorded
 FP8 = "_fp8"  # an FP8 twin: configs/<family>/<size>_full_<class>_fp8.yaml, row ours_<class>_fp8
 
 
@@ -425,7 +434,8 @@ def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = Fa
         rows += [
             Row(f"ours_{c}{FP8}_{name}", "ours", cfg + FP8, c, flags, CLASS_GIB[c])
             for c, cfg in spec.configs.items()
-            for name, flags in FP8_CANDIDATES.items()
+            for name, (flags, classes) in FP8_CANDIDATES.items()
+            if classes is None or c in classes
         ]
     if "stock" in kinds and spec.stock is not None:
         rows += [Row(name, "stock", spec.stock[0], "80gb", flags) for name, flags in STOCK_ROWS.items()]
@@ -483,6 +493,18 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
             *extra,
         )
     cap = [] if args.toy or row.cap is None else [f"device_memory_limit_gib={row.cap}"]
+    profile = (
+        []
+        if not args.profile
+        else [  # the last 3 steps: one to warm the profiler up, two recorded (profiled_steps)
+            "profiler.enabled=True",
+            f"profiler.wait_steps={args.steps - PROFILED}",
+            "profiler.warmup_steps=1",
+            f"profiler.active_steps={PROFILED - 1}",
+            "profiler.num_cycles=1",
+            f"profiler.output_dir={out / 'profiler'}",
+        ]
+    )
     extra = (
         []
         if not args.toy
@@ -510,6 +532,7 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
         split,
         *cap,
         *row.overrides,
+        *profile,
         *extra,
     )
 
@@ -568,16 +591,30 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         record["gpu"] = gpu
-    run = harness.run(
-        cmd, out / "log.txt", timeout=args.timeout, env=env, until=lambda: len(read_records(kind, out)) >= args.steps
-    )
+    summary = out / "profiler" / "rank0_summary.json"  # (our rows with --profile: written once the trace is)
+    profiled = args.profile and kind == "ours"
+
+    def done() -> bool:
+        return len(read_records(kind, out)) >= args.steps and (not profiled or summary.is_file())
+
+    run = harness.run(cmd, out / "log.txt", timeout=args.timeout, env=env, until=done)
     records = read_records(kind, out)
     record.update(command=run.command, wall_s=run.wall_s)
     if len(records) < args.steps:
         why = run.error() or " / ".join(list(run.tail)[-3:])
         record["error"] = f"{len(records)} of {args.steps} steps logged in {run.wall_s} s: " + why[-600:]
         return record
-    tok_s = statistics.median(r["tokens_per_second"] for r in records[args.skip_steps :])
+    if profiled and not summary.is_file():
+        record["error"] = f"--profile: no {summary} after {run.wall_s} s: " + " / ".join(list(run.tail)[-3:])[-600:]
+        return record
+    # The median leaves the profiled steps out: recording slows them.
+    steady = records[args.skip_steps : len(records) - (PROFILED if profiled else 0)]
+    tok_s = statistics.median(r["tokens_per_second"] for r in steady)
+    if profiled:
+        record.update(
+            profile=json.loads(summary.read_text()),
+            profiled_steps=list(range(args.steps - PROFILED + 1, args.steps + 1)),
+        )
     record.update(
         variant=variant(row, cmd),
         tok_s=round(tok_s, 1),
@@ -790,6 +827,12 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--work-dir", default="/tmp/model_families", help="checkpoints, runs, pack cache")
     ap.add_argument("--out", default=harness.scratch("model_families_e2e.json"), help="the JSON written")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows that this run does not re-measure")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"our rows record their last {PROFILED} steps with torch.profiler (left out of the median): each gets "
+        "profile, milliseconds per step by category (idle: the GPU's gaps between kernels)",
+    )
     ap.add_argument("--toy", action="store_true", help="tiny models on the CPU, 3 steps: the machinery, no figures")
     ap.add_argument("--make-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--bpe", help=argparse.SUPPRESS)
@@ -807,7 +850,18 @@ def parse_args(argv: Optional[List[str]] = None):
             f"classes {', '.join(CLASS_GIB)}; rows ours, fp8, stock"
         )
     if args.toy:
-        args.steps, args.skip_steps, args.bpe_size, args.split = min(args.steps, 3), 1, TOY_BPE_SIZE, "train[:200]"
+        toy_steps = 3 + (PROFILED if args.profile else 0)
+        args.steps, args.skip_steps, args.bpe_size, args.split = (
+            min(args.steps, toy_steps),
+            1,
+            TOY_BPE_SIZE,
+            "train[:200]",
+        )
+    if args.profile and args.steps - PROFILED <= args.skip_steps:
+        ap.error(
+            f"--profile records the last {PROFILED} steps and leaves them out of the median: --steps {args.steps} "
+            f"leaves none after --skip-steps {args.skip_steps}; use --steps {args.skip_steps + PROFILED + 4} or more"
+        )
     if "stock" in args.kinds and not args.stock_dir and not args.make_checkpoint:
         ap.error("stock rows need --stock-dir (torchtune's recipes folder), or --rows ours")
     return args

@@ -7,7 +7,9 @@ the end of the run on where a profiled step's time went (docs/recipes.md, "Profi
 ``training.setup_torch_profiler`` builds the ``torch.profiler.profile`` and its trace handler, which writes each
 recorded cycle to ``{profiler.output_dir}/iteration_{N}/`` (default output_dir: ``{output_dir}/profiler``): a
 Chrome trace (``*.pt.trace.json.gz``, open it in https://ui.perfetto.dev or TensorBoard's profiler plugin) and
-the key-averages table. The recipe steps the profiler once per optimizer step.
+the key-averages table. The recipe steps the profiler once per optimizer step. After each cycle the same sums as the
+paragraph's go to ``{profiler.output_dir}/rank{R}_summary.json`` (the recorded global steps, milliseconds per step
+by category, the wall time per step), for scripts: bench/model_families.py --profile reads it per row.
 
 The paragraph sorts the recorded time into MATMULS, ATTENTION, ELEMENTWISE, OPTIMIZER, COPIES, COMMUNICATION and
 IDLE by the names of what ran: on a GPU the kernels (their device time, each with the op that launched it), on the
@@ -19,6 +21,7 @@ gaps between kernels, on the CPU the time outside any op (Python, data loading, 
 Off (the default), nothing is built: ``step()`` is an empty call.
 """
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -195,6 +198,7 @@ class Profiler:
             trace_handler(prof)  # torchtune's: the trace and the key-averages table, per rank
             self._dirs.append(str(self.output_dir / f"iteration_{prof.step_num}"))
             self._cycles.append({**breakdown(prof.events()), "last": prof.step_num})
+            (self.output_dir / f"rank{self.rank}_summary.json").write_text(json.dumps(self.summary(), indent=1) + "\n")
 
         self._prof.on_trace_ready = on_trace_ready
 
@@ -212,18 +216,12 @@ class Profiler:
             self._global_steps.append(global_step)
             self._prof.step()
 
-    def text(self) -> Optional[str]:
-        """One paragraph: where the recorded steps' time went, and where the trace is."""
-        if not self.enabled:
-            return None
+    def summary(self) -> Optional[Dict[str, Any]]:
+        """The recorded cycles so far, summed: ``steps`` (the global steps recorded), ``ms_per_step`` per category
+        and ``wall_ms_per_step``, ``gpu`` (kernel times, or the CPU ops' self times), ``trace`` (the last cycle's
+        folder); None when off or before the first cycle."""
         if not self._cycles:
-            c = self.cfg
-            return (
-                f"Profiler: no step was recorded: this run trained {len(self._global_steps)} step(s), and the "
-                f"schedule records steps {c.wait_steps + c.warmup_steps + 1}-"
-                f"{c.wait_steps + c.warmup_steps + c.active_steps} of each cycle (lower profiler.wait_steps "
-                "and profiler.warmup_steps)."
-            )
+            return None
         total = {c: sum(cycle["us"][c] for cycle in self._cycles) for c in CATEGORIES}
         wall = sum(cycle["wall_us"] for cycle in self._cycles)
         steps = sum(cycle["steps"] for cycle in self._cycles)
@@ -233,16 +231,39 @@ class Profiler:
             for i in range(cycle["last"] - cycle["steps"] + 1, cycle["last"] + 1)
             if 0 < i <= len(self._global_steps)
         ]
-        gpu = any(cycle["gpu"] for cycle in self._cycles)
+        per_step = max(steps, 1) * 1e3
+        return {
+            "steps": recorded,
+            "recorded": steps,
+            "ms_per_step": {c: round(total[c] / per_step, 4) for c in CATEGORIES},
+            "wall_ms_per_step": round(wall / per_step, 4),
+            "gpu": any(cycle["gpu"] for cycle in self._cycles),
+            "trace": self._dirs[-1],
+        }
+
+    def text(self) -> Optional[str]:
+        """One paragraph: where the recorded steps' time went, and where the trace is."""
+        if not self.enabled:
+            return None
+        summary = self.summary()
+        if summary is None:
+            c = self.cfg
+            return (
+                f"Profiler: no step was recorded: this run trained {len(self._global_steps)} step(s), and the "
+                f"schedule records steps {c.wait_steps + c.warmup_steps + 1}-"
+                f"{c.wait_steps + c.warmup_steps + c.active_steps} of each cycle (lower profiler.wait_steps "
+                "and profiler.warmup_steps)."
+            )
+        ms, wall, steps, recorded = (summary[k] for k in ("ms_per_step", "wall_ms_per_step", "recorded", "steps"))
         what = (
             "GPU time (kernels by name)"
-            if gpu
+            if summary["gpu"]
             else "CPU time (by PyTorch op: on the CPU there are no GPU kernels, so these are ops' self times)"
         )
-        shares = ", ".join(f"{c} {_percent(total[c], wall)}" for c in CATEGORIES) if wall else "nothing"
+        shares = ", ".join(f"{c} {_percent(ms[c], wall)}" for c in CATEGORIES) if wall else "nothing"
         where = f"steps {min(recorded)}-{max(recorded)}" if recorded else f"{steps} step(s)"
         return (
-            f"Profiler: {where} ({steps} recorded, {wall / max(steps, 1) / 1e3:.1f} ms each): {what}: "
-            f"{shares}. Trace: {self._dirs[-1]} (open the .pt.trace.json.gz in https://ui.perfetto.dev or "
+            f"Profiler: {where} ({steps} recorded, {wall:.1f} ms each): {what}: "
+            f"{shares}. Trace: {summary['trace']} (open the .pt.trace.json.gz in https://ui.perfetto.dev or "
             f"TensorBoard; rank{self.rank}_key_averages.txt holds the top ops)."
         )

@@ -37,16 +37,20 @@ KEYS = {
 }
 
 
-def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monkeypatch):
-    # The benchmark's main() runs here: each row is still a fresh recipe process (stopped once its steps are logged,
-    # as in a real run); a process of the benchmark's own would only add its imports. Its rows get recipe_env's
-    # environment through this process's, one thread each as before.
+@pytest.fixture
+def rows_env(monkeypatch):
+    """The benchmark's main() runs in the test: each row is still a fresh recipe process (stopped once its steps are
+    logged, as in a real run); a process of the benchmark's own would only add its imports. Its rows get
+    recipe_env's environment through this process's, one thread each."""
     env = recipe_env(OMP_NUM_THREADS="1")
     for key in set(os.environ) - set(env):
         monkeypatch.delenv(key)
     for key, value in env.items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
+
+
+def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, rows_env):
     out, work = tmp_path / "families.json", tmp_path / "work"
     argv = ["--toy", "--families", "llama3_2_3b", "--only", "ours_24gb,ours_24gb_fp8,stock", "--stock-dir"]
     argv += [str(STOCK_DIR), "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
@@ -78,6 +82,27 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monk
     assert not (work / "checkpoints" / "llama3_2_3b").exists()  # deleted before the next family
 
 
+def test_profile_records_the_last_steps_and_leaves_them_out_of_the_median(tmp_path, rows_env):
+    out, work = tmp_path / "families.json", tmp_path / "work"
+    argv = ["--toy", "--profile", "--families", "llama3_2_3b", "--rows", "ours", "--only", "ours_24gb"]
+    argv += ["--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
+    mf.main(argv)
+    (r,) = json.loads(out.read_text())["records"]
+    assert not r.get("error") and "profiler.enabled=True" in r["command"], r
+    # Toy mode: 6 steps, the first skipped, the last 3 profiled (one warming the profiler up, two recorded).
+    assert len(r["tok_s_per_step"]) == 6 and r["profiled_steps"] == [4, 5, 6] and r["profile"]["steps"] == [5, 6]
+    assert r["tok_s"] == pytest.approx(statistics.median(r["tok_s_per_step"][1:3]), rel=1e-3)
+    ms = r["profile"]["ms_per_step"]
+    assert set(ms) == {"matmuls", "attention", "elementwise", "optimizer", "copies", "communication", "idle"}
+    assert ms["matmuls"] > 0 and ms["optimizer"] > 0 and r["profile"]["wall_ms_per_step"] >= sum(ms.values()) * 0.99
+
+
+def test_profile_needs_steps_left_for_the_median(capsys):
+    with pytest.raises(SystemExit) as e:
+        mf.parse_args(["--profile", "--steps", "7", "--skip-steps", "4", "--rows", "ours"])
+    assert e.value.code == 2 and "--profile records the last 3 steps" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, rows",
     [
@@ -89,6 +114,10 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, monk
         ("--families qwen3_8b --classes 32gb", "ours_32gb ours_32gb_fp8"),  # (no stock recipe for Qwen3)
         ("--families qwen3_8b --classes 16gb --rows fp8,stock", "ours_16gb_fp8"),  # (nor a low-memory one)
         ("--families qwen2_5_3b --classes 80gb --rows fp8,stock --only ours_80gb_fp8,stock", "ours_80gb_fp8 stock"),
+        (  # at 24 GiB the 3B twins' candidates recompute every other layer too
+            "--families llama3_2_3b --classes 24gb --rows fp8 --candidates",
+            "ours_24gb_fp8 ours_24gb_fp8_flex ours_24gb_fp8_ac2",
+        ),
         (
             "--families mistral_7b --rows fp8 --candidates",
             "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_32gb_fp8_flex ours_16gb_fp8 ours_16gb_fp8_fewer_streamed",

@@ -75,6 +75,14 @@ def test_a_cpu_run_writes_a_trace_and_says_where_the_time_went(tmp_path):
     assert 97 <= sum(got.values()) <= 103 and got["matmuls"] > 0 and got["optimizer"] > 0
     assert got["elementwise"] > 0 and got["communication"] == 0
 
+    # The same sums, for scripts: steps recorded, milliseconds per step by category, wall per step.
+    saved = json.loads((tmp_path / "out" / "profiler" / "rank0_summary.json").read_text())
+    assert saved["steps"] == [3, 4] and saved["recorded"] == 2 and saved["gpu"] is False
+    assert f"{saved['wall_ms_per_step']:.1f} ms each" in paragraph
+    for name, pct in got.items():
+        share = 100 * saved["ms_per_step"][name] / saved["wall_ms_per_step"]
+        assert share == pytest.approx(pct, abs=0.5) or (pct == 0.5 and 0 < share < 0.5), (name, share, pct)
+
 
 def test_the_distributed_recipe_profiles_too(tmp_path, monkeypatch):
     """A world of one (no torchrun): every rank records; rank 0 prints the paragraph."""
