@@ -20,11 +20,16 @@ from finetune.reporting.metrics import latest_checkpoint
 
 # A memory-class config is named <size>_full_<N>gb[_variant].yaml (configs/llama2/7B_full_24gb_fp8.yaml).
 CLASS_NAME = re.compile(r"^(?P<size>[^_]+)_full_(?P<gib>\d+)gb(?P<variant>_\w+)?\.yaml$")
+# A card sold as N GB reports a little less to CUDA (its total capacity: an RTX 4090 about 23.6 GiB, a 32 GB RTX
+# 5090 31.4, an 8 GB RTX 4060 7.75): the N GB class is the one for a card, or a cap, of at least CARD_SHARE x N GiB.
+# Compared with N itself, no card would be offered its own class.
+CARD_SHARE = 0.96
 
 
 def smaller_class_config(config_path: Optional[str], budget_gib: float) -> Optional[Path]:
     """The config beside ``config_path`` for the same model in the largest memory class below its own that fits
-    ``budget_gib`` (the same variant preferred: an FP8 config suggests an FP8 one), or None."""
+    ``budget_gib`` (the same variant preferred: an FP8 config suggests an FP8 one), or None. A class of N GB fits a
+    budget of ``CARD_SHARE`` x N GiB or more: a 24 GB card reports about 23.6 GiB."""
     if not config_path:
         return None
     path = Path(config_path)
@@ -34,7 +39,7 @@ def smaller_class_config(config_path: Optional[str], budget_gib: float) -> Optio
     candidates = []
     for other in path.parent.glob("*.yaml"):
         m = CLASS_NAME.match(other.name)
-        if m and m["size"] == mine["size"] and int(m["gib"]) < int(mine["gib"]) and int(m["gib"]) <= budget_gib:
+        if m and m["size"] == mine["size"] and int(m["gib"]) < int(mine["gib"]) and int(m["gib"]) * CARD_SHARE <= budget_gib:
             candidates.append((int(m["gib"]), m["variant"] == mine["variant"], other))
     return max(candidates, key=lambda c: (c[0], c[1]), default=(0, 0, None))[2]
 
