@@ -122,7 +122,7 @@ SPECS: Dict[str, Spec] = {
             MODELS["llama3_2"]["hf"],
             "torchtune.models.llama3_2.llama3_2_3b",
             "torchtune.models.llama3_2.llama3_2",
-            {"80gb": "llama3_2/3B_full_80gb", "24gb": "llama3_2/3B_full_24gb"},
+            {"80gb": "llama3_2/3B_full_80gb", "24gb": "llama3_2/3B_full_24gb", "12gb": "llama3_2/3B_full_12gb"},
             ("llama3_2/3B_full_single_device", []),
             {"scale_factor": 32, "tie_word_embeddings": True},
         ),
@@ -155,7 +155,7 @@ SPECS: Dict[str, Spec] = {
             ),
             "torchtune.models.qwen2_5.qwen2_5_3b",
             "torchtune.models.qwen2.qwen2",
-            {"80gb": "qwen2_5/3B_full_80gb", "24gb": "qwen2_5/3B_full_24gb"},
+            {"80gb": "qwen2_5/3B_full_80gb", "24gb": "qwen2_5/3B_full_24gb", "12gb": "qwen2_5/3B_full_12gb"},
             ("qwen2_5/3B_full_single_device", []),
             {"tie_word_embeddings": True},
         ),
@@ -344,7 +344,8 @@ def make_checkpoint(
 
 # -- the rows ---------------------------------------------------------------------------------------------------------
 
-CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24, "16gb": 14.9}  # (16gb: a 16 GB card less its CUDA context)
+# (16gb, 12gb: a 16 GB or 12 GB card less its CUDA context)
+CLASS_GIB = {"80gb": 80, "32gb": 32, "24gb": 24, "16gb": 14.9, "12gb": 10.9}
 # The 16 GB class exists as an FP8 config only, for the 7-8B models whose weights stream (stream_layers). Its stock row
 # is torchtune's low-memory setting (in backward, checkpointing, activation offloading, paged 8-bit AdamW), uncapped:
 # its peak says whether stock fits the class at all. The candidate streams fewer layers (faster, if it fits).
@@ -354,6 +355,8 @@ STREAMED_16GB = {
     "qwen3_8b": ("qwen3/8B_full_16gb_fp8", ["stream_layers=14"]),
     "mistral_7b": ("mistral/7B_full_16gb_fp8", ["stream_layers=8"]),
 }
+# The 12 GB class is the 3B models' (their weights stay resident; the states stream), bf16 and FP8, with the same
+# stock row as the 16 GB class.
 STOCK_LOW_MEMORY = [
     "optimizer=bitsandbytes.optim.PagedAdamW8bit",
     "enable_activation_checkpointing=True",
@@ -394,13 +397,18 @@ LOSSES = {
 
 # --candidates: alternatives a class's config was chosen against, where one might be faster and still fit (the 3B
 # models at 24 GiB: half the batch with every activation kept, against the whole batch recomputed).
-CANDIDATES = {"24gb": {"bs8_no_ac": ["batch_size=8", "enable_activation_checkpointing=False"]}}
+# At 12 GB (the 3B models, states in host memory): the activations kept on the GPU instead of offloaded.
+CANDIDATES = {
+    "24gb": {"bs8_no_ac": ["batch_size=8", "enable_activation_checkpointing=False"]},
+    "12gb": {"no_offload": ["enable_activation_offloading=False"]},
+}
 # ... and of the FP8 twins (rows ours_<class>_fp8_<name>), each for the classes named (None: every class): flex
 # attention, the share of varlen in the FP8 row's gain; at 24 GiB, where the 3B twins use about half the cap with every
 # layer recomputed, every other layer recomputed.
 FP8_CANDIDATES = {
     "flex": (["packed_attention=flex"], None),
     "ac2": (["ac_mode=selective", "ac_option=2"], {"24gb"}),
+    "no_offload": (["enable_activation_offloading=False"], {"12gb"}),
 }
 PROFILED = 3  # --profile: the last steps of our rows, one warming the profiler up and two recorded
 FP8 = "_fp8"  # an FP8 twin: configs/<family>/<size>_full_<class>_fp8.yaml, row ours_<class>_fp8
@@ -447,6 +455,8 @@ def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = Fa
             rows.append(Row(f"ours_16gb{FP8}_fewer_streamed", "ours", cfg, "16gb", fewer, CLASS_GIB["16gb"]))
         if "stock" in kinds and spec.stock is not None:
             rows.append(Row("stock_low_memory", "stock", spec.stock[0], "16gb", STOCK_LOW_MEMORY))
+    if "12gb" in spec.configs and "stock" in kinds and spec.stock is not None:  # (the 3B models' smallest class)
+        rows.append(Row("stock_low_memory", "stock", spec.stock[0], "12gb", STOCK_LOW_MEMORY))
     if loss_rows:
         small = [c for c in spec.configs if c != "80gb"][0]
         rows += [Row(f"loss_{name}", "loss", spec.configs[small], small, flags) for name, flags in LOSSES.items()]
@@ -515,6 +525,7 @@ def command(row: Row, spec: Spec, ck: Path, out: Path, args) -> List[str]:
             "batch_size=2",
             "tokenizer.max_seq_len=128",
             "packed_attention=flex",  # (varlen is CUDA's)
+            "enable_activation_offloading=False",  # (the 12 GB configs': it needs a GPU)
             *model_overrides(spec, json.loads((ck / "config.json").read_text())),
         ]
     )

@@ -114,6 +114,11 @@ def test_profile_needs_steps_left_for_the_median(capsys):
         ("--families qwen3_8b --classes 32gb", "ours_32gb ours_32gb_fp8"),  # (no stock recipe for Qwen3)
         ("--families qwen3_8b --classes 16gb --rows fp8,stock", "ours_16gb_fp8"),  # (nor a low-memory one)
         ("--families qwen2_5_3b --classes 80gb --rows fp8,stock --only ours_80gb_fp8,stock", "ours_80gb_fp8 stock"),
+        (  # the 3B models' 12 GB class: bf16 and FP8, each with its activations kept on the GPU, and stock's low memory
+            "--families qwen2_5_3b --classes 12gb --candidates --only "
+            "ours_12gb,ours_12gb_fp8,ours_12gb_no_offload,ours_12gb_fp8_no_offload,stock_low_memory",
+            "ours_12gb ours_12gb_fp8 ours_12gb_no_offload ours_12gb_fp8_no_offload stock_low_memory",
+        ),
         (  # at 24 GiB the 3B twins' candidates recompute every other layer too
             "--families llama3_2_3b --classes 24gb --rows fp8 --candidates",
             "ours_24gb_fp8 ours_24gb_fp8_flex ours_24gb_fp8_ac2",

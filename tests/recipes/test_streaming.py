@@ -129,3 +129,32 @@ def test_a_16gb_config_streams_an_hf_folder_of_its_family_as_the_resident_run_tr
     assert resident.ok and streamed.ok, (resident.stderr + streamed.stderr)[-3000:]
     assert len(streamed.metrics) == 3 and streamed.losses == resident.losses
     assert all(m["weights_copy_gb"] > 0 for m in streamed.metrics)
+
+
+@pytest.mark.parametrize(
+    "family, config, fields",
+    [
+        ("llama3_2", "llama3_2/3B_full_12gb", {}),
+        ("qwen2_5", "qwen2_5/3B_full_12gb", dict(tie_word_embeddings=True)),  # (tied, as Qwen2.5 3B is)
+    ],
+    ids=["llama3_2", "qwen2_5"],
+)
+def test_a_3b_12gb_config_trains_its_family_folder_with_the_states_in_host_memory(family, config, fields, tmp_path):
+    """The 3B models' 12 GB config, on a toy folder of the family (activation offloading, a GPU's, off): it trains,
+    and every step after the first brings its states up from host memory and writes them back."""
+    from conftest import DATA_DIR
+    from finetune.model import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(folder, family=family, fields=fields, data_dir=DATA_DIR)
+    cpu = [*toy_folder.CPU_OVERRIDES, "enable_activation_offloading=False", "device_memory_limit_gib=null"]
+    run = run_here(
+        tmp_path / "run",
+        f"checkpoint_dir={folder}",
+        *cpu,
+        "max_steps_per_epoch=3",
+        config=f"configs/{config}.yaml",
+        fast=False,
+    )
+    assert run.ok, run.stderr[-3000:]
+    assert len(run.losses) == 3 and all(m["host_copy_gb"] > 0 for m in run.metrics)

@@ -48,6 +48,7 @@ def settings(**changes):
         ("llama2/7B_full_80gb.yaml", 23.64, "llama2/7B_full_24gb.yaml"),  # an RTX 4090
         ("mistral/7B_full_80gb_fp8.yaml", 15.7, "mistral/7B_full_16gb_fp8.yaml"),  # a 16 GB card
         ("llama2/7B_full_24gb_fp8.yaml", 11.76, "llama2/7B_full_12gb_fp8.yaml"),  # a 12 GB card
+        ("qwen2_5/3B_full_24gb.yaml", 11.76, "qwen2_5/3B_full_12gb.yaml"),  # a 3B model's 12 GB config
     ],
 )
 def test_the_class_that_fits_is_the_same_model_in_a_smaller_class(config, budget, expected):
