@@ -39,7 +39,12 @@ def smaller_class_config(config_path: Optional[str], budget_gib: float) -> Optio
     candidates = []
     for other in path.parent.glob("*.yaml"):
         m = CLASS_NAME.match(other.name)
-        if m and m["size"] == mine["size"] and int(m["gib"]) < int(mine["gib"]) and int(m["gib"]) * CARD_SHARE <= budget_gib:
+        if (
+            m
+            and m["size"] == mine["size"]
+            and int(m["gib"]) < int(mine["gib"])
+            and int(m["gib"]) * CARD_SHARE <= budget_gib
+        ):
             candidates.append((int(m["gib"]), m["variant"] == mine["variant"], other))
     return max(candidates, key=lambda c: (c[0], c[1]), default=(0, 0, None))[2]
 
