@@ -453,10 +453,10 @@ def rows_of(spec: Spec, kinds: List[str], loss_rows: bool, candidates: bool = Fa
             rows.append(Row(f"ours_16gb{FP8}", "ours", cfg, "16gb", [], CLASS_GIB["16gb"]))
         if "fp8" in kinds and candidates:
             rows.append(Row(f"ours_16gb{FP8}_fewer_streamed", "ours", cfg, "16gb", fewer, CLASS_GIB["16gb"]))
-        if "stock" in kinds and spec.stock is not None:
-            rows.append(Row("stock_low_memory", "stock", spec.stock[0], "16gb", STOCK_LOW_MEMORY))
-    if "12gb" in spec.configs and "stock" in kinds and spec.stock is not None:  # (the 3B models' smallest class)
-        rows.append(Row("stock_low_memory", "stock", spec.stock[0], "12gb", STOCK_LOW_MEMORY))
+    # torchtune's low-memory row beside the family's smallest class: 16 GB for the 7-8B models, 12 GB for the 3B ones
+    smallest = "16gb" if spec.key in STREAMED_16GB else "12gb" if "12gb" in spec.configs else None
+    if smallest and "stock" in kinds and spec.stock is not None:
+        rows.append(Row("stock_low_memory", "stock", spec.stock[0], smallest, STOCK_LOW_MEMORY))
     if loss_rows:
         small = [c for c in spec.configs if c != "80gb"][0]
         rows += [Row(f"loss_{name}", "loss", spec.configs[small], small, flags) for name, flags in LOSSES.items()]
@@ -619,7 +619,7 @@ def run_row(row: Row, spec: Spec, ck: Path, gpu: Optional[int], args) -> dict:
         record["error"] = f"--profile: no {summary} after {run.wall_s} s: " + " / ".join(list(run.tail)[-3:])[-600:]
         return record
     # The median leaves the profiled steps out: recording slows them.
-    steady = records[args.skip_steps : len(records) - (PROFILED if profiled else 0)]
+    steady = records[args.skip_steps : args.steps - (PROFILED if profiled else 0)]
     tok_s = statistics.median(r["tokens_per_second"] for r in steady)
     if profiled:
         record.update(
