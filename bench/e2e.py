@@ -151,6 +151,21 @@ ROWS: Dict[str, tuple] = {
     # What a 24 GB card leaves: about 23.6 GiB reported (an RTX 4090), less the CUDA context and the display.
     "ours_24gb_card": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7"], "24gb"),
     "ours_24gb_fp8_card": ("ours", "7B_full_24gb_fp8", ["device_memory_limit_gib=22.7"], "24gb"),
+    # ... and what would make them fit there: a smaller batch, the states in host memory, the activations offloaded.
+    "ours_24gb_card_bs12": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7", "batch_size=12"], "24gb"),
+    "ours_24gb_fp8_card_bs12": ("ours", "7B_full_24gb_fp8", ["device_memory_limit_gib=22.7", "batch_size=12"], "24gb"),
+    "ours_24gb_fp8_card_streamed_states": (
+        "ours",
+        "7B_full_24gb_fp8",
+        ["device_memory_limit_gib=22.7", "stream_optimizer_states=True"],
+        "24gb",
+    ),
+    "ours_24gb_fp8_card_offloaded_acts": (
+        "ours",
+        "7B_full_24gb_fp8",
+        ["device_memory_limit_gib=22.7", "enable_activation_offloading=True"],
+        "24gb",
+    ),
     # FP8 matmuls in the transformer layers (torchao float8 training, dynamic scaling), the rest as the class config.
     "ours_80gb_fp8": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=tensorwise"], "80gb"),
     "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", ["device_memory_limit_gib=80", "fp8=rowwise"], "80gb"),
