@@ -160,6 +160,12 @@ ROWS: Dict[str, tuple] = {
         ["device_memory_limit_gib=22.7", "stream_optimizer_states=True"],
         "24gb",
     ),
+    "ours_24gb_card_streamed_states": (
+        "ours",
+        "7B_full_24gb",
+        ["device_memory_limit_gib=22.7", "stream_optimizer_states=True"],
+        "24gb",
+    ),
     "ours_24gb_fp8_card_offloaded_acts": (
         "ours",
         "7B_full_24gb_fp8",
