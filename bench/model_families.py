@@ -744,8 +744,10 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
 
 
 def finish(records: List[dict]) -> None:
-    """vs_stock: over the fastest stock row of the family that finished within 80 GiB reserved; vs_bf16 (an FP8
-    row): over the bf16 row of its class (ours_<class>_fp8[_<candidate>] over ours_<class>)."""
+    """vs_stock: over the stock row of the row's own class where the run has one (torchtune's low-memory row beside
+    the 16 GB and 12 GB configs), else over the fastest stock row of the family that finished within 80 GiB
+    reserved; vs_bf16 (an FP8 row): over the bf16 row of its class (ours_<class>_fp8[_<candidate>] over
+    ours_<class>)."""
     for r in records:
         if FP8 in r.get("name", "") and not r.get("error"):
             bf16 = f"ours_{r['memory_class']}"
@@ -762,7 +764,8 @@ def finish(records: List[dict]) -> None:
             and (s.get("peak_reserved_gib") or 0) <= CLASS_GIB["80gb"]
         ]
         if stock and not r.get("error"):
-            anchor = max(stock, key=lambda s: s["tok_s"])
+            own_class = [s for s in stock if s["memory_class"] == r["memory_class"]]
+            anchor = max(own_class or stock, key=lambda s: s["tok_s"])
             r["vs_stock"], r["anchor"] = round(r["tok_s"] / anchor["tok_s"], 3), anchor["name"]
 
 

@@ -187,3 +187,24 @@ def test_parameter_counts_are_the_models(key):
     for memory_class, name in spec.configs.items():
         cfg = OmegaConf.load(REPO_ROOT / "configs" / f"{name}.yaml")
         assert cfg.model._component_ == spec.builder and name.endswith(f"_full_{memory_class}")
+
+
+def test_a_small_class_is_compared_with_the_stock_row_of_its_own_class():
+    """A 12 GB row against torchtune's low-memory row beside it, not against the faster 80 GB stock recipe, which
+    does not fit that card; a class without a stock row of its own takes the fastest stock row."""
+
+    def rec(name, kind, memory_class, tok_s):
+        return {"family": "llama3_2_3b", "name": name, "kind": kind, "memory_class": memory_class, "tok_s": tok_s}
+
+    records = [
+        rec("stock", "stock", "80gb", 18000.0),
+        rec("stock_low_memory", "stock", "12gb", 12000.0),
+        rec("ours_24gb_fp8", "ours", "24gb", 27000.0),
+        rec("ours_12gb", "ours", "12gb", 18000.0),
+        rec("ours_12gb_fp8", "ours", "12gb", 24000.0),
+    ]
+    mf.finish(records)
+    by = {r["name"]: r for r in records}
+    assert (by["ours_12gb_fp8"]["anchor"], by["ours_12gb_fp8"]["vs_stock"]) == ("stock_low_memory", 2.0)
+    assert (by["ours_24gb_fp8"]["anchor"], by["ours_24gb_fp8"]["vs_stock"]) == ("stock", 1.5)
+    assert by["ours_12gb_fp8"]["vs_bf16"] == pytest.approx(24 / 18, rel=1e-3)
