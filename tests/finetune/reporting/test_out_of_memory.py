@@ -22,6 +22,7 @@ def settings(**changes):
         batch_size=16,
         accum=1,
         optimizer_in_bwd=False,
+        stream_states=False,
         ac_every=None,
         offload_activations=False,
         optimizer=SimpleNamespace(path="torch.optim.AdamW", cpu_offload=False),
@@ -74,6 +75,15 @@ def test_keys_to_try_are_the_ones_not_on_yet():
         "batch_size=8",
         "optimizer=optimizers.AdamW4bit",
     ]
+    # On one GPU, in backward, the states can wait in host memory: the cheapest in speed, so first.
+    assert keys_to_try(settings(optimizer_in_bwd=True, ac_every=1), distributed=False) == [
+        "stream_optimizer_states=True",
+        "batch_size=8",
+        "optimizer=optimizers.AdamW4bit",
+    ]
+    assert "stream_optimizer_states=True" not in keys_to_try(
+        settings(optimizer_in_bwd=True, ac_every=1, stream_states=True), distributed=False
+    )
 
 
 def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
