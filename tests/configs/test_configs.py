@@ -102,15 +102,26 @@ def twin(path: Path) -> Path:
     return path.with_name(f"{path.stem}_fp8.yaml")
 
 
+# Where a twin was measured faster with a setting of its own (bench/results/model_families_e2e_h200.json, runs l and
+# m: the 3B twins at 24 GiB recompute every other layer, 1.12x the every-layer twin in the same call, still within
+# the class). Nothing else may differ.
+TWIN_OWN_SETTINGS = {
+    "llama3_2/3B_full_24gb": {"ac_mode": "selective", "ac_option": 2},
+    "qwen2_5/3B_full_24gb": {"ac_mode": "selective", "ac_option": 2},
+}
+
+
 @pytest.mark.parametrize("path", CLASS_CONFIGS, ids=str)
 def test_every_memory_class_config_has_an_fp8_twin_that_differs_only_in_its_matmuls(path):
     """``<size>_full_<class>_fp8.yaml`` beside each class config: the same run with FP8 matmuls and FlashAttention's
-    varlen kernel, written to its own output folder, and nothing else changed (a setting fixed in one and forgotten in
-    the other shows here)."""
+    varlen kernel, written to its own output folder, and nothing else changed but the settings measured for the twin
+    alone (a setting fixed in one and forgotten in the other shows here)."""
     bf16, fp8 = (OmegaConf.to_container(OmegaConf.load(REPO_ROOT / p)) for p in (path, twin(path)))
     assert fp8.pop("fp8") == "tensorwise" and fp8.pop("packed_attention") == "varlen"
     assert fp8.pop("output_dir") == bf16.pop("output_dir") + "-fp8"
     bf16.pop("fp8", None), bf16.pop("packed_attention", None)
+    own = TWIN_OWN_SETTINGS.get(f"{path.parent.name}/{path.stem}", {})
+    assert {k: fp8.pop(k, None) for k in own} == own
     assert fp8 == bf16
 
 
