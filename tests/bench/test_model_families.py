@@ -125,8 +125,8 @@ def test_profile_needs_steps_left_for_the_median(capsys):
         ),
         (
             "--families mistral_7b --rows fp8 --candidates",
-            "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_80gb_fp8_fused_loss ours_32gb_fp8_flex ours_16gb_fp8 "
-            "ours_16gb_fp8_fewer_streamed",
+            "ours_80gb_fp8 ours_32gb_fp8 ours_80gb_fp8_flex ours_80gb_fp8_fused_loss ours_80gb_fp8_bs32 ours_32gb_fp8_flex "
+            "ours_16gb_fp8 ours_16gb_fp8_fewer_streamed",
         ),
     ],
 )
