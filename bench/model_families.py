@@ -754,8 +754,8 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, done: List
 
 def finish(records: List[dict]) -> None:
     """vs_stock: over the stock row of the row's own class where the run has one (torchtune's low-memory row beside
-    the 16 GB and 12 GB configs), else over the fastest stock row of the family that finished within 80 GiB
-    reserved; vs_bf16 (an FP8 row): over the bf16 row of its class (ours_<class>_fp8[_<candidate>] over
+    the 16 GB and 12 GB configs), else over the fastest stock row of the family that finished within the 80 GB
+    class's cap; vs_bf16 (an FP8 row): over the bf16 row of its class (ours_<class>_fp8[_<candidate>] over
     ours_<class>)."""
     for r in records:
         if FP8 in r.get("name", "") and not r.get("error"):
