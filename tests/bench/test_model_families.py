@@ -119,6 +119,10 @@ def test_profile_needs_steps_left_for_the_median(capsys):
             "ours_12gb,ours_12gb_fp8,ours_12gb_no_offload,ours_12gb_fp8_no_offload,stock_low_memory",
             "ours_12gb ours_12gb_fp8 ours_12gb_no_offload ours_12gb_fp8_no_offload stock_low_memory",
         ),
+        (  # at 24 GiB the 3B bf16 configs' candidates: half the batch kept, every other layer recomputed
+            "--families qwen2_5_3b --classes 24gb --rows ours --candidates",
+            "ours_24gb ours_24gb_bs8_no_ac ours_24gb_ac2",
+        ),
         (  # at 24 GiB the 3B twins' candidates recompute every other layer (the twins' own setting) and every layer
             "--families llama3_2_3b --classes 24gb --rows fp8 --candidates",
             "ours_24gb_fp8 ours_24gb_fp8_flex ours_24gb_fp8_ac2 ours_24gb_fp8_every_layer",
