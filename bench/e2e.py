@@ -179,6 +179,9 @@ ROWS: Dict[str, tuple] = {
         ["device_memory_limit_gib=22.7", "enable_activation_offloading=True", *STATES_ON_GPU],
         "24gb",
     ),
+    # FP8 matmuls in the transformer layers (torchao float8 training, dynamic scaling), the rest as the class config.
+    "ours_80gb_fp8": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78", "fp8=tensorwise"], "80gb"),
+    "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78", "fp8=rowwise"], "80gb"),
     "ours_24gb_fp8": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7", "fp8=tensorwise"], "24gb"),
     # The configs' attention of packed rows is FlashAttention's varlen kernel; torchtune's flex attention is what
     # it was chosen against (finetune/model/attention.py).

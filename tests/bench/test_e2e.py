@@ -1,6 +1,7 @@
 """bench/e2e.py's link figures for a streamed row: what crosses the PCIe link per step, by direction, with
 torchtune's activation offloading (which the recipe does not count) added from the config."""
 
+import re
 import sys
 
 import pytest
@@ -34,3 +35,20 @@ def test_the_pcie4_projection_takes_the_busier_direction():
     # Without weights or activations: half the states up, compute-bound.
     out = e2e.streaming([dict(host_copy_gb=12.0, copy_wait_ms=2.0, step_time_s=0.502, tokens=8000)])
     assert out["pcie4_projected_tok_s"] == pytest.approx(8000 / 0.5, abs=1)
+
+
+def test_every_row_the_docs_name_exists():
+    """The commands the README and the docs give (``bench/e2e.py ... --rows a,b``) name rows the script still has, and
+    each row's config is a file: a row dropped or renamed shows here, not on the next device call. (The results
+    index quotes each file's command as it ran, renamed rows included: not checked.)"""
+    sources = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").rglob("*.md")]
+    named = set()
+    for path in sources:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())  # a command continued over lines, as one
+        for command in re.findall(r"bench/e2e\.py[^\n`]*?--rows ([\w,]+)", text):
+            named.update(command.split(","))
+    assert named, "no bench/e2e.py --rows command found in the docs"
+    assert sorted(named - set(e2e.ROWS)) == []
+    for name, (kind, config, _, _) in e2e.ROWS.items():
+        if kind == "ours":
+            assert (REPO_ROOT / "configs/llama2" / f"{config}.yaml").is_file(), name
