@@ -60,6 +60,8 @@ CPU_OFFLOAD = [
     "enable_activation_offloading=True",
     "stream_optimizer_states=False",  # (the 24 GiB config streams its states; torchao's optimizer offloads them)
 ]
+# Each class's cap (what a card of it leaves a run: harness.CLASS_GIB), as an override.
+CAP = {c: f"device_memory_limit_gib={gib:g}" for c, gib in harness.CLASS_GIB.items()}
 # The 24 GiB configs as they were measured before 2026-12-04 (rows ours_24gb* of llama2_7b_e2e_h200.json).
 STATES_ON_GPU = ["stream_optimizer_states=False"]
 FUSED_CE = ["loss._component_=finetune.model.LinearCrossEntropyLoss", "~loss.num_output_chunks", "loss.impl=auto"]
@@ -140,56 +142,56 @@ ROWS: Dict[str, tuple] = {
         "16gb",
     ),
     # device_memory_limit_gib caps the allocator at what a card of the class leaves a run (an 80 GB card reports about
-    # 79.1 GiB, a 24 GB one 23.6, less the CUDA context and a display; bench/model_families.py's CLASS_GIB): a row
+    # 79.1 GiB, a 24 GB one 23.6, less the CUDA context and a display; harness.CLASS_GIB): a row
     # that completes fits that card. Rows measured before 2026-12-04 ran at 80 and 24 GiB (their overrides say so).
-    "ours_80gb": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78"], "80gb"),
+    "ours_80gb": ("ours", "7B_full_80gb", [CAP["80gb"]], "80gb"),
     "ours_80gb_8bit": (
         "ours",
         "7B_full_80gb",
-        ["device_memory_limit_gib=78", "optimizer=optimizers.AdamW8bit"],
+        [CAP["80gb"], "optimizer=optimizers.AdamW8bit"],
         "80gb",
     ),
     # The alternatives the 80 GB config was chosen against: a separate optimizer step, twice the batch.
     "ours_80gb_no_inbwd": ("ours", "7B_full_80gb", ["optimizer_in_bwd=False"], "80gb"),
     "ours_80gb_bs32": ("ours", "7B_full_80gb", ["batch_size=32"], "80gb"),
-    "ours_24gb": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7"], "24gb"),
+    "ours_24gb": ("ours", "7B_full_24gb", [CAP["24gb"]], "24gb"),
     # What a 24 GB card leaves: about 23.6 GiB reported (an RTX 4090), less the CUDA context and the display. The
     # configs as they were (states on the GPU, 23.1 GiB reserved) ran out of memory there; what would make them fit:
     # a smaller batch, the states in host memory (the configs since), the activations offloaded.
-    "ours_24gb_card": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7", *STATES_ON_GPU], "24gb"),
-    "ours_24gb_fp8_card": ("ours", "7B_full_24gb_fp8", ["device_memory_limit_gib=22.7", *STATES_ON_GPU], "24gb"),
+    "ours_24gb_card": ("ours", "7B_full_24gb", [CAP["24gb"], *STATES_ON_GPU], "24gb"),
+    "ours_24gb_fp8_card": ("ours", "7B_full_24gb_fp8", [CAP["24gb"], *STATES_ON_GPU], "24gb"),
     "ours_24gb_card_bs12": (
         "ours",
         "7B_full_24gb",
-        ["device_memory_limit_gib=22.7", "batch_size=12", *STATES_ON_GPU],
+        [CAP["24gb"], "batch_size=12", *STATES_ON_GPU],
         "24gb",
     ),
     "ours_24gb_fp8_card_bs12": (
         "ours",
         "7B_full_24gb_fp8",
-        ["device_memory_limit_gib=22.7", "batch_size=12", *STATES_ON_GPU],
+        [CAP["24gb"], "batch_size=12", *STATES_ON_GPU],
         "24gb",
     ),
     # (the configs as they are since, the same as ours_24gb and ours_24gb_fp8 now; kept for the recorded commands)
-    "ours_24gb_card_streamed_states": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7"], "24gb"),
-    "ours_24gb_fp8_card_streamed_states": ("ours", "7B_full_24gb_fp8", ["device_memory_limit_gib=22.7"], "24gb"),
+    "ours_24gb_card_streamed_states": ("ours", "7B_full_24gb", [CAP["24gb"]], "24gb"),
+    "ours_24gb_fp8_card_streamed_states": ("ours", "7B_full_24gb_fp8", [CAP["24gb"]], "24gb"),
     "ours_24gb_fp8_card_offloaded_acts": (
         "ours",
         "7B_full_24gb_fp8",
-        ["device_memory_limit_gib=22.7", "enable_activation_offloading=True", *STATES_ON_GPU],
+        [CAP["24gb"], "enable_activation_offloading=True", *STATES_ON_GPU],
         "24gb",
     ),
     # FP8 matmuls in the transformer layers (torchao float8 training, dynamic scaling), the rest as the class config.
-    "ours_80gb_fp8": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78", "fp8=tensorwise"], "80gb"),
-    "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78", "fp8=rowwise"], "80gb"),
-    "ours_24gb_fp8": ("ours", "7B_full_24gb", ["device_memory_limit_gib=22.7", "fp8=tensorwise"], "24gb"),
+    "ours_80gb_fp8": ("ours", "7B_full_80gb", [CAP["80gb"], "fp8=tensorwise"], "80gb"),
+    "ours_80gb_fp8_rowwise": ("ours", "7B_full_80gb", [CAP["80gb"], "fp8=rowwise"], "80gb"),
+    "ours_24gb_fp8": ("ours", "7B_full_24gb", [CAP["24gb"], "fp8=tensorwise"], "24gb"),
     # The configs' attention of packed rows is FlashAttention's varlen kernel; torchtune's flex attention is what
     # it was chosen against (finetune/model/attention.py).
-    "ours_80gb_flex": ("ours", "7B_full_80gb", ["device_memory_limit_gib=78", "packed_attention=flex"], "80gb"),
+    "ours_80gb_flex": ("ours", "7B_full_80gb", [CAP["80gb"], "packed_attention=flex"], "80gb"),
     "ours_24gb_fp8_flex": (
         "ours",
         "7B_full_24gb",
-        ["device_memory_limit_gib=22.7", "fp8=tensorwise", "packed_attention=flex"],
+        [CAP["24gb"], "fp8=tensorwise", "packed_attention=flex"],
         "24gb",
     ),
     # The seed's reference setting (unpacked, AC, fused), and the same with our 8-bit AdamW: the unpacked half of

@@ -344,12 +344,7 @@ def make_checkpoint(
 
 # -- the rows ---------------------------------------------------------------------------------------------------------
 
-# What a card sold as N GB leaves a run, the cap of its class: such a card reports a little under N GiB to CUDA (an
-# A100 or H100 80 GB about 79.1, an RTX 5090 31.4, a 4090 23.6, a 16 GB card about 15.7, a 12 GB one 11.8), less its
-# CUDA context and some room for a display. A row that completes under its cap fits that card. (Until 2026-12-04 the
-# 80, 32 and 24 GB classes were capped at 80, 32 and 24 GiB: Llama2-7B's 24 GiB configs reserved 23.1 GiB there and
-# ran out of memory at 22.7, bench/results/llama2_7b_24gb_card_h200.json.)
-CLASS_GIB = {"80gb": 78, "32gb": 30.5, "24gb": 22.7, "16gb": 14.9, "12gb": 10.9}
+CLASS_GIB = harness.CLASS_GIB  # each memory class's cap (bench/_harness.py)
 # The 16 GB class exists as an FP8 config only, for the 7-8B models whose weights stream (stream_layers). Its stock row
 # is torchtune's low-memory setting (in backward, checkpointing, activation offloading, paged 8-bit AdamW), uncapped:
 # its peak says whether stock fits the class at all. The candidate streams fewer layers (faster, if it fits).
