@@ -388,8 +388,8 @@ def write_safetensors(
     bounce: Optional[torch.Tensor] = None,
 ) -> None:
     """``convert(tensors)`` as safetensors.torch.save_file would write it (the same bytes), converting and writing
-    one tensor at a time, so a snapshot held on the GPU needs no host copy of itself: each GPU tensor goes to the
-    file through ``bounce`` (pinned uint8), a piece at a time. ``convert`` maps a dict of some tensors to the
+    one tensor at a time, so weights held on the GPU need no host copy of themselves: each GPU tensor goes to the
+    file through ``bounce`` (pinned uint8), a piece at a time, or without one, through a copy of that one tensor. ``convert`` maps a dict of some tensors to the
     written names (it must convert each key on its own, as torchtune's converters do); ``tensors`` is emptied as
     it is written. Ends with an fsync."""
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
@@ -421,6 +421,9 @@ def write_safetensors(
             flat = pending.pop(n).contiguous().reshape(-1).view(torch.uint8)
             if flat.device.type == "cpu":
                 f.write(flat.numpy())
+                continue
+            if bounce is None:  # (no pinned buffer: one tensor at a time through a pageable copy)
+                f.write(flat.cpu().numpy())
                 continue
             for i in range(0, flat.numel(), bounce.numel()):
                 piece = bounce[: min(bounce.numel(), flat.numel() - i)]

@@ -44,12 +44,15 @@ class NonFiniteStop(BadInput):
 
 
 def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int) -> None:
-    """Refuse to write a checkpoint whose weights hold a NaN or inf (one device-side reduction, one sync)."""
-    bad = (
-        [k for k, ok in zip(state, torch.stack([torch.isfinite(v).all() for v in state.values()]).tolist()) if not ok]
-        if state
-        else []
-    )
+    """Refuse to write a checkpoint whose weights hold a NaN or inf: one reduction and one sync per device the
+    weights live on (a model with streamed layers holds some in host memory and the rest on the GPU)."""
+    by_device: Dict[torch.device, List[str]] = {}
+    for k, v in state.items():
+        by_device.setdefault(v.device, []).append(k)
+    finite: Dict[str, bool] = {}
+    for keys in by_device.values():
+        finite.update(zip(keys, torch.stack([torch.isfinite(state[k]).all() for k in keys]).tolist()))
+    bad = [k for k in state if not finite[k]]
     if bad:
         raise NonFiniteStop(
             f"the weights at step {step} are not finite ({', '.join(bad[:3])}): refused to write "
@@ -175,7 +178,10 @@ class Checkpointer:
             torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
         if ranks.main:
             if parts["weights"] is not None:
-                hf_format.write_folder(tmp, parts["weights"], self.hf, self.family, self.tokenizer_path)
+                weights = parts["weights"]
+                hf_format.write_folder(
+                    tmp, weights, self.hf, self.family, self.tokenizer_path, self._bounce_for(weights)
+                )
             if parts["recipe_state"] is not None:
                 torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, parts["recipe_state"])
@@ -297,22 +303,22 @@ class Checkpointer:
                 async_save.pinned_torch_save(snap["rank_state"], tmp / own)
             weights = snap["weights"] if ranks.main else None
             if weights is not None:  # (None: written before training went on, ``_start``'s ``now``)
-                if any(t.is_cuda for t in weights.values()):  # held on the GPU: streamed through a pinned buffer
-                    if self._bounce is None:
-                        self._bounce = torch.empty(async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
-                    convert = functools.partial(hf_format.to_hf, hf=self.hf, family=self.family)
-                    async_save.write_safetensors(
-                        tmp / hf_format.WEIGHTS_FILE, weights, convert, hf_format.WEIGHTS_METADATA, self._bounce
-                    )
-                    hf_format.write_config_and_tokenizer(tmp, self.hf, self.family, self.tokenizer_path)
-                else:  # in host memory: the very writer of a synchronous save
-                    hf_format.write_folder(tmp, weights, self.hf, self.family, self.tokenizer_path)
+                hf_format.write_folder(
+                    tmp, weights, self.hf, self.family, self.tokenizer_path, self._bounce_for(weights)
+                )
             if ranks.main and snap["recipe_state"] is not None:
                 async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, snap["recipe_state"])
         for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
             if f.name == own or (ranks.main and not f.name.startswith("recipe_state_rank")):
                 fsync_path(f)
+
+    def _bounce_for(self, weights: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """The pinned buffer that weights held on the GPU are written through (made at the first such save), or None
+        where every weight is in host memory."""
+        if self._bounce is None and any(t.is_cuda for t in weights.values()):
+            self._bounce = torch.empty(async_save.BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True)
+        return self._bounce
 
     @contextlib.contextmanager
     def _writer_stream(self, ready):

@@ -16,6 +16,7 @@ family; they call ``resolve_model`` (through settings), ``hf_config``, ``read_we
 ``write_folder``. docs/models.md says how to add a family.
 """
 
+import functools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -23,12 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torchtune.models import convert_weights
 from torchtune.models.convert_weights import get_mapped_key
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
 
 from finetune.base import BadInput, hf_weight_files, load_state_file
+from finetune.checkpoint.async_save import write_safetensors
 from finetune.model import from_hf_config
 
 WEIGHTS_FILE = "model.safetensors"
@@ -425,18 +427,29 @@ def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family,
 
 
 def write_folder(
-    folder: Path, tune_state: Dict[str, torch.Tensor], hf: dict, family: Family, tokenizer_path: Path
+    folder: Path,
+    tune_state: Dict[str, torch.Tensor],
+    hf: dict,
+    family: Family,
+    tokenizer_path: Path,
+    bounce: Optional[torch.Tensor] = None,
 ) -> None:
-    """The weights (converted to HF names, on the CPU), config.json, generation_config.json and the tokenizer's
-    files into ``folder``, which the caller publishes.
+    """The weights (converted to HF names), config.json, generation_config.json and the tokenizer's files into
+    ``folder``, which the caller publishes.
+
+    The weights are converted and written one tensor at a time (``async_save.write_safetensors``: the bytes
+    safetensors' own writer writes), wherever they live: a model on the GPU, or one whose streamed layers sit in host
+    memory beside the resident ones, needs no host copy of itself for a save (a 7B model's would be 13 GB at the
+    moment a small-card run has the least host memory to spare). ``bounce``: a pinned buffer that GPU tensors go
+    through, a piece at a time (faster than a pageable copy of each).
 
     The tokenizer: ``tokenizer_path`` under its standard name (tokenizer.json, or tokenizer.model for a SentencePiece
     file) and those of TOKENIZER_FILES that sit beside it (tokenizer_config.json with the special tokens and chat
     template), so the folder is whole for transformers' AutoTokenizer.
     """
-    state = {k: v.detach().to("cpu").contiguous() for k, v in to_hf(tune_state, hf, family).items()}
-    save_file(state, str(folder / WEIGHTS_FILE), metadata=WEIGHTS_METADATA)
-    del state
+    convert = functools.partial(to_hf, hf=hf, family=family)
+    weights = {k: v.detach() for k, v in tune_state.items()}  # (emptied as it is written; the caller's dict is not)
+    write_safetensors(folder / WEIGHTS_FILE, weights, convert, WEIGHTS_METADATA, bounce)
     write_config_and_tokenizer(folder, hf, family, tokenizer_path)
 
 

@@ -241,6 +241,21 @@ def _flat(prefix: str, value: Any) -> Dict[str, Any]:
     return {prefix: value}
 
 
+def _samples_advice(saved: Dict[str, Any], now: Dict[str, Any]) -> str:
+    """How to make this run's step take the checkpoint's samples: batch_size is per rank, so on another rank count
+    the saved batch_size would not do (4 per rank on 2 ranks is 8, not 4)."""
+    samples, world = saved["samples_per_step"], now.get("world_size", 1)
+    for accum in dict.fromkeys((now["gradient_accumulation_steps"], saved["gradient_accumulation_steps"], 1)):
+        if samples % (world * accum) == 0:
+            on = f" on {world} ranks" if world > 1 else ""
+            return f"{samples} samples per step (batch_size={samples // (world * accum)} gradient_accumulation_steps={accum}{on})"
+    return (
+        f"{samples} samples per step, which {world} ranks cannot split evenly (--nproc_per_node "
+        f"{saved.get('world_size', 1)} with batch_size={saved['batch_size']} "
+        f"gradient_accumulation_steps={saved['gradient_accumulation_steps']})"
+    )
+
+
 def _difference(name: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[tuple]:
     """(what differs, how to resume instead) between the recorded setting ``name`` and this run's, or None."""
     if saved[name] == now[name]:
@@ -250,8 +265,7 @@ def _difference(name: str, saved: Dict[str, Any], now: Dict[str, Any]) -> Option
         return (
             f"batch_size x gradient_accumulation_steps{ranks} = {now[name]} samples per step differs from the "
             f"checkpoint's {saved[name]}",
-            f"{saved[name]} samples per step (e.g. batch_size="
-            f"{saved['batch_size']} gradient_accumulation_steps={saved['gradient_accumulation_steps']})",
+            _samples_advice(saved, now),
         )
     if name == "data":
         return (

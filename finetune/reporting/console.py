@@ -283,14 +283,24 @@ class StepTimer:
         return (self._t1 - self._t0) * 1000
 
 
+def host_memory_gib() -> Dict[str, float]:
+    """The process's host memory: ``host_rss_gib`` now and ``peak_rss_gib`` at its peak (resident pages, pinned
+    ones included: the optimizer states, streamed weights and staging buffers a small-card run keeps in host memory).
+    Where /proc is missing (not Linux), the peak alone, from getrusage."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
+        return {k: int(fields[v].split()[0]) / 2**20 for k, v in (("host_rss_gib", "VmRSS"), ("peak_rss_gib", "VmHWM"))}
+    except (OSError, KeyError, ValueError):
+        return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss is KiB
+
+
 def memory_metrics(device: torch.device) -> Dict[str, float]:
-    """Peak allocated and reserved GiB on a GPU; the process's peak resident set on the CPU."""
+    """Peak allocated and reserved GiB on a GPU; the process's host memory, now and at its peak, on either."""
+    out = host_memory_gib()
     if device.type == "cuda":
-        return {
-            "peak_memory_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
-        }
-    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss is KiB
+        out["peak_memory_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return out
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:

@@ -56,7 +56,7 @@ def step_record(
     """A step's metrics record, in the one shape both recipes write.
 
     ``ranks``: each rank's own figures, ``{"elapsed": s, "opt_ms": ms or None, "state_bytes": n, **memory_metrics}``
-    (one entry on one device). The step takes as long as its slowest rank; peak memory is the largest rank's and the
+    (one entry on one device). The step takes as long as its slowest rank; memory is the largest rank's and the
     optimizer state the sum. With ``world`` (the distributed recipe) the record also keeps each rank's figures
     (``..._per_rank``), tokens/s per GPU and the world size.
     """
@@ -73,7 +73,7 @@ def step_record(
         record["tokens_per_second_per_gpu"] = float(tokens) / wall / world
     record["step_time_s"] = wall
     for key in ranks[0]:
-        if key.startswith("peak_"):
+        if key.startswith(("peak_", "host_rss")):
             record[key] = max(r[key] for r in ranks)
             if world is not None:
                 record[key + "_per_rank"] = [r[key] for r in ranks]
@@ -215,7 +215,8 @@ def summary_metrics(records: List[Dict[str, Any]]) -> Dict[str, Any]:
         steps, last_step             records, and the global step of the last one
         tokens_per_second_median     median over the steady steps (after the first WARMUP_STEPS of each process)
         tokens_per_second_per_gpu_median   (distributed)
-        peak_memory_alloc_gib, peak_memory_reserved_gib   the largest over the run (GPU); peak_rss_gib on the CPU
+        peak_memory_alloc_gib, peak_memory_reserved_gib   the largest over the run (GPU)
+        peak_rss_gib                 the process's host memory at its peak (on a GPU too: pinned states and weights)
         optimizer_state_gib          the optimizer state at the last step
         optimizer_step_ms_median     median over the steady steps (null with optimizer_in_bwd)
         first_step_s                 the run's first step, compilation included
@@ -258,8 +259,12 @@ def summary_sentence(numbers: Dict[str, Any]) -> str:
         parts.append(f"{numbers['tokens_per_second_median']:,.0f} tokens/s (median of the steady steps)")
     if "peak_memory_alloc_gib" in numbers:
         parts.append(f"peak {gib('peak_memory_alloc_gib')} allocated, {gib('peak_memory_reserved_gib')} reserved")
-    elif "peak_rss_gib" in numbers:
-        parts.append(f"peak RSS {gib('peak_rss_gib')}")
+    if "peak_rss_gib" in numbers:
+        parts.append(
+            f"host memory peak {gib('peak_rss_gib')}"
+            if "peak_memory_alloc_gib" in numbers
+            else f"peak RSS {gib('peak_rss_gib')}"
+        )
     if "optimizer_state_gib" in numbers:
         parts.append(f"optimizer state {gib('optimizer_state_gib')}")
     if "first_step_s" in numbers:

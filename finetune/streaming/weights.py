@@ -44,6 +44,16 @@ def spread(count: int, layers: int) -> List[int]:
     return sorted({min(layers - 1, int((j + 0.5) * layers / count)) for j in range(count)})
 
 
+def _rope_unbuilt(module: torch.nn.Module) -> bool:
+    """A RoPE module whose cache a model built on the meta device lacks: a meta buffer, or (Llama 3's scaled RoPE)
+    none built. It is built on the device then, as a resident run builds it; a cache that exists (a model built on
+    the CPU) moves with the model unchanged, as a resident model's would: the GPU's cos and sin differ from the CPU's
+    in the last bit, and a rebuilt one made the streamed run's first loss differ from the resident one's."""
+    if not hasattr(module, "rope_init"):
+        return False
+    return getattr(module, "is_cache_built", True) is False or any(b.is_meta for b in module.buffers(recurse=False))
+
+
 class _Layer:
     """One streamed layer: its streamed weights, their (device storage, host slot) pairs, and where they are."""
 
@@ -92,8 +102,8 @@ class StreamedWeights:
             if any(p in self._host for p in module.parameters(recurse=False)):
                 # (a function, not a bound method: the public hook API marks the callable it is given)
                 module.register_state_dict_post_hook(lambda *args: self._host_views(*args))
-        for module in model.modules():  # RoPE's cache: built from the config on the device, as a resident run's
-            if hasattr(module, "rope_init"):  # (on the meta device it is a meta buffer, or, Llama 3's, not built)
+        for module in model.modules():  # RoPE's cache, where the meta device left none: built on the device
+            if _rope_unbuilt(module):
                 with device:
                     module.rope_init()
         model.to(device)  # the rest (the streamed weights are there already, with no bytes)

@@ -364,7 +364,7 @@ def test_full_disk_while_saving_is_one_line(run, tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(hf_format, "save_file", full)
+    monkeypatch.setattr(hf_format, "write_safetensors", full)
     result = run("max_steps_per_epoch=1")
     assert result.returncode == 2
     assert f"no space left on the disk of {tmp_path / 'out'} while writing epoch_0" in result.error

@@ -158,3 +158,67 @@ def test_a_3b_12gb_config_trains_its_family_folder_with_the_states_in_host_memor
     )
     assert run.ok, run.stderr[-3000:]
     assert len(run.losses) == 3 and all(m["host_copy_gb"] > 0 for m in run.metrics)
+
+
+# The GPU half of a 16 GB config (bf16 weights, states and some layers' weights in pinned host memory, CudaLink's two
+# copy streams, a background save's GPU and host staging), on a toy folder wide enough that its layers' bf16 weights
+# stream (64 KiB and more), without compile and FP8 (their own tests cover them; here they would only add minutes).
+GPU_16GB = [
+    "compile=False",
+    "fp8=null",
+    "metric_logger=null",
+    "dataset.split=train[:500]",
+    "tokenizer.max_seq_len=128",
+    "batch_size=2",
+    "max_steps_per_epoch=4",
+    "save_every_n_steps=2",
+    "lr_scheduler.num_warmup_steps=0",
+    "optimizer.lr=1e-3",
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("background", [True, False], ids=["background", "synchronous"])
+def test_on_cuda_a_16gb_config_saves_resumes_and_its_folder_loads_in_transformers(background, tmp_path):
+    """A streamed model on CUDA writes step_2/ and epoch_0/ (the weights half on the GPU, half in host memory), the
+    same files as the run with every weight resident; a resume from step_2/ trains the uninterrupted run's losses
+    and writes its epoch_0/ again, byte for byte; transformers loads the folder with the recipe's weights, bit for bit.
+    (At 428f355 every save of a streamed model died in check_finite_weights: host and GPU tensors in one torch.cat.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import DATA_DIR
+    from finetune.model import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(
+        folder, family="llama3_1", fields=dict(hidden_size=256, intermediate_size=1024), data_dir=DATA_DIR
+    )
+    config = "configs/llama3_1/8B_full_16gb_fp8.yaml"
+    common = [f"checkpoint_dir={folder}", *GPU_16GB, f"async_checkpoint={background}"]
+    resident, streamed = [
+        run_here(tmp_path / f"layers_{n}", *common, f"stream_layers={n}", config=config, fast=False) for n in (0, 1)
+    ]
+    assert resident.ok and streamed.ok, (resident.stderr + streamed.stderr)[-3000:]
+    assert all(m["weights_copy_gb"] > 0 for m in streamed.metrics)
+    assert streamed.losses == resident.losses and len(streamed.losses) == 4
+    for name in ("step_2", "epoch_0"):
+        for f in ("model.safetensors", "config.json"):
+            assert (streamed.output_dir / name / f).read_bytes() == (resident.output_dir / name / f).read_bytes()
+    resumed = run_here(
+        tmp_path / "resumed",
+        *common,
+        "stream_layers=1",
+        f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
+        config=config,
+        fast=False,
+    )
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert resumed.losses == streamed.losses[2:]
+    final = streamed.output_dir / "epoch_0" / "model.safetensors"
+    assert (resumed.output_dir / "epoch_0" / "model.safetensors").read_bytes() == final.read_bytes()
+    saved = load_file(final)
+    model = AutoModelForCausalLM.from_pretrained(streamed.output_dir / "epoch_0", dtype=torch.bfloat16)
+    loaded = model.state_dict()
+    assert saved.keys() <= loaded.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
