@@ -94,6 +94,7 @@ def build_reporting(
         background=s.async_checkpoint,
         device=s.device,
         memory_limit_gib=s.memory_limit_gib,
+        host_limit_gib=s.host_limit_gib,
         log=log if main else None,
         on_saved=lambda saved: summary.saved_checkpoint(saved),
     )

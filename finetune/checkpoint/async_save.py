@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 BOUNCE_BYTES = 64 * 2**20  # the pinned buffer a GPU-held snapshot is drained through (~1 ms per fill at PCIe speed)
 GPU_MARGIN_FRACTION, GPU_MARGIN_MIN = 0.10, 2 * 2**30  # kept free under the cap besides the run's peak
 HOST_RESERVE_FRACTION, HOST_RESERVE_MIN = 0.05, 4 * 2**30  # host memory left to everything else
+HOST_LIMIT_MARGIN = 2**30  # under host_memory_limit_gib: room for the writer's buffers and the allocator's slack
 ALIGN = 4096  # host slots start on a page: each group of them is pinned as one range
 PIN_GROUP_BYTES = 256 * 2**20  # cudaHostRegister in pieces of about this size (each call holds the GIL)
 _IMMUTABLE = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
@@ -167,6 +168,17 @@ def available_host_bytes() -> Optional[int]:
     return free - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * total))
 
 
+def resident_bytes() -> int:
+    """This process's resident set (VmRSS: pinned pages included), 0 where /proc cannot tell."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def spare_gpu_bytes(device: torch.device, limit_gib: Optional[float]) -> int:
     """GPU memory a snapshot may hold while training goes on: the cap (``limit_gib``, else what this process can
     reach) minus the peak this run has reserved so far, minus the margin. 0 off CUDA."""
@@ -201,10 +213,17 @@ class Staging:
     (reused while the plan stays the same), ``snapshot`` copy a checkpoint into them."""
 
     def __init__(
-        self, device: torch.device, memory_limit_gib: Optional[float] = None, gpu_budget: Optional[int] = None
+        self,
+        device: torch.device,
+        memory_limit_gib: Optional[float] = None,
+        gpu_budget: Optional[int] = None,
+        host_limit_gib: Optional[float] = None,
     ):
         self.device = torch.device(device)
         self._limit = memory_limit_gib
+        # host_memory_limit_gib: the host memory the whole process may hold; a snapshot takes only what fits under it
+        # beside what the process holds already, and gives it back once written (``transient``)
+        self.host_limit = None if host_limit_gib is None else int(host_limit_gib * 2**30)
         # GPU bytes a snapshot may hold; None: decided at the first plan, from the training's own peak (later plans
         # keep it: by then the peak counts the snapshots too)
         self._gpu_budget = gpu_budget
@@ -250,11 +269,27 @@ class Staging:
             on_gpu.append(gpu)
         layout = Layout(sizes, on_gpu)
         if layout.key != self._host_key and layout.host_bytes:
-            free = available_host_bytes()
+            free = self.free_host_bytes()
             held = 0 if self._host is None else self._host.numel()
             if free is not None and layout.host_bytes > free + held:
                 return None
         return layout
+
+    @property
+    def transient(self) -> bool:
+        """Under a host memory limit the host buffer lives only while a snapshot is written: the training steps
+        between checkpoints run without it."""
+        return self.host_limit is not None
+
+    def free_host_bytes(self) -> Optional[int]:
+        """Host memory a snapshot may take now: MemAvailable less the reserve, and under a limit what the process
+        does not hold of it yet (its resident set, the pinned states and weights included), less a margin for the
+        writer's own buffers."""
+        free = available_host_bytes()
+        if self.host_limit is None:
+            return free
+        room = self.host_limit - resident_bytes() - HOST_LIMIT_MARGIN
+        return room if free is None else min(free, room)
 
     def no_gpu(self) -> None:
         """Hold no snapshot in GPU memory from now on (a GPU copy did not fit after all)."""
@@ -288,7 +323,7 @@ class Staging:
     def _pin(self, layout: Layout) -> None:
         """Page-lock the host buffer (cudaHostRegister: copies into it run at full PCIe speed), in groups of whole
         slots. Where that fails the buffer stays pageable: correct, only slower (about 12 GB/s on an H200)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.transient:  # (a buffer per save: pinning it would cost ~1 s per 10 GB)
             return
         cudart, base = torch.cuda.cudart(), self._host.data_ptr()
         starts = [o for o in layout.offsets if o is not None] + [layout.host_bytes]

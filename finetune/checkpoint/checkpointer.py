@@ -126,6 +126,7 @@ class Checkpointer:
         background: bool = False,
         device: Any = "cpu",
         memory_limit_gib: Optional[float] = None,
+        host_limit_gib: Optional[float] = None,
         on_saved: Optional[Callable[[Path], None]] = None,
         log=None,
     ):
@@ -137,7 +138,9 @@ class Checkpointer:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._staging = async_save.Staging(self._device, memory_limit_gib) if background else None
+        self._staging = (
+            async_save.Staging(self._device, memory_limit_gib, host_limit_gib=host_limit_gib) if background else None
+        )
         self._on_saved, self._log = on_saved, log
         self._job: Optional[async_save.Job] = None  # the background job: a staging allocation, or a write
         self._inflight: Optional[_InFlight] = None  # the save that job writes
@@ -272,7 +275,8 @@ class Checkpointer:
                     (layout.gpu_bytes, "in spare GPU memory, freed once written"),
                     (
                         layout.host_bytes,
-                        f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}kept for the run",
+                        f"in host memory, {'pinned and ' if self._staging.pinned_bytes else ''}"
+                        + ("given back once written" if self._staging.transient else "kept for the run"),
                     ),
                 )
                 if b
@@ -345,8 +349,8 @@ class Checkpointer:
         """Plan the staging for checkpoints shaped like these parts and allocate its host buffer on a background
         thread (pinning ~20 GB takes ~2 s, better not inside the first save). Call it once, after the first optimizer
         step (the optimizer state exists by then); every rank calls it."""
-        if not self.background or self._job is not None:
-            return
+        if not self.background or self._job is not None or self._staging.transient:
+            return  # (under a host memory limit each save allocates its buffer and gives it back once written)
         layout, _ = self._plan({"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state})
         if layout is not None:
             self._job = async_save.Job(functools.partial(self._staging.allocate, layout), "checkpoint-staging")
@@ -407,6 +411,8 @@ class Checkpointer:
             finally:
                 self._inflight = self._job = None  # (a failed write is raised once, not again at the next wait)
             write_s = job.ended - job.started
+            if self._staging.transient:
+                self._staging.release()
             if self.folder.ranks.main:
                 announce_saved(final, f.started, background=(write_s, f.blocked))
             self._note(checkpoint_saved=f.name, checkpoint_write_s=write_s)

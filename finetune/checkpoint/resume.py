@@ -129,6 +129,7 @@ RESUME_TABLE = (
             "ac_option",
             "enable_activation_offloading",
             "device_memory_limit_gib",
+            "host_memory_limit_gib",
             "loss",
             "fsdp_reshard_after_forward",
         ),

@@ -55,6 +55,7 @@ KNOWN_CONFIG_KEYS = (
     "stream_optimizer_states",
     "stream_layers",
     "device_memory_limit_gib",
+    "host_memory_limit_gib",
     "pack_cache_dir",
     "save_every_n_steps",
     "async_checkpoint",
@@ -112,6 +113,7 @@ class Settings:
     compile: bool
     pack_cache_dir: Optional[Path]
     memory_limit_gib: Optional[float]
+    host_limit_gib: Optional[float]  # host_memory_limit_gib: what a background checkpoint's copy may add up to
     output_dir: Path
     tokenizer_path: Path
     data_files: List[str]  # the local files the dataset reads (the pack cache's key hashes them)
@@ -296,6 +298,8 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
                 "smaller value or null"
             )
 
+    host_limit = positive("host_memory_limit_gib", allow_none=True, integer=False)
+
     packed = OmegaConf.select(cfg, "dataset.packed", default=False)
     if packed not in (True, False):
         raise BadInput(f"dataset.packed={packed!r} must be True or False")
@@ -373,6 +377,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         compile=compile_,
         pack_cache_dir=pack_cache_dir,
         memory_limit_gib=memory_limit,
+        host_limit_gib=host_limit,
         output_dir=output_dir,
         **paths,
         optimizer=optimizer,

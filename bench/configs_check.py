@@ -1,0 +1,267 @@
+"""Every shipped config, end to end on a GPU, as a user runs it: a config without a passing row is not shipped.
+
+    python bench/configs_check.py --checkpoint llama2=/dev/shm/llama2-7b --data-dir /tmp/data \\
+        --configs llama2/7B_full_16gb_fp8,llama2/7B_full_12gb_fp8 --out bench/results/configs_check_h100.json
+
+Per config, with the config's own settings and only checkpoint_dir, data_dir, output_dir and the run's length
+overridden (plus the overrides of --set):
+
+1. a short run that writes ``step_{save_every}/`` and ``epoch_0/`` in the config's save mode (async_checkpoint);
+2. a resume from ``step_{save_every}/`` in the other save mode, to its own ``epoch_0/``: its losses must equal the
+   first run's, bit for bit, and its ``model.safetensors`` the first run's byte for byte;
+3. transformers' AutoModelForCausalLM loads the first run's ``epoch_0/``: every tensor of the file, as loaded, equals
+   the file's;
+4. ``recipes/evaluate.py`` scores that folder on truthfulqa_mc2 with ``limit=`` (a score in [0, 1]; the weights are
+   random values, so the score says only that the folder evaluates);
+5. the footprints of the first run: tokens/s (median of the steps after --skip-steps), the GPU memory nvidia-smi
+   reports for the process (the CUDA context included: what a card must hold, not the allocator's reserved bytes),
+   and the host memory it took, as the drop of MemAvailable from just before the run (what a desktop must have
+   free), both sampled every half second, and the peaks while training and while a checkpoint was written.
+
+A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
+beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
+(a 7B run writes ~20 GB a checkpoint). Each recipe is run as a file with ``python`` (the GPU machine has no `tune`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import _harness as harness
+
+RECIPE = "recipes/full_finetune_single_device.py"
+EVAL_RECIPE = "recipes/evaluate.py"
+# What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
+# (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
+# mostly have 32 GB of RAM, of which the system and a desktop keep some.
+GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400}
+HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
+STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
+SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
+
+
+def card_class(config: str) -> Optional[str]:
+    return next((c for c in ("16gb", "12gb", "24gb", "32gb", "80gb") if f"_{c}" in config), None)
+
+
+class Footprint:
+    """Samples, every ``every`` seconds while a run lives: MemAvailable's drop from its value at the start (bytes),
+    and the GPU memory nvidia-smi lists for the run's processes (MiB)."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB)
+        self._stop, self._pids = threading.Event(), set()
+        self._base = self._available()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _available() -> int:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+    @staticmethod
+    def _gpu_mib() -> int:
+        """The GPU memory of every compute process (the run and its children; nothing else runs on the machine)."""
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            ).stdout
+        except FileNotFoundError:  # (no NVIDIA driver: a CPU trial of this script)
+            return 0
+        return sum(int(line.split(",")[1]) for line in out.splitlines() if line.strip())
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic() - self._start
+            self.samples.append((round(t, 1), (self._base - self._available()) / 1e9, self._gpu_mib()))
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self, spans: List[tuple]) -> dict:
+        """Peak host GB and GPU MiB over the whole run and inside ``spans`` ((start, end) seconds: the saves)."""
+
+        def within(t):
+            return any(a <= t <= b for a, b in spans)
+
+        def peak(rows, i):
+            return round(max((r[i] for r in rows), default=0.0), 2)
+
+        saving = [s for s in self.samples if within(s[0])]
+        training = [s for s in self.samples if not within(s[0])]
+        return {
+            "host_gb_peak": peak(self.samples, 1),
+            "host_gb_peak_training": peak(training, 1),
+            "host_gb_peak_saving": peak(saving, 1) if saving else None,
+            "gpu_mib_peak": int(peak(self.samples, 2)),
+        }
+
+
+def recipe_run(config: str, out: Path, args, extra: List[str], log: Path):
+    """One recipe run with the footprint sampled; the save spans from its output ("Saved checkpoint" lines mark their
+    ends; a save starts at the step before)."""
+    cmd = [sys.executable, RECIPE, "--config", f"configs/{config}.yaml"]
+    cmd += [f"checkpoint_dir={args.folders[config.split('/')[0]]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
+    cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={args.save_every}", "log_every_n_steps=1"]
+    cmd += ["metric_logger=null", *args.set, *extra]
+    lines: List[tuple] = []
+    fp = Footprint()
+    result = harness.run(cmd, log, timeout=args.timeout, on_line=lambda line, t: lines.append((t, line)))
+    fp.stop()
+    metrics = harness.read_metrics(out)
+    # A save runs (blocking, or beside the next steps) from the terminal line of the step it follows to its "Saved
+    # checkpoint" line.
+    steps = {int(m.group(1)): t for t, line in lines if (m := STEP_LINE.search(line))}
+    spans = []
+    for t, line in lines:
+        saved = SAVED_LINE.search(line)
+        if saved and steps:
+            name = saved.group(1)
+            step = int(name[5:]) if name.startswith("step_") else max(steps)
+            spans.append((steps.get(step, 0.0), t))
+    return result, metrics, {**fp.peaks(spans), "series": fp.samples[:: max(1, len(fp.samples) // 400)]}
+
+
+def check_config(config: str, args) -> dict:
+    work = Path(args.work_dir) / config.replace("/", "_")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    row: dict = {"config": config, "class": card_class(config), "checks": {}}
+    checks = row["checks"]
+    first, metrics, footprint = recipe_run(config, work / "run", args, [], work / "run.log")
+    row["command"] = first.command
+    row.update(footprint)
+    if first.error():
+        row["error"] = f"run: {first.error()}"
+        return row
+    losses = [m["loss"] for m in metrics]
+    steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
+    row["tok_s"] = round(statistics.median(steady)) if steady else None
+    row["losses"] = losses
+    row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
+    row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
+    step = f"step_{args.save_every}"
+    checks["saved"] = all((work / "run" / n / "model.safetensors").is_file() for n in (step, "epoch_0"))
+    # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.
+    background = "async_checkpoint=False" not in args.set
+    other = f"async_checkpoint={not background}"
+    second, resumed, _ = recipe_run(
+        config, work / "resumed", args, [other, f"resume_from_checkpoint={work / 'run' / step}"], work / "resumed.log"
+    )
+    checks["resumed_exactly"] = (
+        not second.error() and [m["loss"] for m in resumed] == losses[args.save_every :] and len(resumed) > 0
+    )
+    epoch = work / "run" / "epoch_0" / "model.safetensors"
+    again = work / "resumed" / "epoch_0" / "model.safetensors"
+    checks["resumed_weights_equal"] = again.is_file() and epoch.is_file() and again.read_bytes() == epoch.read_bytes()
+    if second.error():
+        row["resume_error"] = second.error()
+    checks["transformers_loads"] = transformers_loads(work / "run" / "epoch_0") if epoch.is_file() else False
+    row["eval"] = evaluate(work / "run" / "epoch_0", args, work / "eval.log") if epoch.is_file() else None
+    checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
+    cls = row["class"]
+    row["limits"] = {"gpu_mib": GPU_LIMIT_MIB.get(cls), "host_gb": HOST_LIMIT_GB.get(cls)}
+    if row["limits"]["gpu_mib"] is not None:
+        checks["gpu_within_card"] = row["gpu_mib_peak"] <= row["limits"]["gpu_mib"]
+    if row["limits"]["host_gb"] is not None:
+        checks["host_within_desktop"] = row["host_gb_peak"] <= row["limits"]["host_gb"]
+    row["passed"] = all(checks.values())
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def transformers_loads(folder: Path) -> bool:
+    """In a process of its own (its memory is not the run's): transformers loads the folder, and every tensor the
+    file holds equals the model's, bit for bit."""
+    code = (
+        "import sys, torch; from safetensors.torch import load_file; from transformers import AutoModelForCausalLM\n"
+        "f = sys.argv[1]; m = AutoModelForCausalLM.from_pretrained(f, dtype='auto').state_dict()\n"
+        "s = load_file(f + '/model.safetensors')\n"
+        "bad = [k for k in s if k not in m or not torch.equal(m[k], s[k])]\n"
+        "print('mismatch', bad[:5]) if bad else print('equal', len(s)); sys.exit(1 if bad else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"transformers could not load {folder} as written: {(proc.stdout + proc.stderr)[-1500:]}", flush=True)
+    return proc.returncode == 0
+
+
+def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
+    cmd = [sys.executable, EVAL_RECIPE, "--config", "configs/eval/truthfulqa_mc2.yaml", f"checkpoint_dir={folder}"]
+    cmd += [f"data_dir={args.data_dir}", f"limit={args.eval_limit}", "training_run=False", f"output_dir={log.parent}"]
+    result = harness.run(cmd, log, timeout=args.timeout)
+    if result.error():
+        return {"error": result.error()}
+    found = sorted(log.parent.rglob("results*.json"))
+    if not found:
+        return {"error": "no results file"}
+    scores = json.loads(found[-1].read_text())["results"]["truthfulqa_mc2"]
+    return {"truthfulqa_mc2": next(v for k, v in scores.items() if k.startswith("acc") and "stderr" not in k)}
+
+
+def parse_args(argv: List[str]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", required=True, help="comma-separated, as under configs/ without .yaml")
+    ap.add_argument(
+        "--checkpoint", action="append", default=[], metavar="FAMILY=DIR", help="a configs/ folder's HF folder"
+    )
+    ap.add_argument("--data-dir", default=harness.DATA_DIR)
+    ap.add_argument("--work-dir", default=harness.scratch("configs_check"))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--save-every", type=int, default=3)
+    ap.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tokens/s median")
+    ap.add_argument("--eval-limit", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--set", action="append", default=[], help="an override for every run (key=value)")
+    ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument("--out", default=harness.scratch("configs_check.json"))
+    harness.add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.folders = dict(item.split("=", 1) for item in args.checkpoint)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in args.configs:
+        if not (harness.REPO_ROOT / "configs" / f"{c}.yaml").is_file():
+            harness.refuse(f"--configs: no configs/{c}.yaml")
+        if c.split("/")[0] not in args.folders:
+            harness.refuse(f"--configs {c}: give its HF folder with --checkpoint {c.split('/')[0]}=DIR")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    doc = {**harness.provenance(__file__, argv, args.allow_dirty), "weights": "random values", "rows": []}
+    for config in args.configs:
+        row = check_config(config, args)
+        doc["rows"].append(row)
+        harness.write_json(args.out, doc)
+        verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"
+        print(
+            f"{config}: {verdict}; {row.get('tok_s')} tok/s, GPU {row.get('gpu_mib_peak')} MiB, host "
+            f"{row.get('host_gb_peak')} GB (training {row.get('host_gb_peak_training')}, saving "
+            f"{row.get('host_gb_peak_saving')}), eval {row.get('eval')}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
