@@ -1,11 +1,14 @@
 """Every YAML in configs/ loads, resolves and names importable components; the fine-tune
 configs also instantiate their parts (the 7B model on the meta device, no weights needed)."""
 
+import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 from torchtune import config, training
 from torchtune.config._utils import _get_component_from_path
@@ -102,27 +105,59 @@ def twin(path: Path) -> Path:
     return path.with_name(f"{path.stem}_fp8.yaml")
 
 
-# Where a twin was measured faster with a setting of its own (bench/results/model_families_e2e_h200.json, runs l and
-# m: the 3B twins at 24 GiB recompute every other layer, 1.12x the every-layer twin in the same call, still within
-# the class). Nothing else may differ.
-TWIN_OWN_SETTINGS = {
-    "llama3_2/3B_full_24gb": {"ac_mode": "selective", "ac_option": 2},
-    "qwen2_5/3B_full_24gb": {"ac_mode": "selective", "ac_option": 2},
-}
+def load_generator():
+    """configs/generate.py, the script that writes the twins (run by path, as a user runs it: not a package)."""
+    spec = importlib.util.spec_from_file_location("generate", REPO_ROOT / "configs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GENERATOR = load_generator()
+
+
+def test_every_memory_class_config_has_a_generated_fp8_twin():
+    """Each class config has a row in the generator's table, so each has a twin."""
+    assert sorted(Path("configs") / name for name in GENERATOR.TWINS) == CLASS_CONFIGS
 
 
 @pytest.mark.parametrize("path", CLASS_CONFIGS, ids=str)
-def test_every_memory_class_config_has_an_fp8_twin_that_differs_only_in_its_matmuls(path):
-    """``<size>_full_<class>_fp8.yaml`` beside each class config: the same run with FP8 matmuls and FlashAttention's
-    varlen kernel, written to its own output folder, and nothing else changed but the settings measured for the twin
-    alone (a setting fixed in one and forgotten in the other shows here)."""
+def test_a_committed_fp8_twin_is_what_the_generator_writes(path):
+    """``<size>_full_<class>_fp8.yaml`` is written by ``python configs/generate.py`` from its bf16 config and its row:
+    a setting changed in the bf16 config (or the twin edited by hand) without running the generator fails here."""
+    name = str(path.relative_to("configs"))
+    committed = (REPO_ROOT / twin(path)).read_text()
+    assert committed == GENERATOR.generate(name, GENERATOR.TWINS[name]), "run python configs/generate.py"
+
+
+@pytest.mark.parametrize("path", CLASS_CONFIGS, ids=str)
+def test_an_fp8_twin_differs_from_its_bf16_config_only_in_its_matmuls_and_its_own_settings(path):
+    """The same run with FP8 matmuls and FlashAttention's varlen kernel, written to its own output folder, and nothing
+    else changed but the settings of the twin's row (e.g. the 3B twins at 24 GiB recompute every other layer)."""
     bf16, fp8 = (OmegaConf.to_container(OmegaConf.load(REPO_ROOT / p)) for p in (path, twin(path)))
     assert fp8.pop("fp8") == "tensorwise" and fp8.pop("packed_attention") == "varlen"
     assert fp8.pop("output_dir") == bf16.pop("output_dir") + "-fp8"
     bf16.pop("fp8", None), bf16.pop("packed_attention", None)
-    own = TWIN_OWN_SETTINGS.get(f"{path.parent.name}/{path.stem}", {})
+    own = {
+        key: yaml.safe_load(value)
+        for key, (value, _) in GENERATOR.TWINS[str(path.relative_to("configs"))].settings.items()
+    }
     assert {k: fp8.pop(k, None) for k in own} == own
     assert fp8 == bf16
+
+
+def test_the_generator_check_names_a_stale_twin(tmp_path, monkeypatch, capsys):
+    """``--check`` writes nothing and exits 1 naming the twin whose bf16 config changed."""
+    shutil.copytree(REPO_ROOT / "configs", tmp_path / "configs", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(GENERATOR, "CONFIGS", tmp_path / "configs")
+    assert GENERATOR.main(["--check"]) == 0
+    source = tmp_path / "configs/qwen3/8B_full_32gb.yaml"
+    source.write_text(source.read_text().replace("batch_size: 16", "batch_size: 8"))
+    assert GENERATOR.main(["--check"]) == 1
+    assert "configs/qwen3/8B_full_32gb_fp8.yaml" in capsys.readouterr().out
+    assert "batch_size: 16" in (tmp_path / "configs/qwen3/8B_full_32gb_fp8.yaml").read_text()
+    assert GENERATOR.main([]) == 0
+    assert "batch_size: 8" in (tmp_path / "configs/qwen3/8B_full_32gb_fp8.yaml").read_text()
 
 
 @pytest.mark.parametrize("path", [twin(p) for p in CLASS_CONFIGS], ids=str)
