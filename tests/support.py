@@ -1,6 +1,7 @@
 """What tests build besides conftest's fixtures: toy Hugging Face folders of each model family (a model made by
 transformers from the family's config.json at toy sizes, a stand-in tokenizer saved by transformers), the tiny
-Llama folder the eval tests read, the reader of a run's offline wandb files, and the batch runner of fine-tunes.
+Llama folder the eval tests read, and the batch runner of fine-tunes. (A run's offline wandb files are read back by
+the library's reader, finetune.reporting.wandb_run.read_runs.)
 
 Import it from any test module (tests/ is on sys.path, as conftest's folder): ``import support``. It imports only
 the standard library at the top (transformers, tokenizers and torch inside the functions), so that it stays cheap to
@@ -10,7 +11,6 @@ recipe process it runs in.
 
 import copy
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,49 +383,6 @@ def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **field
     model.save_pretrained(folder)
     shutil.copy(llama2_tokenizer, Path(folder) / "tokenizer.model")
     return json.loads((Path(folder) / "config.json").read_text())
-
-
-# -- offline wandb runs, read back --------------------------------------------------------------------------------
-
-
-def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
-    """Every wandb run under ``path`` (a wandb folder, or a run folder holding ``wandb/``) by id, read with wandb's
-    own reader (``wandb leet inspect --json``), never by the code that wrote them: name, group, tags, config, the
-    summary (updates applied in order), the history, and its files, merged in the order they started (as
-    ``wandb sync`` merges a run's files)."""
-    root = path / "wandb" if (path / "wandb").is_dir() else path
-    wandb_cli = Path(sys.executable).with_name("wandb")  # (the one beside this Python: no activated venv needed)
-    pieces = []
-    for f in sorted(root.glob("*run-*/run-*.wandb")):
-        done = subprocess.run(
-            [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(f), "--json"],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, f"wandb could not read {f}: {done.stderr[-2000:]}"
-        records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        run = next((r["run"] for r in records if r.get("type") == "run"), {})
-        pieces.append((run.get("start_time", ""), run.get("run_id", f.stem[4:]), run, records, f))
-    runs: Dict[str, Dict[str, Any]] = {}
-    for _, run_id, run, records, f in sorted(pieces, key=lambda p: p[0]):
-        merged = runs.setdefault(run_id, {"id": run_id, "summary": {}, "history": [], "config": {}, "files": []})
-        merged["files"].append(str(f.parent))
-        for key, name in (("name", "display_name"), ("group", "run_group"), ("tags", "tags")):
-            if run.get(name):  # (a resumed run's file names none of these: the first file's stand)
-                merged[key] = run[name]
-        for record in records:
-            kind = record.get("type")
-            if kind == "run":
-                merged["config"].update(record["run"].get("config", {}).get("update", {}))
-            elif kind == "config":
-                merged["config"].update(record["config"].get("update", {}))
-            elif kind == "summary":
-                merged["summary"].update(record["summary"].get("update", {}))
-                for item in record["summary"].get("remove", []) or []:
-                    merged["summary"].pop(item.get("key") if isinstance(item, dict) else item, None)
-            elif kind == "history":
-                merged["history"].append(record["history"].get("item", {}))
-    return runs
 
 
 # -- a batch of fine-tunes in one process -------------------------------------------------------------------------
