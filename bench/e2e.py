@@ -39,19 +39,12 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import _harness as harness
+import _runner as runner
 
 REPO_ROOT = harness.REPO_ROOT
 N_PARAMS = 6.738e9  # Llama2-7B
-PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 
-STOCK_COMMON = [
-    "dataset.packed=True",
-    "compile=True",
-    "batch_size=16",
-    "seed=42",
-    "clip_grad_norm=null",
-    "optimizer.lr=2e-5",
-]
+STOCK_COMMON = runner.STOCK_PACKED
 # torchao's CPUOffloadOptimizer as docs/recipes.md gives it for a card below the 24 GiB config.
 CPU_OFFLOAD = [
     "optimizer=torchao.optim.CPUOffloadOptimizer",
@@ -271,11 +264,6 @@ def command(name: str, args, out: Path) -> List[str]:
     )
 
 
-def read_records(kind: str, out: Path) -> List[dict]:
-    """The steps a row logged: ours from metrics.jsonl, the stock recipe's from its DiskLogger file."""
-    return harness.read_metrics(out) if kind == "ours" else harness.read_stock_log(out)
-
-
 def run_row(name: str, args, runs: Path) -> dict:
     kind, config, overrides, memory_class = ROWS[name]
     out = runs / name
@@ -286,34 +274,27 @@ def run_row(name: str, args, runs: Path) -> dict:
     t0 = time.monotonic()
     first_at = None
 
-    def done() -> bool:  # polled: every step logged (and when the first one was)
+    def watch(records: List[dict]) -> bool:  # when the first step was logged
         nonlocal first_at
-        records = read_records(kind, out)
         if records and first_at is None:
             first_at = time.monotonic()
-        return len(records) >= args.steps
+        return True
 
-    run = harness.run(cmd, out / "log.txt", timeout=args.timeout, until=done, env={"WANDB_MODE": "disabled"})
-    records = read_records(kind, out)
+    run, records, error = runner.measure(
+        cmd, out, kind, steps=args.steps, timeout=args.timeout, env={"WANDB_MODE": "disabled"}, watch=watch
+    )
     row["command"], row["wall_s"] = run.command, run.wall_s
-    if len(records) < args.steps:
-        why = run.error() or " / ".join(list(run.tail)[-3:])
-        row["error"] = f"{len(records)} of {args.steps} steps logged in {row['wall_s']} s: " + why[-600:]
+    if error:
+        row["error"] = error
         return row
     steady = records[args.skip_steps :]
-    tok_s = statistics.median(r["tokens_per_second"] for r in steady)
     row.update(
         variant=_optimizer_of(kind, config, overrides),
-        tok_s=round(tok_s, 1),
-        tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
-        peak_gib=harness.peak(records, "peak_memory_alloc_gib"),
-        peak_reserved_gib=harness.peak(records, "peak_memory_reserved_gib"),
-        mfu=round(6 * N_PARAMS * tok_s / PEAK_FLOPS, 3),
-        losses=[round(r["loss"], 5) for r in records],
+        **runner.figures(records, steady, N_PARAMS),
         tokens_per_step=statistics.median(r["tokens"] for r in records) if "tokens" in records[0] else None,
     )
-    # Ours log the first step's wall time; for both kinds, the time from the process's start to its first step.
-    row["first_step_s"] = round(records[0]["first_step_s"], 1) if "first_step_s" in records[0] else None
+    # Ours log the first step's wall time (first_step_s); for both kinds, the time from the process's start to its
+    # first step.
     row["start_to_first_step_s"] = round(first_at - t0, 1) if first_at else None
     if "compiled_graphs" in records[0]:
         graphs = [r["compiled_graphs"] for r in records]
@@ -519,23 +500,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.make_checkpoint:
         make_checkpoint(Path(args.make_checkpoint), harness.repo_path(args.tokenizer))
         return
-    prov = harness.provenance(__file__, argv, args.allow_dirty)
-    old = harness.earlier(args.out, args.merge)
-    kept = [r for r in old.get("records", []) if r["name"] not in args.names]
-    doc = {
-        **prov,
-        "commands": harness.commands(old, prov["command"]),
-        "weights": "random values (HF-format Llama2-7B made by transformers; no real weights on this machine)",
-        "steps": args.steps,
-        "skip_steps": args.skip_steps,
-        "epoch_trained_tokens": None,
-        "records": kept,
-    }
-    records = []
+    results = runner.Results(
+        __file__,
+        argv,
+        args,
+        lambda r: r["name"] in args.names,
+        weights="random values (HF-format Llama2-7B made by transformers; no real weights on this machine)",
+        steps=args.steps,
+        skip_steps=args.skip_steps,
+        epoch_trained_tokens=None,
+    )
     for name in args.names:
         row = run_row(name, args, Path(args.runs_dir))
-        row["measured_at"], row["code"] = prov["date"], prov["code"]
-        records.append(row)
+        row["measured_at"], row["code"] = results.prov["date"], results.prov["code"]
+        results.records.append(row)
         print(
             f"{name}: "
             + (
@@ -546,17 +524,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             ),
             flush=True,
         )
-        _finish(doc, kept, records, None)
-        harness.write_json(args.out, doc)  # after every row: a stopped run keeps what it measured
-    _finish(doc, kept, records, epoch_tokens(args))
-    harness.write_json(args.out, doc)
-    print(table(doc["records"]))
+        _finish(results, None)
+        results.write()  # after every row: a stopped run keeps what it measured
+    _finish(results, epoch_tokens(args))
+    results.write()
+    print(table(results.doc["records"]))
     print(f"wrote {args.out}")
-    plot(doc["records"], Path(args.plot), prov["hardware"])
+    plot(results.doc["records"], Path(args.plot), results.prov["hardware"])
 
 
-def _finish(doc: dict, kept: List[dict], records: List[dict], tokens: Optional[int]) -> None:
-    """Ratios to the same class's stock row of this invocation, projected epoch times, the merged records."""
+def _finish(results: runner.Results, tokens: Optional[int]) -> None:
+    """Ratios to the same class's stock row of this invocation, projected epoch times."""
+    records = results.records
     for r in records:
         anchor = next((a for a in records if a["name"] == ANCHOR.get(r["memory_class"]) and not a.get("error")), None)
         if not r.get("error"):
@@ -565,8 +544,7 @@ def _finish(doc: dict, kept: List[dict], records: List[dict], tokens: Optional[i
                 r["anchor"] = anchor["name"]
             if tokens:
                 r["epoch_hours"] = round(tokens / r["tok_s"] / 3600, 3)
-    doc["epoch_trained_tokens"] = tokens or doc["epoch_trained_tokens"]
-    doc["records"] = kept + records
+    results.doc["epoch_trained_tokens"] = tokens or results.doc["epoch_trained_tokens"]
 
 
 if __name__ == "__main__":

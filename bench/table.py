@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import _harness as harness
+from finetune.base import BadInput
 from finetune.reporting.metrics import read_records, summary_metrics
+from finetune.reporting.wandb_run import read_runs
 from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json
 
 # (summary key, column header, format); the first of a tuple of keys that a row has is shown.
@@ -99,50 +99,20 @@ def from_folder(folder: Path) -> Dict[str, Any]:
     }
 
 
-def inspect_records(wandb_file: Path) -> List[Dict[str, Any]]:
-    """The records of one ``.wandb`` file, as wandb's reader prints them (one JSON object a line)."""
-    wandb_cli = Path(sys.executable).with_name("wandb")
-    command = [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(wandb_file), "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        harness.refuse(f"wandb could not read {wandb_file}: {done.stderr.strip()[-300:]}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
 def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
-    """Every run in a wandb folder (or a run folder's ``wandb/``) by id: name, group, tags, config, the summary
-    (updates applied in order) and the history, its files merged in the order they started."""
-    root = path / "wandb" if (path / "wandb").is_dir() else path
-    files = sorted(root.glob("*run-*/run-*.wandb"))
-    if not files:
+    """Every run in a wandb folder (or a run folder's ``wandb/``) by id, read by the library's reader
+    (finetune/reporting/wandb_run.py: wandb's own ``wandb leet inspect``, a run's files merged in the order they
+    started); a folder without one, or a file wandb cannot read, is refused."""
+    try:
+        runs = read_runs(path)
+    except BadInput as e:
+        harness.refuse(str(e))
+    if not runs:
+        root = path / "wandb" if (path / "wandb").is_dir() else path
         harness.refuse(
             f"{path} holds no wandb run (no */run-*.wandb under {root}): give a wandb folder or a run "
             "folder with one, or run folders without --from wandb"
         )
-    pieces = []
-    for f in files:
-        records = inspect_records(f)
-        run = next((r["run"] for r in records if r.get("type") == "run"), {})
-        pieces.append((run.get("start_time", ""), run.get("run_id", f.stem[4:]), run, records, f))
-    runs: Dict[str, Dict[str, Any]] = {}
-    for _, run_id, run, records, f in sorted(pieces, key=lambda p: p[0]):
-        merged = runs.setdefault(run_id, {"id": run_id, "summary": {}, "history": [], "config": {}, "files": []})
-        merged["files"].append(str(f.parent))
-        for key, field in (("name", "display_name"), ("group", "run_group"), ("tags", "tags"), ("project", "project")):
-            if run.get(field):  # (a resumed run's file names none of these: the first run's stand)
-                merged[key] = run[field]
-        for record in records:
-            kind = record.get("type")
-            if kind == "run":
-                merged["config"].update(record["run"].get("config", {}).get("update", {}))
-            elif kind == "config":
-                merged["config"].update(record["config"].get("update", {}))
-            elif kind == "summary":
-                merged["summary"].update(record["summary"].get("update", {}))
-                for item in record["summary"].get("remove", []) or []:
-                    merged["summary"].pop(item.get("key") if isinstance(item, dict) else item, None)
-            elif kind == "history":
-                merged["history"].append(record["history"].get("item", {}))
     return runs
 
 

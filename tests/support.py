@@ -1,6 +1,7 @@
-"""What tests build besides conftest's fixtures: toy Hugging Face folders of each model family (a model made by
-transformers from the family's config.json at toy sizes, a stand-in tokenizer saved by transformers), the tiny
-Llama folder the eval tests read, the reader of a run's offline wandb files, and the batch runner of fine-tunes.
+"""What tests build besides conftest's fixtures: toy Hugging Face folders of each model family (the library's builder,
+finetune/model/toy_folder.py: a model made by transformers from the family's config.json at toy sizes, a stand-in
+tokenizer saved by transformers), the tiny Llama folder the eval tests read, and the batch runner of fine-tunes.
+(A run's offline wandb files are read back by the library's reader, finetune.reporting.wandb_run.read_runs.)
 
 Import it from any test module (tests/ is on sys.path, as conftest's folder): ``import support``. It imports only
 the standard library at the top (transformers, tokenizers and torch inside the functions), so that it stays cheap to
@@ -8,9 +9,7 @@ import and, run as a script (``python tests/support.py RUNS.json``, the batch of
 recipe process it runs in.
 """
 
-import copy
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +17,12 @@ from typing import Any, Dict, List, Optional
 
 # -- toy models of the families ---------------------------------------------------------------------------------------
 
-# The stand-in tokenizers (their special tokens, templates, the BPE) are finetune/model/toy_tokenizer.py's, read
-# through this module (``support.LLAMA3_SPECIALS``, ``support.train_bpe``) but imported only when first asked for:
-# finetune.model imports torchtune, which must not come before the recipe's own imports in ``run_batch``.
+# The toys are written by the library's builder (finetune/model/toy_folder.py: the model at its fixed TINY_SIZES,
+# transformers' save_pretrained, the stand-in tokenizers of finetune/model/toy_tokenizer.py), read through this module
+# (``support.TOYS``, ``support.train_bpe``) but imported only when first asked for: finetune.model imports torchtune,
+# which must not come before the recipe's own imports in ``run_batch``.
 _FROM_TOY_TOKENIZER = ("LLAMA3_SPECIALS", "QWEN_SPECIALS", "MISTRAL_SPECIALS", "TEMPLATES", "alpaca_texts", "train_bpe")
+_FROM_TOY_FOLDER = {"TOY_BPE_SIZE": "TINY_BPE_SIZE", "rope_theta": "rope_theta"}
 
 
 def __getattr__(name: str):
@@ -29,29 +30,14 @@ def __getattr__(name: str):
         from finetune.model import toy_tokenizer
 
         return getattr(toy_tokenizer, name)
+    if name in _FROM_TOY_FOLDER:
+        from finetune.model import toy_folder
+
+        return getattr(toy_folder, _FROM_TOY_FOLDER[name])
+    if name == "TOYS":
+        globals()["TOYS"] = _toys()
+        return globals()["TOYS"]
     raise AttributeError(f"module 'support' has no attribute {name!r}")
-
-
-# Every toy: 2 layers of width 64, 4 query heads of 16 in 2 key/value groups, a 1,024-token vocabulary, positions
-# up to 16,384; the rest (RoPE and its scaling, tying, norms, biases, windows) is the family's real config.json.
-TOY_SIZES = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=16384,
-)
-TOY_SCALE = 0.1  # the random values: +-0.1 (real models: +-0.02), so that a toy's attention is not uniform
-TOY_BPE_SIZE = 1008  # the stand-in BPE's tokens; with a family's special tokens (at most 10) within the 1,024
-_LLAMA31_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 @dataclass(frozen=True)
@@ -60,8 +46,7 @@ class Toy:
 
     key: str  # the model it is a toy of
     family: str  # finetune/checkpoint/hf_format.py FAMILIES key
-    config_class: str  # transformers' config class
-    hf: Dict[str, Any]  # config.json's values
+    hf: Dict[str, Any]  # config.json's values, model_type among them
     sizes_builder: str  # the recipe's model._component_: a builder taking the sizes
     builder_extra: Dict[str, Any] = field(default_factory=dict)  # sizes_builder keywords beyond the sizes
 
@@ -74,82 +59,31 @@ class Toy:
         return STAND_INS[self.family]
 
 
-TOYS: Dict[str, Toy] = {
-    t.key: t
-    for t in [
-        Toy(
-            "llama3_1_8b",
-            "llama3",
-            "LlamaConfig",
-            dict(
-                TOY_SIZES, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, tie_word_embeddings=False
-            ),
-            "torchtune.models.llama3_1.llama3_1",
-            {"scale_factor": 8},
-        ),
-        Toy(
-            "llama3_2_3b",
-            "llama3",
-            "LlamaConfig",
-            dict(
-                TOY_SIZES,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                rope_scaling={**_LLAMA31_ROPE, "factor": 32.0},
-                tie_word_embeddings=True,
-            ),
-            "torchtune.models.llama3_2.llama3_2",
-            {"scale_factor": 32, "tie_word_embeddings": True},
-        ),
-        Toy(
-            "qwen2_5_7b",
-            "qwen2",
-            "Qwen2Config",
-            dict(
-                TOY_SIZES,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                tie_word_embeddings=False,
-                use_sliding_window=False,
-                sliding_window=16384,
-                max_window_layers=2,
-            ),
-            "torchtune.models.qwen2.qwen2",
-        ),
-        Toy(
-            "qwen2_5_3b",
-            "qwen2",
-            "Qwen2Config",
-            dict(
-                TOY_SIZES,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                tie_word_embeddings=True,
-                use_sliding_window=False,
-                sliding_window=16384,
-                max_window_layers=2,
-            ),
-            "torchtune.models.qwen2.qwen2",
-            {"tie_word_embeddings": True},
-        ),
-        # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
-        Toy(
-            "qwen3_8b",
-            "qwen3",
-            "Qwen3Config",
-            dict(TOY_SIZES, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, head_dim=32),
-            "finetune.model.builders.qwen3",
-            {"head_dim": 32},
-        ),
-        Toy(
-            "mistral_7b",
-            "mistral",
-            "MistralConfig",
-            dict(TOY_SIZES, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
-            "torchtune.models.mistral.mistral",
-        ),
-    ]
-}
+def _toys() -> Dict[str, Toy]:
+    """``support.TOYS``: per model, the toy of the config.json finetune/model/toy_folder.py's MODELS hold for it, at
+    the library's TINY_SIZES (Qwen2.5-3B: the 7B's, tied)."""
+    from finetune.model.toy_folder import MODELS, tiny
+
+    def hf(key: str, **fields: Any) -> Dict[str, Any]:
+        return {
+            "model_type": MODELS[key]["model_type"],
+            **tiny({**MODELS[key]["hf"], **fields}, fields.get("head_dim")),
+        }
+
+    llama31, llama32 = {"scale_factor": 8}, {"scale_factor": 32, "tie_word_embeddings": True}
+    return {
+        t.key: t
+        for t in [
+            Toy("llama3_1_8b", "llama3", hf("llama3_1"), "torchtune.models.llama3_1.llama3_1", llama31),
+            Toy("llama3_2_3b", "llama3", hf("llama3_2"), "torchtune.models.llama3_2.llama3_2", llama32),
+            Toy("qwen2_5_7b", "qwen2", hf("qwen2_5"), "torchtune.models.qwen2.qwen2"),
+            Toy("qwen2_5_3b", "qwen2", hf("qwen2_5", tie_word_embeddings=True), "torchtune.models.qwen2.qwen2",
+                {"tie_word_embeddings": True}),
+            # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
+            Toy("qwen3_8b", "qwen3", hf("qwen3", head_dim=32), "finetune.model.builders.qwen3", {"head_dim": 32}),
+            Toy("mistral_7b", "mistral", hf("mistral"), "torchtune.models.mistral.mistral"),
+        ]
+    }  # fmt: skip
 
 
 def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128, layers: int = 2):
@@ -162,26 +96,11 @@ def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128, layers: i
         return llama2(vocab_size=512, num_layers=layers, num_heads=4, num_kv_heads=2, embed_dim=width, max_seq_len=64)
 
 
-def rope_theta(hf: Dict[str, Any]) -> float:
-    """RoPE's base from config.json as transformers 4 (rope_theta) or 5 (rope_parameters) writes it."""
-    return float(hf["rope_theta"] if "rope_theta" in hf else hf["rope_parameters"]["rope_theta"])
-
-
 def model_overrides(toy: Toy, hf: Dict[str, Any]) -> List[str]:
     """Recipe overrides that build the model of config.json ``hf`` with the toy's sizes builder."""
-    args = dict(
-        vocab_size=hf["vocab_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"],
-        embed_dim=hf["hidden_size"],
-        intermediate_dim=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"],
-        norm_eps=hf["rms_norm_eps"],
-        rope_base=rope_theta(hf),
-        **toy.builder_extra,
-    )
-    return [f"model._component_={toy.sizes_builder}"] + [f"model.{k}={v}" for k, v in args.items()]
+    from finetune.model.toy_folder import sizes_overrides
+
+    return sizes_overrides(toy.sizes_builder, hf, **toy.builder_extra)
 
 
 # -- the stand-in tokenizer -----------------------------------------------------------------------------------------
@@ -200,23 +119,14 @@ def write_tokenizer(folder: Path, toy: Toy, bpe) -> Dict[str, Optional[int]]:
 # -- the toy checkpoint ---------------------------------------------------------------------------------------------
 
 
-def make_checkpoint(folder: Path, toy: Toy, bpe, *, seed: int = 0, scale: float = TOY_SCALE) -> Dict[str, Any]:
-    """An HF folder as transformers saves one: the family's model for the toy's config.json with uniform random
-    values (bit-identical on every CPU: no vectorised normal sampling; +-``scale``, norm scales 1 +- 0.1) in fp32,
-    and the toy's tokenizer. Returns the config.json written."""
-    import torch
-    import transformers
+def make_checkpoint(folder: Path, toy: Toy, bpe, *, seed: int = 0, scale: Optional[float] = None) -> Dict[str, Any]:
+    """An HF folder as transformers saves one: the family's model for the toy's config.json with the library's
+    uniform random values (finetune/model/toy_folder.py's save_model: bit-identical on every CPU; +-``scale``, by
+    default TINY_SCALE) in fp32, and the toy's tokenizer. Returns the config.json written."""
+    from finetune.model import toy_folder
 
-    ids = write_tokenizer(folder, toy, bpe)
-    config = getattr(transformers, toy.config_class)(**copy.deepcopy({**toy.hf, **ids}))  # (it edits rope_scaling)
-    generator = torch.Generator().manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            u = torch.rand(p.shape, generator=generator, dtype=torch.float32)
-            p.copy_(u.mul_(0.2).add_(0.9) if name.endswith("norm.weight") else u.mul_(2 * scale).sub_(scale))
-    model.save_pretrained(folder)
-    return json.loads((Path(folder) / "config.json").read_text())
+    scale = toy_folder.TINY_SCALE if scale is None else scale
+    return toy_folder.save_toy(folder, toy.hf, bpe, toy.stand_in, template_file=False, seed=seed, scale=scale)
 
 
 def make_tiny_llama(folder: Path, tokenizer_model: Path) -> Path:
@@ -224,20 +134,10 @@ def make_tiny_llama(folder: Path, tokenizer_model: Path) -> Path:
     of width 64 at transformers' own initialisation (seed 0), with Llama 2's SentencePiece tokenizer."""
     import shutil
 
-    import torch
-    import transformers
+    from finetune.model.toy_folder import save_model
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    sizes = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    save_model(folder, dict(sizes, model_type="llama", num_key_value_heads=4, max_position_embeddings=512), seed=0)
     shutil.copy(tokenizer_model, Path(folder) / "tokenizer.model")
     return Path(folder)
 
@@ -258,105 +158,35 @@ _ODD = dict(
     num_key_value_heads=2,
     max_position_embeddings=4096,
 )
+_LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def _odd(key: str, family: str, model_type: str, config: str, *, drop: tuple = (), **fields: Any) -> tuple:
+    hf = {k: v for k, v in {"model_type": model_type, **_ODD, **fields}.items() if k not in drop}
+    return Toy(f"{key}_odd", family, hf, ""), f"configs/{config}.yaml"
+
+
 ANY_FOLDERS: Dict[str, tuple] = {
-    "llama2": (
-        Toy(
-            "llama2_odd",
-            "llama2",
-            "LlamaConfig",
-            dict(_ODD, vocab_size=32000, rms_norm_eps=3e-6, rope_theta=20000.0, tie_word_embeddings=False),
-            "",
-        ),
-        "configs/llama2/7B_full_80gb.yaml",
-    ),
-    "llama3_1": (
-        Toy(
-            "llama3_1_odd",
-            "llama3",
-            "LlamaConfig",
-            dict(
-                _ODD,
-                vocab_size=1024,
-                rms_norm_eps=2e-5,
-                rope_theta=250000.0,
-                tie_word_embeddings=False,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 16.0,
-                    "low_freq_factor": 2.0,
-                    "high_freq_factor": 8.0,
-                    "original_max_position_embeddings": 1024,
-                },
-            ),
-            "",
-        ),
-        "configs/llama3_1/8B_full_80gb.yaml",
-    ),
-    "llama3_2": (
-        Toy(
-            "llama3_2_odd",
-            "llama3",
-            "LlamaConfig",
-            dict(
-                _ODD,
-                vocab_size=1024,
-                rms_norm_eps=4e-6,
-                rope_theta=300000.0,
-                tie_word_embeddings=True,
-                rope_scaling=dict(_LLAMA31_ROPE, factor=4.0, original_max_position_embeddings=2048),
-            ),
-            "",
-        ),
-        "configs/llama3_2/3B_full_80gb.yaml",
-    ),
+    "llama2": _odd("llama2", "llama2", "llama", "llama2/7B_full_80gb",
+                   vocab_size=32000, rms_norm_eps=3e-6, rope_theta=20000.0, tie_word_embeddings=False),
+    "llama3_1": _odd("llama3_1", "llama3", "llama", "llama3_1/8B_full_80gb",
+                     vocab_size=1024, rms_norm_eps=2e-5, rope_theta=250000.0, tie_word_embeddings=False,
+                     rope_scaling=dict(_LLAMA31_SCALING, factor=16.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                                       original_max_position_embeddings=1024)),
+    "llama3_2": _odd("llama3_2", "llama3", "llama", "llama3_2/3B_full_80gb",
+                     vocab_size=1024, rms_norm_eps=4e-6, rope_theta=300000.0, tie_word_embeddings=True,
+                     rope_scaling=dict(_LLAMA31_SCALING, factor=4.0, original_max_position_embeddings=2048)),
     # (Qwen2's config.json has no head_dim: the width's share. RoPE base 1e4 and eps 1e-6: what a 7B builder used to
     # replace silently.)
-    "qwen2_5": (
-        Toy(
-            "qwen2_5_odd",
-            "qwen2",
-            "Qwen2Config",
-            dict(
-                {k: v for k, v in _ODD.items() if k != "head_dim"},
-                hidden_size=64,
-                vocab_size=1024,
-                rms_norm_eps=1e-6,
-                rope_theta=10000.0,
-                tie_word_embeddings=True,
-                use_sliding_window=False,
-            ),
-            "",
-        ),
-        "configs/qwen2_5/7B_full_80gb.yaml",
-    ),
-    "qwen3": (
-        Toy(
-            "qwen3_odd",
-            "qwen3",
-            "Qwen3Config",
-            dict(_ODD, vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True),
-            "",
-        ),
-        "configs/qwen3/8B_full_80gb.yaml",
-    ),
-    "mistral": (
-        Toy(
-            "mistral_odd",
-            "mistral",
-            "MistralConfig",
-            dict(
-                _ODD,
-                vocab_size=1024,
-                rms_norm_eps=2e-6,
-                rope_theta=30000.0,
-                sliding_window=None,
-                tie_word_embeddings=False,
-            ),
-            "",
-        ),
-        "configs/mistral/7B_full_80gb.yaml",
-    ),
-}
+    "qwen2_5": _odd("qwen2_5", "qwen2", "qwen2", "qwen2_5/7B_full_80gb",
+                    drop=("head_dim",), hidden_size=64, vocab_size=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    tie_word_embeddings=True, use_sliding_window=False),
+    "qwen3": _odd("qwen3", "qwen3", "qwen3", "qwen3/8B_full_80gb",
+                  vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True),
+    "mistral": _odd("mistral", "mistral", "mistral", "mistral/7B_full_80gb",
+                    vocab_size=1024, rms_norm_eps=2e-6, rope_theta=30000.0, sliding_window=None,
+                    tie_word_embeddings=False),
+}  # fmt: skip
 
 
 def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **fields: Any) -> Dict[str, Any]:
@@ -366,66 +196,17 @@ def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **field
     import dataclasses
     import shutil
 
+    from finetune.model import toy_folder
+
     toy, _ = ANY_FOLDERS[key]
     toy = dataclasses.replace(toy, hf={**toy.hf, **fields})
     if toy.family != "llama2":
         return make_checkpoint(folder, toy, bpe)
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(**copy.deepcopy(toy.hf), bos_token_id=1, eos_token_id=2)
-    generator = torch.Generator().manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            u = torch.rand(p.shape, generator=generator, dtype=torch.float32)
-            p.copy_(u.mul_(0.2).add_(0.9) if name.endswith("norm.weight") else u.mul_(2 * TOY_SCALE).sub_(TOY_SCALE))
-    model.save_pretrained(folder)
+    written, _ = toy_folder.save_model(
+        folder, {**toy.hf, "bos_token_id": 1, "eos_token_id": 2}, scale=toy_folder.TINY_SCALE
+    )
     shutil.copy(llama2_tokenizer, Path(folder) / "tokenizer.model")
-    return json.loads((Path(folder) / "config.json").read_text())
-
-
-# -- offline wandb runs, read back --------------------------------------------------------------------------------
-
-
-def wandb_runs(path: Path) -> Dict[str, Dict[str, Any]]:
-    """Every wandb run under ``path`` (a wandb folder, or a run folder holding ``wandb/``) by id, read with wandb's
-    own reader (``wandb leet inspect --json``), never by the code that wrote them: name, group, tags, config, the
-    summary (updates applied in order), the history, and its files, merged in the order they started (as
-    ``wandb sync`` merges a run's files)."""
-    root = path / "wandb" if (path / "wandb").is_dir() else path
-    wandb_cli = Path(sys.executable).with_name("wandb")  # (the one beside this Python: no activated venv needed)
-    pieces = []
-    for f in sorted(root.glob("*run-*/run-*.wandb")):
-        done = subprocess.run(
-            [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(f), "--json"],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, f"wandb could not read {f}: {done.stderr[-2000:]}"
-        records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        run = next((r["run"] for r in records if r.get("type") == "run"), {})
-        pieces.append((run.get("start_time", ""), run.get("run_id", f.stem[4:]), run, records, f))
-    runs: Dict[str, Dict[str, Any]] = {}
-    for _, run_id, run, records, f in sorted(pieces, key=lambda p: p[0]):
-        merged = runs.setdefault(run_id, {"id": run_id, "summary": {}, "history": [], "config": {}, "files": []})
-        merged["files"].append(str(f.parent))
-        for key, name in (("name", "display_name"), ("group", "run_group"), ("tags", "tags")):
-            if run.get(name):  # (a resumed run's file names none of these: the first file's stand)
-                merged[key] = run[name]
-        for record in records:
-            kind = record.get("type")
-            if kind == "run":
-                merged["config"].update(record["run"].get("config", {}).get("update", {}))
-            elif kind == "config":
-                merged["config"].update(record["config"].get("update", {}))
-            elif kind == "summary":
-                merged["summary"].update(record["summary"].get("update", {}))
-                for item in record["summary"].get("remove", []) or []:
-                    merged["summary"].pop(item.get("key") if isinstance(item, dict) else item, None)
-            elif kind == "history":
-                merged["history"].append(record["history"].get("item", {}))
-    return runs
+    return written
 
 
 # -- a batch of fine-tunes in one process -------------------------------------------------------------------------

@@ -23,6 +23,9 @@ holds it: a model's folder downloaded without its weights will do). The tokenize
 It then prints the command that fine-tunes the folder with the family's shipped 80 GB config and ``CPU_OVERRIDES``
 (docs/models.md, "Try a family on the CPU in a minute"). A config.json the family's recipe cannot honour (a sliding
 window, another RoPE scaling) is refused here, with the recipe's own message.
+
+Its ``save_model`` is the one writer of a random model folder: the toy folders, the tests' toys (tests/support.py, at
+the fixed ``TINY_SIZES``) and the benchmarks' full-size checkpoints (bench/model_families.py) all go through it.
 """
 
 import argparse
@@ -32,7 +35,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
@@ -249,6 +252,118 @@ def write_tokenizer(out: Path, family: str, hf: Dict[str, Any], source_dir: Opti
     return f"a byte-level BPE of {TOY_VOCAB:,} tokens trained on Alpaca, the family's special tokens and chat template"
 
 
+# -- the model, as transformers saves it -----------------------------------------------------------------------------
+
+
+def save_model(
+    folder: Path,
+    hf: Dict[str, Any],
+    *,
+    seed: int = 0,
+    scale: Optional[float] = None,
+    device: str = "cpu",
+    dtype=None,
+    max_shard_size: Optional[str] = None,
+) -> Tuple[Dict[str, Any], int]:
+    """transformers' model for the config.json fields ``hf`` (``model_type`` among them) saved into ``folder`` as a
+    user saves one (``AutoConfig.for_model``, ``AutoModelForCausalLM.from_config``, ``save_pretrained``): every toy
+    folder, the tests' and the benchmarks' random checkpoints. Returns (the config.json written, the parameters).
+
+    The values: transformers' own initialisation, seeded (``scale`` None: a toy folder's), or uniform in +-``scale``
+    with the norms' scales in 1 +- 0.1, drawn one tensor at a time from a seeded generator, so bit-identical on every
+    CPU (the tests' recorded losses rest on them) and made on ``device`` (a 7-8B checkpoint on the GPU in seconds).
+    fp32, or ``dtype`` (the uniform values are drawn in fp32 and rounded to it); in shards of ``max_shard_size``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = copy.deepcopy(hf)  # (transformers' config classes edit rope_scaling in place)
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except Exception as e:  # transformers' own validation of the fields
+        text = " ".join(str(e).split())[:300]
+        raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text})") from None
+    dtype = dtype or torch.float32
+    if scale is None:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with torch.device(device):  # (built in fp32, then cast: from_config's dtype keyword differs across versions)
+            model = AutoModelForCausalLM.from_config(config)
+        model = model.to(dtype)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                u = torch.rand(p.shape, generator=generator, device=device, dtype=torch.float32)
+                p.copy_(u.mul_(0.2).add_(0.9) if name.endswith("norm.weight") else u.mul_(2 * scale).sub_(scale))
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    parameters = sum(p.numel() for p in model.parameters())
+    del model  # (a 7-8B model on the GPU: freed before the caller's next one)
+    return json.loads((Path(folder) / "config.json").read_text()), parameters
+
+
+def save_toy(
+    folder: Path, hf: Dict[str, Any], bpe, stand_in: StandIn, *, template_file=True, **model
+) -> Dict[str, Any]:
+    """A toy checkpoint: ``bpe`` saved as the family's stand-in tokenizer (toy_tokenizer.write_tokenizer; the chat
+    template in a file of its own, or with ``template_file=False`` inside tokenizer_config.json) and save_model's
+    model for ``hf`` with the tokenizer's BOS and EOS ids (``model``: save_model's keywords). Returns config.json."""
+    ids = toy_tokenizer.write_tokenizer(folder, bpe, stand_in, template_file=template_file)
+    return save_model(folder, {**hf, **ids}, **model)[0]
+
+
+# -- the tests' and the benchmark's tiny models -----------------------------------------------------------------------
+# tests/support.py's toys and bench/model_families.py --toy: every family at the same sizes (2 layers of width 64, 4
+# query heads of 16 in 2 key/value groups, a 1,024-token vocabulary, positions up to 16,384), the rest of the model's
+# config.json kept (RoPE and its scaling, tying, norms, windows), uniform values of +-0.1 (real models: +-0.02, so
+# that a toy's attention is not uniform). Unlike shrink()'s, these sizes do not follow the model's ratios: the tests'
+# recorded losses were measured on them.
+TINY_SIZES = dict(zip(_SIZES, (1024, 64, 128, 2, 4)), num_key_value_heads=2)
+TINY_POSITIONS = 16384
+TINY_SCALE = 0.1
+TINY_BPE_SIZE = 1008  # the stand-in BPE's tokens: with a family's special tokens (at most 10) within the 1,024
+
+
+def tiny(hf: Dict[str, Any], head_dim: Optional[int] = None) -> Dict[str, Any]:
+    """config.json's fields ``hf`` at TINY_SIZES: positions up to TINY_POSITIONS, a head_dim only where ``head_dim``
+    is given (none: the width's share), a Qwen2 sliding window over every position and layer."""
+    tiny_hf = {**hf, **TINY_SIZES, "max_position_embeddings": min(hf["max_position_embeddings"], TINY_POSITIONS)}
+    tiny_hf.pop("head_dim", None)
+    if head_dim is not None:
+        tiny_hf["head_dim"] = head_dim
+    if "max_window_layers" in tiny_hf:
+        tiny_hf["max_window_layers"], tiny_hf["sliding_window"] = 2, tiny_hf["max_position_embeddings"]
+    return tiny_hf
+
+
+def rope_theta(hf: Dict[str, Any]) -> float:
+    """RoPE's base from config.json as transformers 4 (rope_theta) or 5 (rope_parameters) writes it."""
+    return float(hf["rope_theta"] if "rope_theta" in hf else hf["rope_parameters"]["rope_theta"])
+
+
+# A sizes builder's keywords (torchtune's llama3_1, qwen2, mistral; finetune.model.qwen3), by config.json's field.
+_BUILDER_KEYWORDS = {
+    "vocab_size": "vocab_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "hidden_size": "embed_dim",
+    "intermediate_size": "intermediate_dim",
+    "max_position_embeddings": "max_seq_len",
+    "rms_norm_eps": "norm_eps",
+}
+
+
+def sizes_overrides(builder: str, hf: Dict[str, Any], **extra: Any) -> List[str]:
+    """Recipe overrides that build the model of config.json ``hf`` with ``builder``, a model builder taking the
+    sizes (``torchtune.models.llama3_1.llama3_1``), and its keywords beyond them (``extra``: ``scale_factor=8``)."""
+    args = {
+        **{keyword: hf[field] for field, keyword in _BUILDER_KEYWORDS.items()},
+        "rope_base": rope_theta(hf),
+        **extra,
+    }
+    return [f"model._component_={builder}"] + [f"model.{k}={v}" for k, v in args.items()]
+
+
 # -- the folder -------------------------------------------------------------------------------------------------------
 
 
@@ -264,8 +379,6 @@ def make_toy_folder(
     """Write the toy folder of ``family`` (a configs/ folder name) or of ``config`` (a config.json or its folder)
     into ``out``, with ``fields`` changed in its config.json; transformers' initialisation, seeded. Returns a summary
     (``config_json``: what was written, ``family``, ``config``: the shipped config that trains it, ``tokenizer``)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # (save_pretrained's bar, for one small file)
@@ -281,16 +394,10 @@ def make_toy_folder(
     try:
         tokenizer = write_tokenizer(out, hf_family, hf, source_dir, Path(data_dir))
         hf.update(fields or {})
-        model_type = hf.pop("model_type")
         try:
-            cfg = AutoConfig.for_model(model_type, **hf)
-        except Exception as e:  # transformers' own validation of the fields
-            text = " ".join(str(e).split())[:300]
-            raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text}); fix --set") from None
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        model.save_pretrained(out)
-        written = json.loads((out / "config.json").read_text())
+            written, parameters = save_model(out, hf, seed=seed)
+        except BadInput as e:
+            raise BadInput(f"{e}; fix --set") from None
         check_family(written)
     except BaseException:
         shutil.rmtree(out)  # (no half-written folder: the next try starts clean)
@@ -300,7 +407,7 @@ def make_toy_folder(
         family=hf_family,
         config=f"configs/{MODELS[family]['config'] if family else FAMILY_CONFIG[hf_family]}.yaml",
         tokenizer=tokenizer,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=parameters,
     )
 
 

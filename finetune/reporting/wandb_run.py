@@ -9,14 +9,17 @@ device otherwise), the variant, and ``packed`` / ``compiled`` / ``in-backward`` 
 """
 
 import atexit
+import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from finetune.base import BadInput
 from finetune.run_files import keep_wandb_logs_inside
 
 # How a variant is named: ours by the class alone (optimizers.AdamW4bit -> AdamW4bit), the third-party anchors
@@ -231,3 +234,54 @@ def push_summary(logger, values: Dict[str, Any]) -> Dict[str, Any]:
         return {}
     wandb.run.summary.update({k: v for k, v in values.items() if k not in ("name", "group", "tags")})
     return {"wandb_run_id": wandb.run.id, "wandb_project": wandb.run.project, "wandb_next_step": int(wandb.run.step)}
+
+
+# ------------------------------------------------------------------------------------------------
+# reading runs back
+# ------------------------------------------------------------------------------------------------
+
+
+def read_runs(path: Path) -> Dict[str, Dict[str, Any]]:
+    """Every wandb run under ``path`` (a wandb folder, or a run folder holding ``wandb/``) by id, read with wandb's
+    own reader (``wandb leet inspect --json``), never by the code that wrote them: name, group, tags, project, config,
+    the summary (updates applied in order), the history, and its files (``files``: their folders), merged in the
+    order they started, as ``wandb sync`` merges a run's files (the training run and the evals that resumed it).
+    {} where ``path`` holds no run; BadInput where wandb cannot read one. bench/table.py's ``--from wandb`` and the
+    tests read runs with it."""
+    root = path / "wandb" if (path / "wandb").is_dir() else path
+    pieces = []
+    for f in sorted(root.glob("*run-*/run-*.wandb")):
+        records = inspect_file(f)
+        run = next((r["run"] for r in records if r.get("type") == "run"), {})
+        pieces.append((run.get("start_time", ""), run.get("run_id", f.stem[4:]), run, records, f))
+    runs: Dict[str, Dict[str, Any]] = {}
+    for _, run_id, run, records, f in sorted(pieces, key=lambda p: p[0]):
+        merged = runs.setdefault(run_id, {"id": run_id, "summary": {}, "history": [], "config": {}, "files": []})
+        merged["files"].append(str(f.parent))
+        for key, name in (("name", "display_name"), ("group", "run_group"), ("tags", "tags"), ("project", "project")):
+            if run.get(name):  # (a resumed run's file names none of these: the first file's stand)
+                merged[key] = run[name]
+        for record in records:
+            kind = record.get("type")
+            if kind == "run":
+                merged["config"].update(record["run"].get("config", {}).get("update", {}))
+            elif kind == "config":
+                merged["config"].update(record["config"].get("update", {}))
+            elif kind == "summary":
+                merged["summary"].update(record["summary"].get("update", {}))
+                for item in record["summary"].get("remove", []) or []:
+                    merged["summary"].pop(item.get("key") if isinstance(item, dict) else item, None)
+            elif kind == "history":
+                merged["history"].append(record["history"].get("item", {}))
+    return runs
+
+
+def inspect_file(wandb_file: Path) -> List[Dict[str, Any]]:
+    """The records of one ``.wandb`` file as wandb's reader prints them (one JSON object a line); the ``wandb`` beside
+    this Python first, so that no activated environment is needed."""
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    command = [str(wandb_cli) if wandb_cli.exists() else "wandb", "leet", "inspect", str(wandb_file), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise BadInput(f"wandb could not read {wandb_file}: {done.stderr.strip()[-300:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

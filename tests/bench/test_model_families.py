@@ -1,4 +1,4 @@
-"""bench/model_families.py: its CPU toy mode end to end (checkpoint, our row, its FP8 twin, torchtune's stock row, the
+"""bench/model_families.py (and its rows, bench/_family_rows.py): its CPU toy mode end to end (checkpoint, our row, its FP8 twin, torchtune's stock row, the
 JSON), the rows a command line picks, the stand-in tokenizer being one BPE in every format, and the parameter counts
 its MFU uses."""
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO_ROOT / "bench"))
 # torchtune's wheel ships its recipes (and their configs) beside the package: the stock rows run those.
 import torchtune  # noqa: E402
 
+import _family_rows as family_rows  # noqa: E402
 import model_families as mf  # noqa: E402
 
 STOCK_DIR = Path(torchtune.__file__).resolve().parents[1] / "recipes"
@@ -140,10 +141,10 @@ def test_the_command_line_picks_the_rows(argv, rows):
     assert [r.name for r in job.rows] == rows.split()
     for r in job.rows:
         if r.kind == "ours" and r.memory_class == "16gb":  # (an FP8 config only, its weights streamed)
-            assert r.config == mf.STREAMED_16GB[job.spec.key][0] and r.cap == 14.9
+            assert r.config == family_rows.STREAMED_16GB[job.spec.key][0] and r.cap == 14.9
         elif r.kind == "ours":
             assert r.config == job.spec.configs[r.memory_class] + ("_fp8" if "_fp8" in r.name else "")
-            assert r.cap == mf.CLASS_GIB[r.memory_class]
+            assert r.cap == family_rows.CLASS_GIB[r.memory_class]
         if r.kind == "ours":
             assert (REPO_ROOT / "configs" / f"{r.config}.yaml").is_file()
 
@@ -162,11 +163,12 @@ def test_the_stock_rows_tokenize_as_ours(key, tmp_path):
     from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
     from finetune.data.tokenizer import HFTokenizer
+    from finetune.model import toy_tokenizer
 
-    spec = mf.SPECS[key]
-    texts = mf.alpaca_texts(DATA_DIR, 400)
-    bpe = mf.train_bpe(texts[:300], 2000)
-    mf.write_tokenizer(tmp_path, spec, bpe)
+    spec = family_rows.SPECS[key]
+    texts = toy_tokenizer.alpaca_texts(DATA_DIR, 400)
+    bpe = toy_tokenizer.train_bpe(texts[:300], 2000)
+    toy_tokenizer.write_tokenizer(tmp_path, bpe, spec.stand_in, template_file=False)  # (as the checkpoint's)
     args = dict(a.split("=", 1) for a in mf.write_stock_tokenizer(tmp_path, spec, bpe, DATA_DIR))
     special = str(tmp_path / "tokenizer.json")
     if spec.family == "llama3":
@@ -178,16 +180,16 @@ def test_the_stock_rows_tokenize_as_ours(key, tmp_path):
         assert stock.encode(text, add_bos=False, add_eos=False) == ours.encode(text, add_bos=False, add_eos=False)
 
 
-@pytest.mark.parametrize("key", list(mf.SPECS))
+@pytest.mark.parametrize("key", list(family_rows.SPECS))
 def test_parameter_counts_are_the_models(key):
     """MFU counts 6 x parameters x tokens/s: the count from config.json is that of the builder our config names."""
     from omegaconf import OmegaConf
     from torchtune import config
 
-    spec = mf.SPECS[key]
+    spec = family_rows.SPECS[key]
     with torch.device("meta"):
         model = config.instantiate(OmegaConf.create({"_component_": spec.builder}))
-    assert mf.n_params(spec) == sum(p.numel() for p in model.parameters())
+    assert family_rows.n_params(spec) == sum(p.numel() for p in model.parameters())
     for memory_class, name in spec.configs.items():
         cfg = OmegaConf.load(REPO_ROOT / "configs" / f"{name}.yaml")
         assert cfg.model._component_ == spec.builder and name.endswith(f"_full_{memory_class}")

@@ -18,7 +18,6 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-import support
 from conftest import (
     DATA_DIR,
     REPO_ROOT,
@@ -27,6 +26,7 @@ from conftest import (
     run_here,
     run_in_one_process,
 )
+from finetune.reporting.wandb_run import read_runs
 
 VAL_RECORDS = 7
 TWO_EPOCHS = ["epochs=2", "max_steps_per_epoch=3"]
@@ -88,7 +88,7 @@ def test_validation_leaves_training_identical(runs):
 
 def test_val_loss_in_the_offline_wandb_run(runs):
     run = runs["with"]
-    (wandb_run,) = support.wandb_runs(run.output_dir).values()
+    (wandb_run,) = read_runs(run.output_dir).values()
     logged = {row["global_step"]: row["val_loss"] for row in wandb_run["history"] if "val_loss" in row}
     assert logged == pytest.approx(val_losses(run), rel=1e-12)
     assert wandb_run["summary"]["val_loss"] == pytest.approx(val_losses(run)[6], rel=1e-12)

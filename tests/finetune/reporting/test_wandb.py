@@ -2,8 +2,9 @@
 
 Two FAST fine-tunes (torch's AdamW and optimizers.AdamW8bit, 4 steps, wandb offline as without an API key) and
 one eval of each run's last checkpoint run once in this process (module fixture, about 40 s on 2 cores). The
-offline runs are read with wandb's own reader (``wandb leet inspect --json``, through support.wandb_runs), never by
-the code that wrote them; bench/table.py makes its table from them as a user runs it.
+offline runs are read with wandb's own reader (``wandb leet inspect --json``, through the library's
+finetune.reporting.wandb_run.read_runs, as bench/table.py reads them), never by the code that wrote them;
+bench/table.py makes its table from them as a user runs it.
 """
 
 import contextlib
@@ -21,8 +22,8 @@ from unittest import mock
 import pytest
 from omegaconf import OmegaConf
 
-import support
 from conftest import DATA_DIR, EVAL_CONFIG, FAST, RECIPE, REPO_ROOT, TINY_CONFIG, RecipeRun, read_metrics
+from finetune.reporting.wandb_run import read_runs
 
 # lm-eval's environment report is left out of the evaluations run in this process (conftest).
 pytestmark = pytest.mark.usefixtures("no_environment_report")
@@ -105,7 +106,7 @@ def runs(tmp_path_factory):
         assert run.ok, run.stdout[-3000:]
         with user_env():
             eval_out = evaluate(folder / "epoch_0")
-        out[optimizer] = {"run": run, "eval": eval_out, "wandb": support.wandb_runs(folder)}
+        out[optimizer] = {"run": run, "eval": eval_out, "wandb": read_runs(folder)}
     return out
 
 
@@ -205,7 +206,7 @@ def test_a_checkpoint_without_a_run_id_still_evaluates(runs, tmp_path):
         evaluate(checkpoint, output_dir=str(tmp_path / "out"), wandb_project="evals")
     (results_file,) = (tmp_path / "out").glob("results_*.json")
     score = json.loads(results_file.read_text())["results"]["truthfulqa_mc2"]["acc,none"]
-    (own,) = support.wandb_runs(tmp_path).values()
+    (own,) = read_runs(tmp_path).values()
     assert own["name"] == "eval-ckpt" and len(own["files"]) == 1
     assert own["summary"]["eval/truthfulqa_mc2"] == score
     assert [row["truthfulqa_mc2/acc"] for row in own["history"] if "truthfulqa_mc2/acc" in row] == [score]

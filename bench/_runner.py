@@ -1,0 +1,139 @@
+"""What the end-to-end benchmarks share beyond bench/_harness.py: a row measured as a recipe run of a few steps, the
+results file that keeps what was measured after every row, and the pool that deals jobs to the GPUs.
+
+bench/e2e.py (Llama2-7B's rows, one after another) and bench/model_families.py (a job of rows per family, one worker
+per GPU) measure a row the same way: a fresh recipe process, stopped once its last step is logged; the median
+tokens/s of the steps after the warm-up, the peak memory, the losses, every step's speed. Each adds its own figures
+(its MFU's parameter count, streaming, profiles) and its own table.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import threading
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import _harness as harness
+
+PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
+# torchtune's stock recipe as both benchmarks run it: packed rows, compiled, batches of 16, no gradient clipping, the
+# configs' learning rate (the setting that measured fastest for Llama2-7B; each row adds its optimizer and memory
+# flags).
+STOCK_PACKED = [
+    "dataset.packed=True",
+    "compile=True",
+    "batch_size=16",
+    "seed=42",
+    "clip_grad_norm=null",
+    "optimizer.lr=2e-5",
+]
+
+
+# -- a row ----------------------------------------------------------------------------------------------------------
+
+
+def read_steps(kind: str, out: Path) -> List[dict]:
+    """The steps a row logged: torchtune's stock recipe from its DiskLogger file, ours from metrics.jsonl (a figure it
+    did not log, such as GPU memory on the CPU, is None)."""
+    return harness.read_stock_log(out) if kind == "stock" else harness.read_metrics(out)
+
+
+def measure(
+    cmd: List[str],
+    out: Path,
+    kind: str,
+    *,
+    steps: int,
+    timeout: float,
+    env: Dict[str, str],
+    watch: Optional[Callable[[List[dict]], bool]] = None,
+) -> Tuple[harness.Run, List[dict], Optional[str]]:
+    """Run a row's recipe command (its log: ``out``/log.txt) until ``steps`` steps are logged and ``watch`` (called
+    at every poll with the steps logged so far) says it is done. Returns the run, the steps, and the error: None, or
+    how many steps were logged and why no more."""
+
+    def done() -> bool:
+        records = read_steps(kind, out)
+        return (watch(records) if watch is not None else True) and len(records) >= steps
+
+    run = harness.run(cmd, out / "log.txt", timeout=timeout, env=env, until=done)
+    records = read_steps(kind, out)
+    if len(records) >= steps:
+        return run, records, None
+    why = run.error() or " / ".join(list(run.tail)[-3:])
+    return run, records, f"{len(records)} of {steps} steps logged in {run.wall_s} s: " + why[-600:]
+
+
+def figures(records: List[dict], steady: List[dict], parameters: float) -> dict:
+    """A row's figures: the median tokens/s of the ``steady`` steps, the peaks (GiB), the MFU (6 x ``parameters`` x
+    tokens/s over PEAK_FLOPS), the first step's wall time, and every step's loss and speed."""
+    tok_s = statistics.median(r["tokens_per_second"] for r in steady)
+    return dict(
+        tok_s=round(tok_s, 1),
+        peak_gib=harness.peak(records, "peak_memory_alloc_gib"),
+        peak_reserved_gib=harness.peak(records, "peak_memory_reserved_gib"),
+        mfu=round(6 * parameters * tok_s / PEAK_FLOPS, 3),
+        first_step_s=round(records[0]["first_step_s"], 1) if "first_step_s" in records[0] else None,
+        losses=[round(r["loss"], 5) for r in records],
+        tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
+    )
+
+
+# -- the results file -----------------------------------------------------------------------------------------------
+
+
+class Results:
+    """A benchmark's JSON: provenance first (bench/_harness.py; a dirty tree refuses here, before any work), the
+    records of an earlier file a --merge run does not re-measure, then this run's, written whole after every row
+    (a stopped run keeps what it measured)."""
+
+    def __init__(self, script: str, argv: List[str], args, remeasured: Callable[[dict], bool], **fields) -> None:
+        self.prov = harness.provenance(script, argv, args.allow_dirty)
+        self.out = args.out
+        old = harness.earlier(args.out, args.merge)
+        self.kept = [r for r in old.get("records", []) if not remeasured(r)]
+        self.records: List[dict] = []
+        self.doc = {
+            **self.prov,
+            "commands": harness.commands(old, self.prov["command"]),
+            **fields,
+            "records": self.kept,
+        }
+
+    def write(self) -> None:
+        self.doc["records"] = self.kept + self.records
+        harness.write_json(self.out, self.doc)
+
+
+# -- the pool -------------------------------------------------------------------------------------------------------
+
+
+def gpus(cpu: bool) -> List[Optional[int]]:
+    """The GPUs to deal jobs to: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists (no CUDA context here); [None]
+    on the CPU or where none is found."""
+    if cpu:
+        return [None]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [int(g) for g in visible.split(",") if g.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        return list(range(len([ln for ln in listed.splitlines() if ln.startswith("GPU ")]))) or [None]
+    except (OSError, subprocess.SubprocessError):
+        return [None]
+
+
+def run_pool(jobs: Sequence, devices: List[Optional[int]], cost: Callable, work: Callable) -> None:
+    """``work(device, its jobs)`` in one thread per device. The costliest job first, each to the device with the
+    least work so far: on as many GPUs as jobs, every job has its own; on one, they run one after another."""
+    plan: Dict[Optional[int], list] = {g: [] for g in devices}
+    for job in sorted(jobs, key=lambda j: -cost(j)):
+        plan[min(devices, key=lambda g: sum(cost(j) for j in plan[g]))].append(job)
+    threads = [threading.Thread(target=work, args=(g, js)) for g, js in plan.items() if js]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
