@@ -163,14 +163,16 @@ def check_config(config: str, args) -> dict:
     # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.
     background = "async_checkpoint=False" not in args.set
     other = f"async_checkpoint={not background}"
+    again_dir = Path(args.resume_dir or work) / (config.replace("/", "_") + "_resumed")
+    shutil.rmtree(again_dir, ignore_errors=True)
     second, resumed, _ = recipe_run(
-        config, work / "resumed", args, [other, f"resume_from_checkpoint={work / 'run' / step}"], work / "resumed.log"
+        config, again_dir, args, [other, f"resume_from_checkpoint={work / 'run' / step}"], work / "resumed.log"
     )
     checks["resumed_exactly"] = (
         not second.error() and [m["loss"] for m in resumed] == losses[args.save_every :] and len(resumed) > 0
     )
     epoch = work / "run" / "epoch_0" / "model.safetensors"
-    again = work / "resumed" / "epoch_0" / "model.safetensors"
+    again = again_dir / "epoch_0" / "model.safetensors"
     checks["resumed_weights_equal"] = again.is_file() and epoch.is_file() and again.read_bytes() == epoch.read_bytes()
     if second.error():
         row["resume_error"] = second.error()
@@ -186,6 +188,7 @@ def check_config(config: str, args) -> dict:
     row["passed"] = all(checks.values())
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(again_dir, ignore_errors=True)
     return row
 
 
@@ -226,6 +229,10 @@ def parse_args(argv: List[str]):
     )
     ap.add_argument("--data-dir", default=harness.DATA_DIR)
     ap.add_argument("--work-dir", default=harness.scratch("configs_check"))
+    ap.add_argument(
+        "--resume-dir",
+        help="where the resumed run writes (default: --work-dir; a second disk keeps a 7B's 60 GB apart)",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tokens/s median")
