@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from finetune.base import BadInput  # noqa: E402
+from finetune.base import BadInput, NonFiniteStop  # noqa: E402
 from finetune.checkpoint import hf_format, resume  # noqa: E402
 from finetune.checkpoint.async_save import Gather, Owned  # noqa: E402
-from finetune.checkpoint.checkpointer import NonFiniteStop, rng_state, set_rng_state  # noqa: E402
+from finetune.checkpoint.checkpointer import rng_state, set_rng_state  # noqa: E402
 from finetune.checkpoint.optimizer_state import gather_full, load_full, restore  # noqa: E402
 from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
 from finetune.data.loading import skip_to  # noqa: E402

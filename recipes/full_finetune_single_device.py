@@ -62,11 +62,10 @@ console.quiet_known_noise()  # before torchtune imports torchao (see console.KNO
 from torchtune import config, modules, training, utils  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from finetune.base import BadInput  # noqa: E402
+from finetune.base import BadInput, NonFiniteStop  # noqa: E402
 from finetune.checkpoint import hf_format, resume  # noqa: E402
 from finetune.checkpoint.checkpointer import (  # noqa: E402  # noqa: E402
     RECIPE_STATE_FILE,
-    NonFiniteStop,
     check_finite_weights,
     rng_state,
     set_rng_state,
