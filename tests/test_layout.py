@@ -20,9 +20,12 @@ BENCH = REPO_ROOT / "bench"
 # mirror the source tree, beside these and this file at the root.
 SHARED_TEST_MODULES = {"conftest", "support"}
 TEST_ROOT_FILES = {"conftest.py", "support.py", "test_layout.py"}
-RECIPE_FILES = {"full_finetune_single_device.py": 600, "full_finetune_distributed.py": 600}
+# Sizes count statements (ast.stmt nodes at any depth), which the formatter's wrapping leaves alone. The largest
+# modules hold about 1.6 lines a statement; 350 (a library module) and 400 (a recipe) leave today's largest some 15 %
+# headroom, about where the 500- and 600-line gates stood before the formatter's wrapping added 19 % lines.
+RECIPE_FILES = {"full_finetune_single_device.py": 400, "full_finetune_distributed.py": 400}
 ENTRY_POINTS = {"__init__.py", "evaluate.py", "launch.py", *RECIPE_FILES}
-MODULE_LIMIT = 500  # lines, any module of the library
+MODULE_LIMIT = 350  # statements, any module of the library
 DOCSTRING_INDEX_LIMIT = 45  # the recipe docstring is an index of keys; the manual is a docs page
 # The library's packages and top-level modules, bottom first: a module imports from its own package or from a lower
 # rank, never from a peer or above. At the bottom, what eval/ and every concern share (the bad-input error, the run
@@ -82,6 +85,11 @@ def library_imports(path: Path):
     return found & modules
 
 
+def statements(path: Path) -> int:
+    """The statements of a module: ast.stmt nodes at any depth (a def, and each statement of its body)."""
+    return sum(isinstance(node, ast.stmt) for node in ast.walk(ast.parse(path.read_text())))
+
+
 def test_recipes_hold_the_entry_points_only():
     assert {p.name for p in RECIPES.glob("*.py")} == ENTRY_POINTS
     assert not [p for p in RECIPES.iterdir() if p.is_dir() and p.name != "__pycache__"]
@@ -90,8 +98,10 @@ def test_recipes_hold_the_entry_points_only():
 def test_recipes_are_siblings_within_their_size():
     for name, limit in RECIPE_FILES.items():
         path = RECIPES / name
-        lines = len(path.read_text().splitlines())
-        assert lines <= limit, f"{name}: {lines} lines (at most {limit}: move what is not the story to a component)"
+        count = statements(path)
+        assert count <= limit, (
+            f"{name}: {count} statements (at most {limit}: move what is not the story to a component)"
+        )
         others = {f"recipes.{Path(other).stem}" for other in RECIPE_FILES if other != name}
         assert not others & set(imported_modules(path)), f"{name} imports the other recipe"
         doc = ast.get_docstring(ast.parse(path.read_text()))
@@ -108,8 +118,8 @@ def test_no_recipe_class_is_subclassed():
 
 @pytest.mark.parametrize("path", library_modules(), ids=lambda p: str(p.relative_to(LIBRARY)))
 def test_library_modules_stay_small(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MODULE_LIMIT, f"{path.name}: {lines} lines (split it by concern)"
+    count = statements(path)
+    assert count <= MODULE_LIMIT, f"{path.name}: {count} statements (at most {MODULE_LIMIT}: split it by concern)"
 
 
 def test_every_library_folder_is_a_package():
