@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import optimizers
 from finetune.base import BadInput
 from finetune.checkpoint.optimizer_state import convertible, restore
-from optimizers import _portable
+from optimizers import portable
 
 
 def stepped(cls, shapes, steps=3, **kw):
@@ -35,7 +35,7 @@ def fp32_moments(opt, p) -> dict:
     """A parameter's moments as fp32 [numel], whatever the optimizer stores."""
     st = opt.state[p]
     if hasattr(opt, "_param_format"):
-        return _portable.moments(st, opt._param_format(p), p.numel())
+        return portable.moments(st, opt._param_format(p), p.numel())
     return {k: st[k].float().reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
 
 
@@ -278,8 +278,8 @@ def _worker(rank, world, port, key, out):
                 for i in range(len(RANK_SHAPES))
             ]
             for i, p in enumerate(one):
-                a = _portable.moments(single.state[p], fmt, p.numel())
-                b = _portable.moments(full["state"][i], fmt, p.numel())
+                a = portable.moments(single.state[p], fmt, p.numel())
+                b = portable.moments(full["state"][i], fmt, p.numel())
                 errors.append([float((a[k] - b[k]).norm() / a[k].norm()) for k in a])  # relative L2
                 exact.append(
                     all(torch.equal(full["state"][i][k], single.state[p][k]) for k in single.state[p] if k != "step")
