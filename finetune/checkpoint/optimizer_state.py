@@ -107,8 +107,8 @@ def _read(entry: dict, group: dict, numel: int) -> Dict[str, torch.Tensor]:
 def _write(values: Dict[str, torch.Tensor], optimizer, p: torch.Tensor) -> dict:
     """fp32 moments as ``optimizer``'s entry for parameter ``p`` (full shape: a DTensor's global one)."""
     step = torch.tensor(values["step"], dtype=torch.float32)
-    if hasattr(optimizer, "_param_format"):  # optimizers.*: the format it gives this tensor (tiny ones: fp32)
-        return portable.encode(values, optimizer._param_format(p), step)
+    if hasattr(optimizer, "param_format"):  # optimizers.*: the format it gives this tensor (tiny ones: fp32)
+        return portable.encode(values, optimizer.param_format(p), step)
     return {
         "step": step,
         **{k: values[k].to(p.dtype).view(p.shape) for k in ("exp_avg", "exp_avg_sq")},
@@ -290,7 +290,7 @@ def _what_changed(saved_path: str, now: str, saved_bwd: bool, in_bwd: bool, coun
 
 
 def _is_ours(optimizer) -> bool:
-    return hasattr(optimizer, "_param_format") and hasattr(optimizer, "format")
+    return hasattr(optimizer, "param_format") and hasattr(optimizer, "format")
 
 
 def _span(p: torch.Tensor) -> Tuple[int, int, int]:
@@ -327,7 +327,7 @@ def gather_full(model: torch.nn.Module, optimizer, *, main: bool, device: torch.
         pieces = [None] * world if main else None
         dist.gather_object((off, n, mine), pieces, dst=0)
         if main and all(e is not None for _, _, e in pieces):
-            state[i] = portable.gather(pieces, optimizer._param_format(p), numel)
+            state[i] = portable.gather(pieces, optimizer.param_format(p), numel)
     return {"state": state, "param_groups": sd["param_groups"]} if main else None
 
 
@@ -372,5 +372,5 @@ def load_full(model: torch.nn.Module, optimizer, full: dict, device: torch.devic
         entry = full["state"].get(pid)
         if entry:
             off, n, numel = _span(p)
-            state[pid] = portable.shard(entry, optimizer._param_format(p), numel, off, n)
+            state[pid] = portable.shard(entry, optimizer.param_format(p), numel, off, n)
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

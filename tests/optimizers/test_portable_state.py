@@ -22,7 +22,7 @@ def stepped_state(cls, numel: int = NUMEL, steps: int = 3):
     for _ in range(steps):
         p.grad = torch.randn(numel, generator=g)
         opt.step()
-    return {k: v.clone() for k, v in opt.state[p].items()}, opt._param_format(p)
+    return {k: v.clone() for k, v in opt.state[p].items()}, opt.param_format(p)
 
 
 def cut(full: dict, fmt, cuts: list) -> list:
@@ -107,4 +107,4 @@ def test_a_saved_entry_names_its_format(variant):
     sd = opt.state_dict()
     group = sd["param_groups"][0]
     for i, p in enumerate((big, tiny)):
-        assert portable.saved_format(sd["state"][i], group) is opt._param_format(p)
+        assert portable.saved_format(sd["state"][i], group) is opt.param_format(p)
