@@ -47,7 +47,7 @@ PACKAGE_ORDER = [
 NOT_YET_CUT = {
     ("finetune.data.loading", "settings"): "the settings in sections: loading takes its section's values",
     ("finetune.model.prepare", "settings"): "the settings in sections: prepare takes its section's values",
-    ("finetune.model.toy_folder", "checkpoint"): "the toy folder builder is a tool over model/ and checkpoint/",
+    ("finetune.model.toy_folder", "checkpoint"): "one home for the toy folders: a tool over model/ and checkpoint/",
 }
 
 
