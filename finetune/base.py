@@ -1,4 +1,5 @@
-"""The bottom layer that ``recipes/`` and ``eval/`` both import: the bad-input error, what a Hugging Face model
+"""The bottom layer that ``recipes/`` and ``eval/`` both import: the bad-input error (and its kin, the stop that a
+run's non-finite weights or steps force: the checkpointer and the step counter both raise it), what a Hugging Face model
 folder is, and how a torch file someone hands us is read (``weights_only``). It imports nothing of this repository,
 so the arrows point one way: recipes and eval down to here.
 """
@@ -18,6 +19,10 @@ class BadInput(ValueError):
     Every entry point (the fine-tune recipes, the eval) prints it as one line, ``error: ...``, and exits with
     status 2.
     """
+
+
+class NonFiniteStop(BadInput):
+    """Training cannot go on: too many non-finite steps in a row, or one that was already applied."""
 
 
 def first_line(e: BaseException) -> str:

@@ -8,7 +8,8 @@
   run (id, project, entity, mode, folder) when it logged to wandb. The eval reads it to write its scores into that
   run; a checkpoint without it (any HF folder) gets a run of its own.
 
-Both recipes/ and eval/ use these, so the file names (``metrics.jsonl``'s too) and their reading live here, once.
+Both recipes/ and eval/ use these, so the file names (``metrics.jsonl``'s too, and the checkpoint folders' prefixes) and
+their reading live here, once; the checkpoint and reporting components both name them, and neither imports the other.
 """
 
 import json
@@ -21,6 +22,12 @@ from typing import Any, Dict, Optional
 METRICS_FILE = "metrics.jsonl"  # every step's record (finetune/reporting/metrics.py); it marks a run folder
 SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"
+CHECKPOINT_PREFIXES = ("step_", "epoch_")  # a checkpoint folder's name: step_N or epoch_E
+
+
+def tag() -> str:
+    """A suffix no other run can produce: this PID plus a random part (a PID alone is reused)."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def read_json(path: Path) -> Optional[Dict[str, Any]]:
@@ -35,7 +42,7 @@ def read_json(path: Path) -> Optional[Dict[str, Any]]:
 def write_json(path: Path, data: Dict[str, Any]) -> None:
     """Write ``data`` to ``path`` whole or not at all (a temporary file renamed over it)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(f".{path.name}.{tag()}")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")
     os.replace(tmp, path)
 

@@ -11,8 +11,7 @@ from typing import Any, Dict, Optional
 
 from tqdm import tqdm
 
-from finetune.base import BadInput
-from finetune.checkpoint.checkpointer import NonFiniteStop
+from finetune.base import BadInput, NonFiniteStop
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

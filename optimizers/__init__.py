@@ -7,7 +7,9 @@ by formats), ``_random_bits.py`` (the kernel's random bits and their PyTorch twi
 kernel), ``_plain.py`` (its plain-PyTorch twin, the path on CPU), ``_buckets.py`` (the flat state buffers),
 ``_launch.py`` (the host side of the Triton path),
 ``_optimizer.py`` (``LowBitAdamW``, the torch.optim.Optimizer), one file per format (``_unquantized.py`` with
-``adamw.py``, ``adamw8bit.py``, ``adamw4bit.py``, ``adamw_fp8.py``), ``_registry.py``.
+``adamw.py``, ``adamw8bit.py``, ``adamw4bit.py``, ``adamw_fp8.py``), ``_registry.py``. Public besides the classes:
+``portable.py``, one parameter's state whatever its sharding (what a checkpoint holds, and its conversion to another
+variant's format).
 """
 
 from ._registry import VARIANTS, Variant, register

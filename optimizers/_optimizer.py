@@ -112,7 +112,9 @@ class LowBitAdamW(TritonPath, Optimizer):
 
     # -- state -------------------------------------------------------------------------------------------
 
-    def _param_format(self, p: torch.Tensor) -> StateFormat:
+    def param_format(self, p: torch.Tensor) -> StateFormat:
+        """The format this optimizer keeps ``p``'s state in (public: a checkpoint's conversions, optimizers.portable,
+        take it per parameter)."""
         # (a DTensor's global size, so that every rank picks the same format; a complex tensor's count of reals)
         if self.format.scaled and p.numel() * (2 if p.is_complex() else 1) < self.min_quant_numel:
             return FORMAT_FP32  # tiny tensors (norms, biases): full-precision states cost nothing and lose nothing
@@ -132,7 +134,7 @@ class LowBitAdamW(TritonPath, Optimizer):
                     f"{type(self).__name__} needs contiguous parameters; got one of shape "
                     f"{tuple(p.shape)} with strides {local(p).stride()}"
                 )
-            fmt = self._param_format(p)
+            fmt = self.param_format(p)
             key = (local(p).device, local(p).dtype, fmt.name)
             groups.setdefault(key, (fmt, []))[1].append(p)
         new = []

@@ -2,7 +2,7 @@
 
 ``FORMAT_BF16`` is ``optimizers.AdamW``'s default (4 bytes per parameter), ``FORMAT_FP32`` its ``state_dtype=fp32``
 (8 bytes) and also where every optimizer keeps tiny tensors (norm weights, biases), whose states are not worth
-quantizing (``LowBitAdamW._param_format``).
+quantizing (``LowBitAdamW.param_format``).
 """
 
 import torch

@@ -45,12 +45,12 @@ from finetune.reporting import console
 
 console.quiet_known_noise()  # before torchtune and lm-eval are imported (see console.KNOWN_NOISE)
 
-from eval import harness  # noqa: E402
-from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype  # noqa: E402
-from eval.errors import EvalInputError  # noqa: E402
-from eval.truthfulqa import DATA_FILE, TASK_DIR, TASK_NAME, check_tasks, task_spec  # noqa: E402
-from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary  # noqa: E402
-from finetune.settings import command_line  # noqa: E402
+from eval import harness
+from eval.checkpoint import check_checkpoint, load_model, load_tokenizer, resolve_device, resolve_dtype
+from eval.errors import EvalInputError
+from eval.truthfulqa import DATA_FILE, TASK_DIR, TASK_NAME, check_tasks, task_spec
+from finetune.run_files import METRICS_FILE, SUMMARY_FILE, read_json, read_run_file, update_summary
+from finetune.settings import command_line
 
 CONFIG_KEYS = (
     "checkpoint_dir",

@@ -41,36 +41,36 @@ from finetune.reporting import console
 
 console.quiet_known_noise()  # before torchtune imports torchao, in each rank (see console.KNOWN_NOISE)
 
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torchtune import config, modules, training, utils  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torchtune import config, modules, training, utils
+from tqdm import tqdm
 
-from finetune.base import BadInput  # noqa: E402
-from finetune.checkpoint import hf_format, resume  # noqa: E402
-from finetune.checkpoint.async_save import Gather, Owned  # noqa: E402
-from finetune.checkpoint.checkpointer import NonFiniteStop, rng_state, set_rng_state  # noqa: E402
-from finetune.checkpoint.optimizer_state import gather_full, load_full, restore  # noqa: E402
-from finetune.checkpoint.run_folder import DistributedRanks, RunFolder  # noqa: E402
-from finetune.data.loading import skip_to  # noqa: E402
-from finetune.data.tokenizer import check_fits_model  # noqa: E402
-from finetune.launch import follow_launcher  # noqa: E402
-from finetune.model.attention import use_varlen_attention  # noqa: E402
-from finetune.model.prepare import (  # noqa: E402
+from finetune.base import BadInput, NonFiniteStop
+from finetune.checkpoint import hf_format, resume
+from finetune.checkpoint.async_save import Gather, Owned
+from finetune.checkpoint.checkpointer import rng_state, set_rng_state
+from finetune.checkpoint.optimizer_state import gather_full, load_full, restore
+from finetune.checkpoint.run_folder import DistributedRanks, RunFolder
+from finetune.data.loading import skip_to
+from finetune.data.tokenizer import check_fits_model
+from finetune.launch import follow_launcher
+from finetune.model.attention import use_varlen_attention
+from finetune.model.prepare import (
     apply_activation_checkpointing,
     convert_to_fp8,
     prepare_device,
     wire_loss,
 )
-from finetune.model.sharding import init_process_group, scatter_full_weights  # noqa: E402
-from finetune.optimizer import warn_round_to_nearest  # noqa: E402
-from finetune.reporting.console import StepTimer  # noqa: E402
-from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
-from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
-from finetune.reporting.wandb_run import push_summary  # noqa: E402
-from finetune.services import build_data, build_reporting  # noqa: E402
-from finetune.settings import DISTRIBUTED_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
-from finetune.stops import SkipCounter, StopSignal  # noqa: E402
+from finetune.model.sharding import init_process_group, scatter_full_weights
+from finetune.optimizer import warn_round_to_nearest
+from finetune.reporting.console import StepTimer
+from finetune.reporting.metrics import interrupted, step_record
+from finetune.reporting.out_of_memory import out_of_memory_line
+from finetune.reporting.wandb_run import push_summary
+from finetune.services import build_data, build_reporting
+from finetune.settings import DISTRIBUTED_CONFIG_KEYS, command_line, first_line, read_settings
+from finetune.stops import SkipCounter, StopSignal
 
 log = utils.get_logger("INFO")
 

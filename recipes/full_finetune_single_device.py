@@ -36,8 +36,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     fp8                              tensorwise / rowwise: FP8 matmuls (FP8 GPU + compile); null = bf16
     packed_attention                 flex (default) or varlen: packed rows' attention (FlashAttention, CUDA)
     enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
-    device_memory_limit_gib          cap the CUDA allocator at this many GiB (default null: no cap)
-    host_memory_limit_gib            host memory the run may hold: a background save copies only what fits
+    device_memory_limit_gib, host_memory_limit_gib   cap GPU memory / the host memory a background save fills
     pack_cache_dir                   cache of tokenized samples for packing; off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
     log_every_n_steps                a metrics line on the terminal every N steps (every step is recorded)
@@ -60,39 +59,38 @@ from finetune.reporting import console
 
 console.quiet_known_noise()  # before torchtune imports torchao (see console.KNOWN_NOISE)
 
-from torchtune import config, modules, training, utils  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from torchtune import config, modules, training, utils
+from tqdm import tqdm
 
-from finetune.base import BadInput  # noqa: E402
-from finetune.checkpoint import hf_format, resume  # noqa: E402
-from finetune.checkpoint.checkpointer import (  # noqa: E402  # noqa: E402
+from finetune.base import BadInput, NonFiniteStop
+from finetune.checkpoint import hf_format, resume
+from finetune.checkpoint.checkpointer import (
     RECIPE_STATE_FILE,
-    NonFiniteStop,
     check_finite_weights,
     rng_state,
     set_rng_state,
 )
-from finetune.checkpoint.optimizer_state import restore  # noqa: E402
-from finetune.checkpoint.run_folder import RunFolder  # noqa: E402
-from finetune.data.loading import skip_to  # noqa: E402
-from finetune.data.packing import count_trained_tokens  # noqa: E402
-from finetune.data.tokenizer import check_fits_model  # noqa: E402
-from finetune.model.attention import use_varlen_attention  # noqa: E402
-from finetune.model.prepare import (  # noqa: E402
+from finetune.checkpoint.optimizer_state import restore
+from finetune.checkpoint.run_folder import RunFolder
+from finetune.data.loading import skip_to
+from finetune.data.packing import count_trained_tokens
+from finetune.data.tokenizer import check_fits_model
+from finetune.model.attention import use_varlen_attention
+from finetune.model.prepare import (
     apply_activation_checkpointing,
     convert_to_fp8,
     prepare_device,
     wire_loss,
 )
-from finetune.optimizer import warn_round_to_nearest  # noqa: E402
-from finetune.reporting.console import StepTimer  # noqa: E402
-from finetune.reporting.metrics import interrupted, step_record  # noqa: E402
-from finetune.reporting.out_of_memory import out_of_memory_line  # noqa: E402
-from finetune.reporting.wandb_run import push_summary  # noqa: E402
-from finetune.services import build_data, build_reporting  # noqa: E402
-from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings  # noqa: E402
-from finetune.stops import SkipCounter, StopSignal  # noqa: E402
-from finetune.streaming import StreamedStates, check_host_memory, step_metrics, stream_weights  # noqa: E402
+from finetune.optimizer import warn_round_to_nearest
+from finetune.reporting.console import StepTimer
+from finetune.reporting.metrics import interrupted, step_record
+from finetune.reporting.out_of_memory import out_of_memory_line
+from finetune.reporting.wandb_run import push_summary
+from finetune.services import build_data, build_reporting
+from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings
+from finetune.stops import SkipCounter, StopSignal
+from finetune.streaming import StreamedStates, check_host_memory, step_metrics, stream_weights
 
 log = utils.get_logger("INFO")
 

@@ -38,9 +38,9 @@ _SET_TRITON_INTERPRET = not torch.cuda.is_available() and "TRITON_INTERPRET" not
 if _SET_TRITON_INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import optimizers  # noqa: E402  (after TRITON_INTERPRET: it imports Triton)
-from finetune.reporting.metrics import read_records  # noqa: E402
-from finetune.run_files import METRICS_FILE  # noqa: E402
+import optimizers  # after TRITON_INTERPRET: it imports Triton
+from finetune.reporting.metrics import read_records
+from finetune.run_files import METRICS_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The data folder beside the checkout (alpaca/, llama2_tokenizer/, truthfulqa/); TEST_DATA_DIR points elsewhere (a GPU

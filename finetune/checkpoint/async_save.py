@@ -46,9 +46,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from finetune.host_memory import as_bytes, available_host_bytes, resident_bytes
+
 BOUNCE_BYTES = 64 * 2**20  # the pinned buffer a GPU-held snapshot is drained through (~1 ms per fill at PCIe speed)
 GPU_MARGIN_FRACTION, GPU_MARGIN_MIN = 0.10, 2 * 2**30  # kept free under the cap besides the run's peak
-HOST_RESERVE_FRACTION, HOST_RESERVE_MIN = 0.05, 4 * 2**30  # host memory left to everything else
 HOST_LIMIT_MARGIN = 2**30  # under host_memory_limit_gib: room for the writer's buffers and the allocator's slack
 ALIGN = 4096  # host slots start on a page: each group of them is pinned as one range
 PIN_GROUP_BYTES = 256 * 2**20  # cudaHostRegister in pieces of about this size (each call holds the GIL)
@@ -150,33 +151,6 @@ def materialize(obj: Any) -> Any:
     if type(obj) is dict:
         return {k: materialize(v) for k, v in obj.items()}
     return obj
-
-
-def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A storage as a flat uint8 tensor over all of it (the unit a snapshot copies, and the states' streaming:
-    a tensor's views and offsets come along)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def available_host_bytes() -> Optional[int]:
-    """MemAvailable less a reserve for everything else (None where /proc/meminfo cannot tell)."""
-    try:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
-        total, free = info["MemTotal"], info["MemAvailable"]
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
-    return free - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * total))
-
-
-def resident_bytes() -> int:
-    """This process's resident set (VmRSS: pinned pages included), 0 where /proc cannot tell."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def spare_gpu_bytes(device: torch.device, limit_gib: Optional[float]) -> int:

@@ -28,19 +28,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from finetune.base import BadInput
+from finetune.base import NonFiniteStop
 from finetune.checkpoint import async_save, hf_format
 from finetune.checkpoint.run_folder import RunFolder, ctrl_c_after, fsync_path
-from finetune.reporting.console import announce_saved
 from finetune.run_files import RUN_FILE
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
-
-
-class NonFiniteStop(BadInput):
-    """Training cannot go on: too many non-finite steps in a row, or one that was already applied."""
 
 
 def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int) -> None:
@@ -104,6 +100,17 @@ def write_run_file(folder: Path, run_info: Optional[dict], recipe_state: dict) -
     if run_info is not None:
         run = {**run_info, "global_step": recipe_state.get("global_step")}
         (folder / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
+
+
+def announce_saved(final: Path, started: float, background: Optional[tuple] = None) -> None:
+    """The line that reports a checkpoint in place: its folder, size on disk and the time since its save began
+    (bench/pipeline.py reads it); ``background=(write_s, blocked_s)`` for one written in the background (its writer's
+    time, and what training waited; bench/checkpoint_save.py reads them)."""
+    size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+    line = f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)"
+    if background is not None:
+        line += f"; written in the background ({background[0]:.1f} s), training blocked {background[1]:.2f} s"
+    tqdm.write(line)
 
 
 class Checkpointer:

@@ -4,7 +4,7 @@ file; the recipes call ``restore`` and ``gather_full``).
 
 The format is what the optimizer's ``state_dict()`` holds on one device: full, unsharded tensors per parameter index
 (torch.optim: tensors shaped like the parameter; ours, ``optimizers.*``: codes and block scales of the whole tensor,
-blocks counted from its first element: ``optimizers/_portable.py``). The single-device recipe writes its optimizer's
+blocks counted from its first element: ``optimizers/portable.py``). The single-device recipe writes its optimizer's
 ``state_dict()`` (with optimizer_in_bwd, one per parameter name: torchtune's wrapper, or
 ``finetune.streaming.StreamedStates``, whose ``state_dict`` is the same); the distributed one gathers the ranks'
 shards into that format on rank 0 (``gather_full``), and every rank takes its shard back out of it (``load_full``),
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.base import BadInput
+from optimizers import portable
 
 # Optimizers whose state we can read as AdamW moments (exp_avg, exp_avg_sq and a step count) and, as a target, write.
 _TORCH_ADAM = ("torch.optim.AdamW", "torch.optim.Adam")
@@ -86,23 +87,10 @@ def convertible(saved: str, now: str) -> Optional[str]:
 # -- reading and writing one parameter's moments ------------------------------------------------------------------
 
 
-def _our_format(entry: dict, group: dict):
-    """The optimizers.* StateFormat of one saved entry: its group's, or fp32/bf16 for an unscaled entry (tiny
-    tensors keep fp32 states; optimizers.AdamW keeps bf16 or fp32)."""
-    from optimizers._format import format_named
-    from optimizers._unquantized import FORMAT_BF16, FORMAT_FP32
-
-    if "exp_avg_scale" in entry:
-        return format_named(group["state_format"])
-    return FORMAT_FP32 if entry["exp_avg"].dtype == torch.float32 else FORMAT_BF16
-
-
 def _read(entry: dict, group: dict, numel: int) -> Dict[str, torch.Tensor]:
     """One saved entry as fp32 moments [numel] and its step."""
-    from optimizers import _portable
-
     if "state_format" in group:
-        out = _portable.moments(entry, _our_format(entry, group), numel)
+        out = portable.moments(entry, portable.saved_format(entry, group), numel)
     else:
         if "exp_avg" not in entry or "exp_avg_sq" not in entry:  # (convertible lets only Adam-family classes here)
             raise BadInput(f"a saved optimizer state has no moments to carry (keys {sorted(entry)})")
@@ -119,10 +107,8 @@ def _read(entry: dict, group: dict, numel: int) -> Dict[str, torch.Tensor]:
 def _write(values: Dict[str, torch.Tensor], optimizer, p: torch.Tensor) -> dict:
     """fp32 moments as ``optimizer``'s entry for parameter ``p`` (full shape: a DTensor's global one)."""
     step = torch.tensor(values["step"], dtype=torch.float32)
-    if hasattr(optimizer, "_param_format"):  # optimizers.*: the format it gives this tensor (tiny ones: fp32)
-        from optimizers import _portable
-
-        return _portable.encode(values, optimizer._param_format(p), step)
+    if hasattr(optimizer, "param_format"):  # optimizers.*: the format it gives this tensor (tiny ones: fp32)
+        return portable.encode(values, optimizer.param_format(p), step)
     return {
         "step": step,
         **{k: values[k].to(p.dtype).view(p.shape) for k in ("exp_avg", "exp_avg_sq")},
@@ -304,7 +290,7 @@ def _what_changed(saved_path: str, now: str, saved_bwd: bool, in_bwd: bool, coun
 
 
 def _is_ours(optimizer) -> bool:
-    return hasattr(optimizer, "_param_format") and hasattr(optimizer, "format")
+    return hasattr(optimizer, "param_format") and hasattr(optimizer, "format")
 
 
 def _span(p: torch.Tensor) -> Tuple[int, int, int]:
@@ -325,13 +311,11 @@ def _span(p: torch.Tensor) -> Tuple[int, int, int]:
 def gather_full(model: torch.nn.Module, optimizer, *, main: bool, device: torch.device) -> Optional[dict]:
     """The full state dict on rank 0 (None on the others), every rank taking part: torch.optim's through torchtune
     (its states are DTensors), ours by gathering each parameter's shard entries and joining them on the whole
-    tensor's blocks (``optimizers._portable.gather``)."""
+    tensor's blocks (``optimizers.portable.gather``)."""
     if not _is_ours(optimizer):
         from torchtune import training
 
         return _private(training.get_full_optimizer_state_dict(model, optimizer, main, device), optimizer)
-    from optimizers import _portable
-
     sd = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     world = dist.get_world_size()
@@ -343,7 +327,7 @@ def gather_full(model: torch.nn.Module, optimizer, *, main: bool, device: torch.
         pieces = [None] * world if main else None
         dist.gather_object((off, n, mine), pieces, dst=0)
         if main and all(e is not None for _, _, e in pieces):
-            state[i] = _portable.gather(pieces, optimizer._param_format(p), numel)
+            state[i] = portable.gather(pieces, optimizer.param_format(p), numel)
     return {"state": state, "param_groups": sd["param_groups"]} if main else None
 
 
@@ -373,14 +357,12 @@ def _private(full: Optional[dict], optimizer) -> Optional[dict]:
 
 def load_full(model: torch.nn.Module, optimizer, full: dict, device: torch.device) -> None:
     """Load a full state dict (any rank count's, or one device's) into this rank's shards: torch.optim's through
-    torchtune, ours by taking each parameter's shard out of the whole tensor's blocks (``_portable.shard``)."""
+    torchtune, ours by taking each parameter's shard out of the whole tensor's blocks (``optimizers.portable.shard``)."""
     if not _is_ours(optimizer):
         from torchtune import training
 
         training.load_from_full_optimizer_state_dict(model, optimizer, full, device)
         return
-    from optimizers import _portable
-
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [i for g in full["param_groups"] for i in g["params"]]
     if len(ids) != len(params):
@@ -390,5 +372,5 @@ def load_full(model: torch.nn.Module, optimizer, full: dict, device: torch.devic
         entry = full["state"].get(pid)
         if entry:
             off, n, numel = _span(p)
-            state[pid] = _portable.shard(entry, optimizer._param_format(p), numel, off, n)
+            state[pid] = portable.shard(entry, optimizer.param_format(p), numel, off, n)
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

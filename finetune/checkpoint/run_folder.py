@@ -25,7 +25,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -35,9 +34,7 @@ from finetune.checkpoint.lock import (  # noqa: F401 (LOCK_FILE: part of this in
     OutputDirLock,
     pid_alive,
 )
-from finetune.run_files import METRICS_FILE
-
-CHECKPOINT_PREFIXES = ("step_", "epoch_")
+from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, tag
 
 
 class Ranks:
@@ -157,11 +154,6 @@ def fresh_dir_name(output_dir: Path) -> Path:
     while output_dir.with_name(f"{output_dir.name}-{n}").exists():
         n += 1
     return output_dir.with_name(f"{output_dir.name}-{n}")
-
-
-def tag() -> str:
-    """A suffix no other run can produce: this PID plus a random part (a PID alone is reused)."""
-    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def tmp_dir(output_dir: Path, name: str) -> Path:

@@ -108,17 +108,6 @@ def epoch_label(epoch: int, total: int) -> str:
     return f"epoch_{epoch} ({epoch + 1}/{total})"
 
 
-def announce_saved(final: Path, started: float, background: Optional[tuple] = None) -> None:
-    """The line that reports a checkpoint in place: its folder, size on disk and the time since its save began
-    (bench/pipeline.py reads it); ``background=(write_s, blocked_s)`` for one written in the background (its writer's
-    time, and what training waited; bench/checkpoint_save.py reads them)."""
-    size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
-    line = f"Saved checkpoint {final} ({size / 1e9:.2f} GB in {time.perf_counter() - started:.1f} s)"
-    if background is not None:
-        line += f"; written in the background ({background[0]:.1f} s), training blocked {background[1]:.2f} s"
-    tqdm.write(line)
-
-
 def report_bad_input(e: BaseException, rank: int = 0) -> None:
     """The one ``error: ...`` line of a bad input, said once.
 

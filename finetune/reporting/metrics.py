@@ -18,8 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from tqdm import tqdm
 
-from finetune.checkpoint.run_folder import METRICS_FILE, tag
-from finetune.run_files import SUMMARY_FILE, update_summary
+from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, SUMMARY_FILE, tag, update_summary
 
 # The first steps of each process compile, autotune and warm the allocator: the summary's medians skip them, as
 # bench/compare.py does (--skip-steps 2).
@@ -380,8 +379,6 @@ class RunSummary:
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     """The most recently published checkpoint folder of ``output_dir`` (step_* / epoch_* holding a recipe_state.pt;
     a folder appears only complete), or None."""
-    from finetune.checkpoint.run_folder import CHECKPOINT_PREFIXES
-
     output_dir = Path(output_dir)
     found = (
         [

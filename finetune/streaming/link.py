@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from finetune.checkpoint.async_save import as_bytes
+from finetune.host_memory import as_bytes
 
 # Host slots come out of pinned chunks of this size (a power of two: torch's pinned allocator rounds every request
 # up to one, so a chunk wastes nothing and the slots in it waste at most their 512-byte alignment).

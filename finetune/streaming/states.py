@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from finetune.base import BadInput
-from finetune.checkpoint.async_save import available_host_bytes
+from finetune.host_memory import available_host_bytes
 from finetune.streaming.link import link_for
 
 AHEAD_BYTES = 256 * 2**20  # ~1 layer of Llama2-7B's 4-bit states: copied in ~5 ms, a layer's backward takes longer

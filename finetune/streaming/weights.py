@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from finetune.base import BadInput
-from finetune.checkpoint.async_save import available_host_bytes
+from finetune.host_memory import available_host_bytes
 from finetune.streaming.link import link_for
 
 MIN_BYTES = 64 * 2**10

@@ -16,8 +16,8 @@ import pytest
 from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_KEY, read_metrics, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import _harness as harness  # noqa: E402
-import compare  # noqa: E402
+import _harness as harness
+import compare
 
 # Ours at 16 bits: its CPU (plain-PyTorch) step is the quickest of our formats.
 FUSED, OURS = "torch.optim.AdamW(fused=True)", "optimizers.AdamW"

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import e2e  # noqa: E402
+import e2e
 
 
 def test_activation_offload_traffic_comes_from_the_config():

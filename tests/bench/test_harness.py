@@ -26,7 +26,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
-import _harness as harness  # noqa: E402
+import _harness as harness
 
 SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step", "checkpoint_save"]
 # The fewest arguments each script needs to start a run (compare's config: the real one, by absolute path, so that

@@ -15,10 +15,10 @@ from conftest import DATA_DIR, REPO_ROOT, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 # torchtune's wheel ships its recipes (and their configs) beside the package: the stock rows run those.
-import torchtune  # noqa: E402
+import torchtune
 
-import _family_rows as family_rows  # noqa: E402
-import model_families as mf  # noqa: E402
+import _family_rows as family_rows
+import model_families as mf
 
 STOCK_DIR = Path(torchtune.__file__).resolve().parents[1] / "recipes"
 KEYS = {

@@ -26,11 +26,11 @@ from conftest import LLAMA2_TOKENIZER as TOKENIZER
 
 sys.path.insert(0, str(REPO_ROOT))  # `eval` from this checkout, installed or not
 
-import support  # noqa: E402
-from eval.checkpoint import load_tokenizer  # noqa: E402
-from eval.harness import HFLM  # noqa: E402  (lm-eval's class; the import says what to install if it fails)
-from eval.parity import reference_task_config, run_lm_eval_hf  # noqa: E402
-from eval.truthfulqa import TASK_NAME, local_task_config  # noqa: E402
+import support
+from eval.checkpoint import load_tokenizer
+from eval.harness import HFLM  # lm-eval's class; the import says what to install if it fails
+from eval.parity import reference_task_config, run_lm_eval_hf
+from eval.truthfulqa import TASK_NAME, local_task_config
 
 # lm-eval's environment report is left out of the evaluations run in this process (conftest).
 pytestmark = pytest.mark.usefixtures("no_environment_report")

@@ -21,8 +21,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import optimizers  # noqa: E402
-from conftest import REPO_ROOT  # noqa: E402
+import optimizers
+from conftest import REPO_ROOT
 
 
 def variants() -> list:

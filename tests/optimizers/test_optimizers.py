@@ -17,11 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import optimizers  # noqa: E402
-from optimizers import _launch, _random_bits, adamw4bit, adamw8bit, adamw_fp8  # noqa: E402
-from optimizers._buckets import Bucket  # noqa: E402
-from optimizers._kernel import _adamw_kernel  # noqa: E402
-from optimizers._random_bits import stochastic_round_bf16  # noqa: E402
+import optimizers
+from optimizers import _launch, _random_bits, adamw4bit, adamw8bit, adamw_fp8
+from optimizers._buckets import Bucket
+from optimizers._kernel import _adamw_kernel
+from optimizers._random_bits import stochastic_round_bf16
 
 HAS_CUDA = torch.cuda.is_available()
 

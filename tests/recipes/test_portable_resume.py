@@ -15,7 +15,7 @@ resident losses bit for bit (test_streaming.py), so the first leg is exact. The 
 tests/recipes/test_distributed.py's docstring measures: on 2 ranks each rank pads its own 2 samples and FSDP2
 reduce-scatters the gradients, so they differ in the last bits, and an 8-bit code can flip; where a tensor's split
 falls inside a quantization block, that block is rounded once more when the ranks' shards are joined
-(optimizers/_portable.py).
+(optimizers/portable.py).
 
 Runtime: 6 one-device runs and one refused start, in this process (conftest.run_here: every comparison here is
 run against run, so the process need not be pinned as for recorded losses), and 1 two-rank run.

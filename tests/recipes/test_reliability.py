@@ -170,10 +170,11 @@ def test_consecutive_nonfinite_steps_stop_the_run(run, tmp_path):
 
 
 def test_nonfinite_weights_are_never_written(tmp_path):
-    from finetune.checkpoint.checkpointer import BadInput, check_finite_weights
+    from finetune.base import NonFiniteStop
+    from finetune.checkpoint.checkpointer import check_finite_weights
 
     check_finite_weights({"w": torch.ones(3)}, tmp_path / "step_1", 1)
-    with pytest.raises(BadInput, match="not finite .*refused to write"):
+    with pytest.raises(NonFiniteStop, match="not finite .*refused to write"):
         check_finite_weights({"w": torch.ones(3), "v": torch.tensor([1.0, float("inf")])}, tmp_path / "step_1", 1)
 
 

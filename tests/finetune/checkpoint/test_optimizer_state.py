@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import optimizers
 from finetune.base import BadInput
 from finetune.checkpoint.optimizer_state import convertible, restore
-from optimizers import _portable
+from optimizers import portable
 
 
 def stepped(cls, shapes, steps=3, **kw):
@@ -34,8 +34,8 @@ def stepped(cls, shapes, steps=3, **kw):
 def fp32_moments(opt, p) -> dict:
     """A parameter's moments as fp32 [numel], whatever the optimizer stores."""
     st = opt.state[p]
-    if hasattr(opt, "_param_format"):
-        return _portable.moments(st, opt._param_format(p), p.numel())
+    if hasattr(opt, "param_format"):
+        return portable.moments(st, opt.param_format(p), p.numel())
     return {k: st[k].float().reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
 
 
@@ -59,7 +59,7 @@ def test_8bit_to_4bit_carries_the_moments_within_one_4bit_rounding_and_keeps_the
     lines = [r.getMessage() for r in caplog.records if "continues the state" in r.getMessage()]
     assert len(lines) == 1 and "optimizers.AdamW8bit" in lines[0] and "4bit.v4 codes in blocks of 128" in lines[0]
     big, small = list(model)
-    assert opt4.state[big]["exp_avg"].dtype == torch.uint8 and opt4._param_format(big).name == "4bit.v4"
+    assert opt4.state[big]["exp_avg"].dtype == torch.uint8 and opt4.param_format(big).name == "4bit.v4"
     before, after = fp32_moments(opt8, big), fp32_moments(opt4, big)
     # within one 4-bit rounding of each 128-block: m to the nearest of its levels (gaps up to 64/127 of the block
     # max: half of it), sqrt(v) to a 1-mantissa-bit float (within 1/4 of u, so v within (5/4)^2)
@@ -258,7 +258,7 @@ def _worker(rank, world, port, key, out):
         opt = cls(sharded, lr=0.01, min_quant_numel=1)
         load_full(None, opt, saved, torch.device("cpu"))
         fmt = single.format
-        formats = [opt._param_format(p).name == fmt.name for p in sharded]
+        formats = [opt.param_format(p).name == fmt.name for p in sharded]
         dtypes = [opt.state[p]["exp_avg"].dtype == fmt.code_dtype for p in sharded]
         local_numels = [p.to_local().numel() for p in sharded]
         loaded = gather_full(None, opt, main=rank == 0, device=torch.device("cpu"))  # loaded and gathered, no step
@@ -278,8 +278,8 @@ def _worker(rank, world, port, key, out):
                 for i in range(len(RANK_SHAPES))
             ]
             for i, p in enumerate(one):
-                a = _portable.moments(single.state[p], fmt, p.numel())
-                b = _portable.moments(full["state"][i], fmt, p.numel())
+                a = portable.moments(single.state[p], fmt, p.numel())
+                b = portable.moments(full["state"][i], fmt, p.numel())
                 errors.append([float((a[k] - b[k]).norm() / a[k].norm()) for k in a])  # relative L2
                 exact.append(
                     all(torch.equal(full["state"][i][k], single.state[p][k]) for k in single.state[p] if k != "step")

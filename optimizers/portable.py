@@ -8,9 +8,11 @@ and the conversions below copy codes and scales bit for bit. Where a shard start
 is not a multiple of the block, a shard shorter than a block), the blocks on either side of the split are
 dequantized and quantized again in the other grid: those blocks (at most one per split, in ``gather``; the shard's
 blocks, in ``shard``) carry one rounding more, within the format's quantization error, and stay in the format (no
-fp32 fallback). The checkpoint component (``finetune/checkpoint/optimizer_state.py``) calls these per parameter.
+fp32 fallback). The checkpoint component (``finetune/checkpoint/optimizer_state.py``) calls these per parameter:
+this module is the package's public face for a saved state (the rest of the package is private).
 
-``moments``/``encode`` turn an entry into fp32 moments and back, for resuming with another variant.
+``moments``/``encode`` turn an entry into fp32 moments and back, for resuming with another variant; ``saved_format``
+tells which format a saved entry is in.
 
 Entries are dicts as in ``optimizer.state[p]``: ``exp_avg``/``exp_avg_sq`` (codes [nblk, block / elems_per_code]),
 ``exp_avg_scale``/``exp_avg_sq_scale`` ([nblk], scaled formats), ``error`` ([nblk, block], with ``compensate``),
@@ -23,9 +25,18 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._format import StateFormat
+from ._format import StateFormat, format_named
+from ._unquantized import FORMAT_BF16, FORMAT_FP32
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed)
+
+
+def saved_format(entry: dict, group: dict) -> StateFormat:
+    """The format of one saved entry: its param group's ``state_format``, or fp32/bf16 for an unscaled entry (tiny
+    tensors keep fp32 states; ``optimizers.AdamW`` keeps bf16 or fp32)."""
+    if "exp_avg_scale" in entry:
+        return format_named(group["state_format"])
+    return FORMAT_FP32 if entry["exp_avg"].dtype == torch.float32 else FORMAT_BF16
 
 
 def _blocks(n: int, block: int) -> int:
