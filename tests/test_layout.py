@@ -45,6 +45,7 @@ LAYERS = [
         "finetune.settings.command_line",
         "finetune.reporting.profiler",
         "finetune.optimizer",
+        "finetune.settings.sections",
         "finetune.checkpoint.async_save",
         "finetune.checkpoint.optimizer_state",
         "finetune.launch",
