@@ -3,8 +3,10 @@
 ``build_data``: the tokenizer, the loss, the dataset (every record checked, packed when asked) and its seeded loader,
 and the validation set (``dataset_val``, built the same way) with its own loader (``finetune/validation.py``).
 ``build_reporting``: the checkpointer, the profiler, the run's identity and metric logger (wandb), the metrics log and
-the summary the run ends with; ``report_out_of_memory``: the line a run that runs out of device memory ends with. Each recipe keeps its own model, optimizer and loop; where the two differ (one
-device, or N ranks of which rank 0 reports) ``ranks`` says so.
+the summary the run ends with. ``report_out_of_memory``: the line a run that runs out of device memory ends with.
+Each recipe keeps its own model, optimizer and loop; where the two differ (one device, or N ranks of which rank 0
+reports) ``ranks`` says so. These compose the components, so they take the whole ``Settings`` and hand each
+component its section.
 """
 
 from dataclasses import dataclass

@@ -261,8 +261,8 @@ class FullFinetuneRecipeDistributed:
                 load_full(self._model, self._optimizer, full, self._device)
         except (ValueError, KeyError, RuntimeError) as e:
             error = (
-                f"the optimizer state in {s.checkpoint.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
-                "resume with the config that wrote it"
+                f"the optimizer state in {s.checkpoint.resume_dir} does not fit this model and optimizer "
+                f"({first_line(e)}); resume with the config that wrote it"
             )
         self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:

@@ -187,7 +187,8 @@ class FullFinetuneRecipeSingleDevice:
         self._weights = stream_weights(model, s.memory.stream_layers, self._device) if s.memory.stream_layers else None
         if self._weights:
             log.info(
-                f"stream_layers={s.memory.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in host memory"
+                f"stream_layers={s.memory.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in "
+                "host memory"
             )
         self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.memory.offload_activations)
         if s.memory.compile:
@@ -281,7 +282,8 @@ class FullFinetuneRecipeSingleDevice:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._skips.restore(state)
         log.info(
-            f"Resuming from {s.checkpoint.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
+            f"Resuming from {s.checkpoint.resume_dir}: global step {state['global_step']}, "
+            f"step {state['steps_in_epoch']} "
             f"of {self._steps_per_epoch} in epoch_{state['epoch']}"
         )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
