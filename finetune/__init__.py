@@ -1,6 +1,7 @@
 """The library under the recipes: what is not the training story, grouped by concern.
 
-- ``settings``: the config, read and checked once into one ``Settings``; ``optimizer``: the optimizer it names.
+- ``settings``: the config, read and checked once into the frozen sections of one ``Settings`` (each component takes
+  its section); ``optimizer``: the optimizer it names.
 - ``data/``: datasets and their loader, packing, the HF tokenizer.
 - ``model/``: the model builders torchtune lacks, packed attention, the fused loss, device and model preparation.
 - ``checkpoint/``: the Hugging Face folder format, the run folder and its lock, background saves, resume.

@@ -3,12 +3,14 @@
 ``build_data``: the tokenizer, the loss, the dataset (every record checked, packed when asked) and its seeded loader,
 and the validation set (``dataset_val``, built the same way) with its own loader (``finetune/validation.py``).
 ``build_reporting``: the checkpointer, the profiler, the run's identity and metric logger (wandb), the metrics log and
-the summary the run ends with. Each recipe keeps its own model, optimizer and loop; where the two differ (one
-device, or N ranks of which rank 0 reports) ``ranks`` says so.
+the summary the run ends with. ``report_out_of_memory``: the line a run that runs out of device memory ends with.
+Each recipe keeps its own model, optimizer and loop; where the two differ (one device, or N ranks of which rank 0
+reports) ``ranks`` says so. These compose the components, so they take the whole ``Settings`` and hand each
+component its section.
 """
 
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
@@ -18,9 +20,10 @@ from finetune.checkpoint.checkpointer import Checkpointer
 from finetune.checkpoint.run_folder import DistributedRanks, RunFolder
 from finetune.data import loading
 from finetune.reporting.metrics import MetricsLog, RunSummary
+from finetune.reporting.out_of_memory import keys_to_try, out_of_memory_line
 from finetune.reporting.profiler import Profiler
 from finetune.reporting.wandb_run import metric_logger, run_file, run_identity, wandb_run_info
-from finetune.settings import Settings
+from finetune.sections import Settings
 from finetune.validation import Validation
 
 
@@ -39,17 +42,17 @@ def build_data(cfg: DictConfig, s: Settings, log, ranks: Optional[DistributedRan
     validation set, built like the dataset with the same tokenizer (packed per dataset_val.packed)."""
     tokenizer = config.instantiate(cfg.tokenizer)
     loss_fn = config.instantiate(cfg.loss)
-    dataset = loading.build_dataset(cfg.dataset, tokenizer, s, log)
+    dataset = loading.build_dataset(s.data, tokenizer, log)
     share = {} if ranks is None else {"num_replicas": ranks.world, "rank": ranks.rank}
     dataloader, sampler, steps_per_epoch = loading.build_dataloader(
-        dataset, s, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share
+        dataset, s.data, s.training, pad_id=tokenizer.pad_id, ignore_index=loss_fn.ignore_index, **share
     )
-    validation = Validation.off(s)
-    if s.dataset_val is not None:
-        as_val = replace(s, packed=s.val_packed, data_files=s.val_data_files)  # (its packing and its pack cache key)
-        val_set = loading.build_dataset(s.dataset_val, tokenizer, as_val, log)
+    validation = Validation.off(s.device)
+    if s.validation is not None:
+        val_set = loading.build_dataset(s.validation.data, tokenizer, log)  # (its own packing and pack cache key)
         validation = Validation(
-            s,
+            s.validation,
+            s.device,
             val_set,
             steps_per_epoch=steps_per_epoch,
             pad_id=tokenizer.pad_id,
@@ -90,18 +93,27 @@ def build_reporting(
         folder,
         family,
         hf_config,
-        s.tokenizer_path,
-        background=s.async_checkpoint,
+        s.data.tokenizer_path,
+        background=s.checkpoint.background,
         device=s.device,
-        memory_limit_gib=s.memory_limit_gib,
-        host_limit_gib=s.host_limit_gib,
+        memory_limit_gib=s.memory.memory_limit_gib,
+        host_limit_gib=s.checkpoint.host_limit_gib,
         log=log if main else None,
         on_saved=lambda saved: summary.saved_checkpoint(saved),
     )
     profiler = Profiler(
         cfg.get("profiler"), output_dir=s.output_dir, device=s.device, **({} if ranks is None else {"rank": ranks.rank})
     )
-    identity = run_identity(cfg, s, **({} if ranks is None else {"world": ranks.world}))
+    identity = run_identity(
+        cfg,
+        optimizer=s.training.optimizer.path,
+        device=s.device,
+        memory_limit_gib=s.memory.memory_limit_gib,
+        packed=s.data.packed,
+        compiled=s.memory.compile,
+        in_backward=s.training.optimizer_in_bwd,
+        **({} if ranks is None else {"world": ranks.world}),
+    )
     logger, wandb_dir = metric_logger(cfg, log, identity) if main else (None, None)
     wandb_run = wandb_run_info(logger)
     if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
@@ -112,3 +124,23 @@ def build_reporting(
     summary = RunSummary(metrics.path, wandb_dir, wandb_run and f"{identity['name']}, id {wandb_run['id']}")
     summary.nothing_left = nothing_left
     return Reporting(checkpointer, profiler, identity, logger, metrics, summary)
+
+
+def report_out_of_memory(
+    s: Optional[Settings], error: BaseException, *, where: str, argv: List[str], distributed: bool = False
+) -> str:
+    """The one line (without ``error: ``) for running out of device memory ``where`` ("during setup", "at step 12")
+    in a run with settings ``s`` (None: not read yet): the peak, the class that fits, the keys to try
+    (finetune/reporting/out_of_memory.py), the last checkpoint."""
+    if s is None:
+        return out_of_memory_line(error, where=where, argv=argv)
+    keys = keys_to_try(s.memory, s.training, batch_size=s.data.batch_size, device=s.device, distributed=distributed)
+    return out_of_memory_line(
+        error,
+        where=where,
+        argv=argv,
+        device=s.device,
+        memory_limit_gib=s.memory.memory_limit_gib,
+        output_dir=s.output_dir,
+        keys=keys,
+    )

@@ -29,7 +29,7 @@ from torchtune import utils
 from finetune.base import BadInput
 from finetune.data.loading import collate_for
 from finetune.data.packing import count_trained_tokens
-from finetune.settings import Settings
+from finetune.sections import ValidationSettings
 
 
 class RankShare(Dataset):
@@ -63,7 +63,8 @@ class Validation:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: Optional[ValidationSettings],
+        device: torch.device,
         dataset=None,
         *,
         steps_per_epoch: int = 0,
@@ -73,39 +74,38 @@ class Validation:
         world: int = 1,
         log=None,
     ):
-        self.every, self.steps_per_epoch = settings.val_every, steps_per_epoch
-        self.device, self.world, self.ignore_index = settings.device, world, ignore_index
+        self.every, self.steps_per_epoch = (settings.every if settings else None), steps_per_epoch
+        self.device, self.world, self.ignore_index = device, world, ignore_index
         self.loader: Optional[DataLoader] = None
         self.model: Optional[torch.nn.Module] = None
         self.loss_step: Optional[Callable] = None
         if dataset is None:
             return
+        data = settings.data
         if len(dataset) == 0:
             raise BadInput(
-                f"dataset_val ({settings.dataset_val.get('data_files') or settings.dataset_val.get('source')}) holds "
+                f"dataset_val ({data.section.get('data_files') or data.section.get('source')}) holds "
                 "no samples; point dataset_val.data_files at a file with records, or set dataset_val=null"
             )
         share = RankShare(dataset, rank=rank, world=world, ignore_index=ignore_index)
         self.loader = DataLoader(
             share,
-            batch_size=settings.batch_size_val,
+            batch_size=data.batch_size,
             shuffle=False,
-            collate_fn=collate_for(
-                settings.val_packed, settings.packed_attention, pad_id=pad_id, ignore_index=ignore_index
-            ),
+            collate_fn=collate_for(data.packed, data.packed_attention, pad_id=pad_id, ignore_index=ignore_index),
             drop_last=False,  # every sample counts; the last batch may be smaller
             generator=torch.Generator().manual_seed(0),  # (a loader draws a seed per iteration: never the global RNG)
         )
         if log is not None:
             when = f"every {self.every} steps and " if self.every else ""
             log.info(
-                f"Validation: {len(dataset)} {'rows' if settings.val_packed else 'samples'} in batches of "
-                f"{settings.batch_size_val}{f' x {world} ranks' if world > 1 else ''}, {when}at the end of each epoch"
+                f"Validation: {len(dataset)} {'rows' if data.packed else 'samples'} in batches of "
+                f"{data.batch_size}{f' x {world} ranks' if world > 1 else ''}, {when}at the end of each epoch"
             )
 
     @classmethod
-    def off(cls, settings: Settings) -> "Validation":
-        return cls(settings)
+    def off(cls, device: torch.device) -> "Validation":
+        return cls(None, device)
 
     @property
     def enabled(self) -> bool:

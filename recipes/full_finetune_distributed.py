@@ -66,9 +66,8 @@ from finetune.model.sharding import init_process_group, scatter_full_weights
 from finetune.optimizer import warn_round_to_nearest
 from finetune.reporting.console import StepTimer
 from finetune.reporting.metrics import interrupted, step_record
-from finetune.reporting.out_of_memory import out_of_memory_line
 from finetune.reporting.wandb_run import push_summary
-from finetune.services import build_data, build_reporting
+from finetune.services import build_data, build_reporting, report_out_of_memory
 from finetune.settings import DISTRIBUTED_CONFIG_KEYS, command_line, first_line, read_settings
 from finetune.stops import SkipCounter, StopSignal
 
@@ -85,15 +84,15 @@ class FullFinetuneRecipeDistributed:
         # Every check of the config runs first, and the seed is set before the process group exists, so every rank
         # is seeded with `seed` itself.
         self.settings = s = read_settings(cfg, distributed=True)
-        training.set_seed(seed=s.seed)
-        prepare_device(s)
+        training.set_seed(seed=s.training.seed)
+        prepare_device(s.device, s.memory.memory_limit_gib)
         self._device, self._dtype = s.device, s.dtype
         init_process_group(self._device)
         self._ranks = DistributedRanks()
         self._world, self._rank, self._rank0 = self._ranks.world, self._ranks.rank, self._ranks.main
         self._folder = RunFolder(s.output_dir, self._ranks)
         self.epoch, self.steps_in_epoch, self.global_step = 0, 0, 0
-        self._skips = SkipCounter(s.max_skips, log)
+        self._skips = SkipCounter(s.training.max_skips, log)
         self._stop = StopSignal()
         self._nothing_left: Optional[str] = None
 
@@ -114,20 +113,20 @@ class FullFinetuneRecipeDistributed:
 
         self._model = self._setup_model(cfg)
         self._val = data.validation.using(self._model, self._loss_step)  # (dataset_val: finetune/validation.py)
-        self._optimizer = s.optimizer.build(self._model.parameters())
+        self._optimizer = s.training.optimizer.build(self._model.parameters())
         self._optimizers = [self._optimizer]
-        utils.log_rank_zero(log, f"Optimizer: {s.optimizer.path}")
+        utils.log_rank_zero(log, f"Optimizer: {s.training.optimizer.path}")
         if self._rank0:
-            warn_round_to_nearest(s.optimizer.path, self._dtype)
+            warn_round_to_nearest(s.training.optimizer.path, self._dtype)
         self._lr_scheduler = None
-        if s.lr_scheduler is not None:  # (None: constant lr)
+        if s.training.lr_scheduler is not None:  # (None: constant lr)
             self._lr_scheduler = config.instantiate(
-                s.lr_scheduler, self._optimizer, num_training_steps=s.epochs * self._steps_per_epoch
+                s.training.lr_scheduler, self._optimizer, num_training_steps=s.training.epochs * self._steps_per_epoch
             )
 
-        check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
-        resume_rng = self._load_resume_state() if s.resume_dir is not None else None
-        self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
+        check_fits_model(self._tokenizer, self._hf_config, self.settings.data.tokenizer_path)
+        resume_rng = self._load_resume_state() if s.checkpoint.resume_dir is not None else None
+        self._folder.refuse_reuse(resume_dir=s.checkpoint.resume_dir, overwrite=s.checkpoint.overwrite, log=log)
         # The checkpointer (every rank writes its part), profiler, and on rank 0 the metric logger (wandb),
         # metrics.jsonl and the summary the run ends with.
         report = build_reporting(
@@ -137,7 +136,7 @@ class FullFinetuneRecipeDistributed:
             self._family,
             self._hf_config,
             log=log,
-            resume_step=None if s.resume_dir is None else self.global_step,
+            resume_step=None if s.checkpoint.resume_dir is None else self.global_step,
             nothing_left=self._nothing_left,
             ranks=self._ranks,
         )
@@ -153,34 +152,34 @@ class FullFinetuneRecipeDistributed:
         # Build on the meta device (no memory), shard, then fill the shards from rank 0's full weights.
         s = self.settings
         with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(s.model)
-        if s.model_note:
-            utils.log_rank_zero(log, s.model_note)
-        self._family = hf_format.FAMILIES[s.family]
-        self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
+            model = config.instantiate(s.model.section)
+        if s.model.note:
+            utils.log_rank_zero(log, s.model.note)
+        self._family = hf_format.FAMILIES[s.model.family]
+        self._hf_config = hf_format.hf_config(model, self._dtype, s.model.source_config, self._family, self._tokenizer)
         meta_sd = model.state_dict()
 
-        if s.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
+        if s.memory.fp8 is not None:  # (the all-gathers stay bf16: FP8 is in the matmuls)
             utils.log_rank_zero(
-                log, f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8"
+                log, f"fp8={s.memory.fp8}: {convert_to_fp8(model, s.memory.fp8)} linear layers run their matmuls in FP8"
             )
-        if s.packed_attention == "varlen":
+        if s.data.packed_attention == "varlen":
             utils.log_rank_zero(
                 log,
                 f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use "
                 "FlashAttention's variable-length kernel",
             )
-        if s.ac_every is not None:
-            apply_activation_checkpointing(model, every_n=s.ac_every)
+        if s.memory.ac_every is not None:
+            apply_activation_checkpointing(model, every_n=s.memory.ac_every)
         self._activations_ctx = contextlib.nullcontext()
-        if s.compile:
+        if s.memory.compile:
             training.compile_model(model, verbose=self._rank0)
         mesh = init_device_mesh(self._device.type, (self._world,), mesh_dim_names=("dp",))
         training.shard_model(
             model=model,
             shard_conditions=[lambda name, m: isinstance(m, modules.TransformerSelfAttentionLayer)],
             cpu_offload=False,
-            reshard_after_forward=s.reshard_after_forward,
+            reshard_after_forward=s.memory.reshard_after_forward,
             dp_mesh=mesh["dp"],
         )
         scatter_full_weights(model, self._full_state_dict(cfg, meta_sd), main=self._rank0, device=self._device)
@@ -189,7 +188,7 @@ class FullFinetuneRecipeDistributed:
                 if hasattr(m, "rope_init"):  # RoPE's cache is a buffer outside the state dict
                     m.rope_init()
         training.validate_no_params_on_meta_device(model)
-        wire_loss(model, self._loss_fn, s, verbose=self._rank0)
+        wire_loss(model, self._loss_fn, compiled=s.memory.compile, verbose=self._rank0)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         n_params = sum(p.numel() for p in model.parameters())
         utils.log_rank_zero(
@@ -208,11 +207,11 @@ class FullFinetuneRecipeDistributed:
             self._ranks.agree(None)
             return {}
         s = self.settings
-        weights = s.resume_dir or s.checkpoint_dir
+        weights = s.checkpoint.resume_dir or s.checkpoint.checkpoint_dir
         error, sd = None, {}
         if weights is None:
             with training.set_default_dtype(self._dtype), self._device:
-                full = config.instantiate(s.model)
+                full = config.instantiate(s.model.section)
             sd = {k: v.detach() for k, v in full.state_dict().items()}
             del full
         else:
@@ -236,27 +235,34 @@ class FullFinetuneRecipeDistributed:
         """The settings recipe_state.pt keeps (``resume.RESUME_TABLE``), with the rank count: a resume compares
         the samples per step (batch_size x gradient_accumulation_steps x ranks), so another rank count with the same
         global batch resumes exactly."""
-        return resume.run_settings(self.settings, world_size=self._world)
+        s = self.settings
+        return resume.run_settings(
+            s.training, s.data, dtype_name=s.dtype_name, fp8=s.memory.fp8, world_size=self._world
+        )
 
     def _load_resume_state(self) -> Optional[dict]:
         """Restore optimizer, schedule and data position; return this rank's RNG state (restored last)."""
         s = self.settings
-        state = resume.read_resume(s.resume_dir, now=self._run_settings(), mmap=True, log=log if self._rank0 else None)
+        state = resume.read_resume(
+            s.checkpoint.resume_dir, now=self._run_settings(), mmap=True, log=log if self._rank0 else None
+        )
         saved_world = state["config"].get("world_size", 1)
         layout = state.get("optimizer_layout", "full")  # (per_rank: read_resume refused another rank count)
         # Every rank reads its own file and loads its own shard; any rank's failure stops all of them together.
-        rank_state = resume.read_rank_state(s.resume_dir, self._ranks, required=layout == "per_rank")
+        rank_state = resume.read_rank_state(s.checkpoint.resume_dir, self._ranks, required=layout == "per_rank")
         error = None
         try:
             if layout == "per_rank":
                 self._optimizer.load_state_dict(rank_state["optimizer"])
             else:  # (any rank count's, or one device's; another optimizer class's converted first)
-                full = restore(state, self._optimizers, self._model, now=s.optimizer.path, log=self._rank0 and log)
+                full = restore(
+                    state, self._optimizers, self._model, now=s.training.optimizer.path, log=self._rank0 and log
+                )
                 load_full(self._model, self._optimizer, full, self._device)
         except (ValueError, KeyError, RuntimeError) as e:
             error = (
-                f"the optimizer state in {s.resume_dir} does not fit this model and optimizer ({first_line(e)}); "
-                "resume with the config that wrote it"
+                f"the optimizer state in {s.checkpoint.resume_dir} does not fit this model and optimizer "
+                f"({first_line(e)}); resume with the config that wrote it"
             )
         self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -264,14 +270,14 @@ class FullFinetuneRecipeDistributed:
         self._skips.restore(state)
         utils.log_rank_zero(
             log,
-            f"Resuming from {s.resume_dir} on {self._world} ranks: global step "
+            f"Resuming from {s.checkpoint.resume_dir} on {self._world} ranks: global step "
             f"{state['global_step']}, step {state['steps_in_epoch']} of {self._steps_per_epoch} "
             f"in epoch_{state['epoch']}",
         )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
-        if self.epoch >= s.epochs and self._rank0:
+        if self.epoch >= s.training.epochs and self._rank0:
             self._nothing_left = resume.nothing_left(
-                s.resume_dir, self.global_step, s.epochs, s.max_steps_per_epoch, log
+                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch, log
             )
         return rank_state.get("rng") if saved_world == self._world else None
 
@@ -332,14 +338,16 @@ class FullFinetuneRecipeDistributed:
         s = self.settings
         params = [p for p in self._model.parameters() if p.requires_grad]
         self._summary.training_started()
-        for epoch in range(self.epoch, s.epochs):
+        for epoch in range(self.epoch, s.training.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            skip_to(self._sampler, epoch, start, s.accum * s.batch_size)  # (each rank skips its own share)
+            skip_to(
+                self._sampler, epoch, start, s.training.accum * s.data.batch_size
+            )  # (each rank skips its own share)
             step_in_epoch = start
             pbar = tqdm(
                 total=self._steps_per_epoch,
                 initial=start,
-                desc=console.epoch_label(epoch, s.epochs),
+                desc=console.epoch_label(epoch, s.training.epochs),
                 dynamic_ncols=True,
                 disable=not self._rank0,
             )
@@ -352,13 +360,13 @@ class FullFinetuneRecipeDistributed:
                 running_loss += loss.detach() * ntok
                 num_tokens += ntok
                 micro += 1
-                if micro % s.accum:
+                if micro % s.training.accum:
                     continue
 
                 # Without clipping, the norm of the unscaled gradients (the same on every rank) rides in the
                 # all-reduce below, so checking it costs no host sync of its own.
                 raw_norm = None
-                if s.clip is None:
+                if s.training.clip is None:
                     raw_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
                     if isinstance(raw_norm, DTensor):
                         raw_norm = raw_norm.full_tensor()
@@ -383,9 +391,9 @@ class FullFinetuneRecipeDistributed:
                 stop_now = bool(stop)
                 scale = self._world / max(total_tokens, 1)
                 grad_norm = None
-                if s.clip is not None:
+                if s.training.clip is not None:
                     training.scale_grads(self._model, torch.tensor(scale, dtype=torch.float32))
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=s.clip)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=s.training.clip)
                     if isinstance(grad_norm, DTensor):
                         grad_norm = grad_norm.full_tensor()
                     grad_norm = float(grad_norm)  # one host sync per step: acceptable with clipping
@@ -394,7 +402,7 @@ class FullFinetuneRecipeDistributed:
                 skipped = not (math.isfinite(total_loss) and math.isfinite(grad_norm))
                 opt_ms = None
                 if not skipped:
-                    if s.clip is None:
+                    if s.training.clip is None:
                         training.scale_grads(self._model, torch.tensor(scale, dtype=torch.float32))
                     timer = StepTimer(self._device).start()  # (CUDA events: no host sync before the step)
                     self._optimizer.step()
@@ -451,7 +459,7 @@ class FullFinetuneRecipeDistributed:
                     )
                     self._summary.stop = self._stop.name or "SIGTERM"  # (it may have reached another rank only)
                     return
-                if s.save_every and self.global_step % s.save_every == 0:
+                if s.checkpoint.save_every and self.global_step % s.checkpoint.save_every == 0:
                     self.save_checkpoint(f"step_{self.global_step}", epoch, step_in_epoch)
                 t0 = time.perf_counter()
             pbar.close()
@@ -564,7 +572,9 @@ def recipe_main(cfg: DictConfig) -> None:
     except torch.OutOfMemoryError as e:  # the rank that ran out says so in one line (the launcher stops the rest)
         where = f"at step {recipe.global_step + 1}" if training else "during setup"
         s = getattr(recipe, "settings", None)
-        console.report_bad_input(BadInput(out_of_memory_line(s, e, where=where, argv=sys.argv, distributed=True)), rank)
+        console.report_bad_input(
+            BadInput(report_out_of_memory(s, e, where=where, argv=sys.argv, distributed=True)), rank
+        )
         sys.exit(2)
     except KeyboardInterrupt:
         # Ctrl-C reaches every rank (the terminal's process group): each stops at once (no collective: a background

@@ -85,9 +85,8 @@ from finetune.model.prepare import (
 from finetune.optimizer import warn_round_to_nearest
 from finetune.reporting.console import StepTimer
 from finetune.reporting.metrics import interrupted, step_record
-from finetune.reporting.out_of_memory import out_of_memory_line
 from finetune.reporting.wandb_run import push_summary
-from finetune.services import build_data, build_reporting
+from finetune.services import build_data, build_reporting, report_out_of_memory
 from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings
 from finetune.stops import SkipCounter, StopSignal
 from finetune.streaming import StreamedStates, check_host_memory, step_metrics, stream_weights
@@ -104,13 +103,13 @@ class FullFinetuneRecipeSingleDevice:
     def __init__(self, cfg: DictConfig) -> None:
         # Every check of the config runs here, before anything is built or written.
         self.settings = s = read_settings(cfg)
-        training.set_seed(seed=s.seed)
-        prepare_device(s)
+        training.set_seed(seed=s.training.seed)
+        prepare_device(s.device, s.memory.memory_limit_gib)
         self._device, self._dtype = s.device, s.dtype
         self._folder = RunFolder(s.output_dir)
         # Position in training; a resume overwrites it.
         self.epoch, self.steps_in_epoch, self.global_step = 0, 0, 0
-        self._skips = SkipCounter(s.max_skips, log)
+        self._skips = SkipCounter(s.training.max_skips, log)
         self._stop = StopSignal()
         self._nothing_left: Optional[str] = None
 
@@ -129,9 +128,9 @@ class FullFinetuneRecipeSingleDevice:
         self._val = data.validation.using(self._model, self._loss_step)  # (dataset_val: finetune/validation.py)
         self._setup_optimizer()
         self._lr_scheduler = self._setup_lr_scheduler(cfg)
-        check_fits_model(self._tokenizer, self._hf_config, self.settings.tokenizer_path)
-        resume_state = self._load_resume_state() if s.resume_dir is not None else None
-        self._folder.refuse_reuse(resume_dir=s.resume_dir, overwrite=s.overwrite, log=log)
+        check_fits_model(self._tokenizer, self._hf_config, self.settings.data.tokenizer_path)
+        resume_state = self._load_resume_state() if s.checkpoint.resume_dir is not None else None
+        self._folder.refuse_reuse(resume_dir=s.checkpoint.resume_dir, overwrite=s.checkpoint.overwrite, log=log)
         # The checkpointer, profiler, metric logger (wandb), metrics.jsonl and the summary the run ends with.
         report = build_reporting(
             cfg,
@@ -154,55 +153,60 @@ class FullFinetuneRecipeSingleDevice:
 
     def _setup_model(self, cfg: DictConfig) -> modules.TransformerDecoder:
         s = self.settings
-        weights = s.resume_dir or s.checkpoint_dir
+        weights = s.checkpoint.resume_dir or s.checkpoint.checkpoint_dir
         # stream_layers: the model is never whole on the GPU (built with no memory, given the file's tensors)
-        home = torch.device("meta" if weights else "cpu") if s.stream_layers else self._device
+        home = torch.device("meta" if weights else "cpu") if s.memory.stream_layers else self._device
         with training.set_default_dtype(self._dtype), home:
-            model = config.instantiate(s.model)
-        if s.model_note:
-            log.info(s.model_note)
+            model = config.instantiate(s.model.section)
+        if s.model.note:
+            log.info(s.model.note)
         # The HF config is read off the model before AC and compile wrap its layers.
-        self._family = hf_format.FAMILIES[s.family]
-        self._hf_config = hf_format.hf_config(model, self._dtype, s.source_config, self._family, self._tokenizer)
+        self._family = hf_format.FAMILIES[s.model.family]
+        self._hf_config = hf_format.hf_config(model, self._dtype, s.model.source_config, self._family, self._tokenizer)
         if weights is not None:
             hf_format.load_weights(model, weights, self._hf_config, self._family, assign=home.type == "meta")
             log.info(f"Loaded weights from {weights}")
 
-        if s.fp8 is not None:
-            log.info(f"fp8={s.fp8}: {convert_to_fp8(model, s.fp8)} linear layers run their matmuls in FP8")
-        if s.packed_attention == "varlen":
+        if s.memory.fp8 is not None:
+            log.info(
+                f"fp8={s.memory.fp8}: {convert_to_fp8(model, s.memory.fp8)} linear layers run their matmuls in FP8"
+            )
+        if s.data.packed_attention == "varlen":
             log.info(
                 f"packed_attention=varlen: {use_varlen_attention(model)} attention layers use FlashAttention's "
                 "variable-length kernel"
             )
-        if s.ac_every is not None:
-            apply_activation_checkpointing(model, every_n=s.ac_every)
-        elif s.offload_activations:
+        if s.memory.ac_every is not None:
+            apply_activation_checkpointing(model, every_n=s.memory.ac_every)
+        elif s.memory.offload_activations:
             log.warning(
                 "enable_activation_offloading=True without activation checkpointing copies every activation "
                 "to the CPU and back: usually slower than enable_activation_checkpointing=True"
             )
-        self._weights = stream_weights(model, s.stream_layers, self._device) if s.stream_layers else None
+        self._weights = stream_weights(model, s.memory.stream_layers, self._device) if s.memory.stream_layers else None
         if self._weights:
             log.info(
-                f"stream_layers={s.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in host memory"
+                f"stream_layers={s.memory.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in "
+                "host memory"
             )
-        self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.offload_activations)
-        if s.compile:
+        self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.memory.offload_activations)
+        if s.memory.compile:
             training.compile_model(model)
-        wire_loss(model, self._loss_fn, s)
+        wire_loss(model, self._loss_fn, compiled=s.memory.compile)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)
         n_params = sum(p.numel() for p in model.parameters())
         log.info(f"Model: {n_params / 1e6:.1f}M parameters in {self._dtype} on {self._device}")
         return model
 
     def _setup_optimizer(self) -> None:
-        spec = self.settings.optimizer
+        spec = self.settings.training.optimizer
         self._streamed: Optional[StreamedStates] = None
-        if self.settings.optimizer_in_bwd:
+        if self.settings.training.optimizer_in_bwd:
             # One optimizer per parameter, stepped by a hook as soon as that parameter's gradient is accumulated.
             optim_dict = {p: spec.build([p]) for p in self._model.parameters()}
-            if self.settings.stream_states:  # the same hooks, with each state fetched for its step and written back
+            if (
+                self.settings.memory.stream_states
+            ):  # the same hooks, with each state fetched for its step and written back
                 check_host_memory(spec.build, self._model.parameters(), self._device)
                 weights = self._weights  # (streamed weights share the copy streams and go down after each step)
                 self._streamed = StreamedStates(
@@ -222,23 +226,23 @@ class FullFinetuneRecipeSingleDevice:
             self._optimizers = [self._optimizer]
         log.info(
             f"Optimizer: {spec.path}"
-            + (" (in backward, one per parameter)" if self.settings.optimizer_in_bwd else "")
+            + (" (in backward, one per parameter)" if self.settings.training.optimizer_in_bwd else "")
             + (", states in host memory" if self._streamed else "")
         )
         self._optim_state = self._streamed or (
-            self._optim_wrapper if self.settings.optimizer_in_bwd else self._optimizer
+            self._optim_wrapper if self.settings.training.optimizer_in_bwd else self._optimizer
         )
         warn_round_to_nearest(spec.path, self._dtype)
 
     def _setup_lr_scheduler(self, cfg: DictConfig):
-        if self.settings.lr_scheduler is None:  # constant lr
+        if self.settings.training.lr_scheduler is None:  # constant lr
             return None
         scheduler = config.instantiate(
-            self.settings.lr_scheduler,
+            self.settings.training.lr_scheduler,
             self._optimizers[0],
-            num_training_steps=self.settings.epochs * self._steps_per_epoch,
+            num_training_steps=self.settings.training.epochs * self._steps_per_epoch,
         )
-        if self.settings.optimizer_in_bwd:
+        if self.settings.training.optimizer_in_bwd:
             # The scheduler drives the first per-parameter optimizer; the wrapper copies its lr to all the others
             # after each step. The scheduler already set the first step's lr (0 at the start of a warmup) on that one
             # optimizer: copy it now too, or every other parameter's first step would run at the full base lr.
@@ -251,31 +255,40 @@ class FullFinetuneRecipeSingleDevice:
 
     def _run_settings(self) -> Dict[str, Any]:
         """The settings recipe_state.pt keeps, for a resume to compare (``resume.RESUME_TABLE``)."""
-        return resume.run_settings(self.settings)
+        s = self.settings
+        return resume.run_settings(s.training, s.data, dtype_name=s.dtype_name, fp8=s.memory.fp8)
 
     def _load_resume_state(self) -> dict:
         s = self.settings
-        state = resume.read_resume(s.resume_dir, now=self._run_settings(), log=log)
+        state = resume.read_resume(s.checkpoint.resume_dir, now=self._run_settings(), log=log)
         try:
             self._optim_state.load_state_dict(
-                restore(state, self._optimizers, self._model, now=s.optimizer.path, in_bwd=s.optimizer_in_bwd, log=log)
+                restore(
+                    state,
+                    self._optimizers,
+                    self._model,
+                    now=s.training.optimizer.path,
+                    in_bwd=s.training.optimizer_in_bwd,
+                    log=log,
+                )
             )
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(
-                f"the optimizer state in {s.resume_dir / RECIPE_STATE_FILE} does not fit this "
+                f"the optimizer state in {s.checkpoint.resume_dir / RECIPE_STATE_FILE} does not fit this "
                 f"model and optimizer ({first_line(e)}); resume with the config that wrote it"
             ) from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._skips.restore(state)
         log.info(
-            f"Resuming from {s.resume_dir}: global step {state['global_step']}, step {state['steps_in_epoch']} "
+            f"Resuming from {s.checkpoint.resume_dir}: global step {state['global_step']}, "
+            f"step {state['steps_in_epoch']} "
             f"of {self._steps_per_epoch} in epoch_{state['epoch']}"
         )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
-        if self.epoch >= s.epochs:
+        if self.epoch >= s.training.epochs:
             self._nothing_left = resume.nothing_left(
-                s.resume_dir, self.global_step, s.epochs, s.max_steps_per_epoch, log
+                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch, log
             )
         return state
 
@@ -295,7 +308,7 @@ class FullFinetuneRecipeSingleDevice:
         return self._loss_fn(logits, labels)
 
     def _current_lr(self) -> float:
-        if self.settings.optimizer_in_bwd:
+        if self.settings.training.optimizer_in_bwd:
             return float(self._optim_wrapper.get_optim_key("lr"))
         return float(self._optimizer.param_groups[0]["lr"])
 
@@ -312,27 +325,27 @@ class FullFinetuneRecipeSingleDevice:
 
     def _train(self) -> None:
         s = self.settings
-        if s.compile:
+        if s.memory.compile:
             log.info("compile=True: the first steps compile and are slow")
         params = [p for p in self._model.parameters() if p.requires_grad]
         self._summary.training_started()  # (the first step's time counts from here: compile included)
         timer = StepTimer(self._device)
-        for epoch in range(self.epoch, s.epochs):
+        for epoch in range(self.epoch, s.training.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
-            skip_to(self._sampler, epoch, start, s.accum * s.batch_size)
+            skip_to(self._sampler, epoch, start, s.training.accum * s.data.batch_size)
             step_in_epoch = start
             pbar = tqdm(
                 total=self._steps_per_epoch,
                 initial=start,
                 dynamic_ncols=True,
-                desc=console.epoch_label(epoch, s.epochs),
+                desc=console.epoch_label(epoch, s.training.epochs),
             )
             running_loss = 0.0
             t0 = time.perf_counter()
             batches = iter(self._dataloader)
             while True:
-                micro_batches = list(itertools.islice(batches, s.accum))
-                if len(micro_batches) < s.accum:
+                micro_batches = list(itertools.islice(batches, s.training.accum))
+                if len(micro_batches) < s.training.accum:
                     break
                 # The step's trained tokens are counted from the labels before any forward pass, so each
                 # micro-batch's gradient arrives already divided by the step's total: no pass over the
@@ -347,10 +360,12 @@ class FullFinetuneRecipeSingleDevice:
 
                 grad_norm, opt_timer, skipped = None, None, False
                 loss_t = running_loss / max(num_tokens, 1)
-                if not s.optimizer_in_bwd:
-                    if s.clip is not None:  # (the settings refuse clipping with CPU offload)
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=s.clip)
-                    elif not s.optimizer.cpu_offload:  # (CPU offload: the gradients are on the CPU already: loss only)
+                if not s.training.optimizer_in_bwd:
+                    if s.training.clip is not None:  # (the settings refuse clipping with CPU offload)
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=s.training.clip)
+                    elif (
+                        not s.training.optimizer.cpu_offload
+                    ):  # (CPU offload: the gradients are on the CPU already: loss only)
                         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
                     # The step's one host sync: loss and norm are checked before the optimizer may touch weights or
                     # state.
@@ -406,7 +421,7 @@ class FullFinetuneRecipeSingleDevice:
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
                 record.update(self._summary.first_step_field())  # (the first record of this process)
-                if s.compile:
+                if s.memory.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
                 record.update(self._checkpointer.metrics(since=t0))
                 record.update(step_metrics(self._streamed, self._weights))  # (bytes moved, waits on copies)
@@ -434,7 +449,7 @@ class FullFinetuneRecipeSingleDevice:
                     return
                 # A periodic checkpoint that falls on an epoch's last step is skipped: the epoch checkpoint written
                 # just after holds the same state.
-                if s.save_every and self.global_step % s.save_every == 0:
+                if s.checkpoint.save_every and self.global_step % s.checkpoint.save_every == 0:
                     self.save_checkpoint(f"step_{self.global_step}", epoch, step_in_epoch)
                 t0 = time.perf_counter()
             pbar.close()
@@ -509,7 +524,7 @@ def recipe_main(cfg: DictConfig) -> None:
         # One line too: where, the peak against the GPU's memory, the class that fits. train() has published a
         # checkpoint that was being written in the background; the last one is left as it was.
         where = f"at step {recipe.global_step + 1}" if training else "during setup"
-        line = out_of_memory_line(getattr(recipe, "settings", None), e, where=where, argv=sys.argv)
+        line = report_out_of_memory(getattr(recipe, "settings", None), e, where=where, argv=sys.argv)
         tqdm.write(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

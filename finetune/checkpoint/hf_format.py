@@ -334,8 +334,8 @@ def check_source_family(base: dict, family: Family) -> None:
 
 
 def read_source_config(folder: Optional[Path]) -> Optional[dict]:
-    """A checkpoint folder's config.json, if it has one, read once (settings keeps it: ``Settings.source_config``);
-    unreadable JSON, or JSON that is not an object, is a BadInput."""
+    """A checkpoint folder's config.json, if it has one, read once (the settings keep it:
+    ``ModelSettings.source_config``); unreadable JSON, or JSON that is not an object, is a BadInput."""
     if folder is None or not (Path(folder) / "config.json").is_file():
         return None
     path = Path(folder) / "config.json"

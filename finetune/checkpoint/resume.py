@@ -163,33 +163,39 @@ ADAMW_MATH = ("betas", "eps", "weight_decay", "maximize", "amsgrad")  # compared
 CONFIG_NAMES = {"packed": "dataset.packed", "lr": "optimizer.lr", "optimizer_settings": "optimizer"}
 
 
-def run_settings(s, *, world_size: Optional[int] = None) -> Dict[str, Any]:
-    """What a checkpoint records of the run (``s``: ``_settings.Settings``) for ``read_resume``: the MUST and WARN
-    rows of RESUME_TABLE, in plain types (paths replaced by their files' digests, so a moved file is the same)."""
-    dataset = {k: v for k, v in (s.dataset_cfg or {}).items() if k not in ("data_files", "packed")}
-    tokenizer = {k: v for k, v in (s.tokenizer_cfg or {}).items() if k != "path"}
-    tokenizer["file"] = file_digest(s.tokenizer_path)
-    kwargs = OmegaConf.to_container(s.optimizer.kwargs, resolve=True)
+def run_settings(
+    training, data, *, dtype_name: str, fp8: Optional[str], world_size: Optional[int] = None
+) -> Dict[str, Any]:
+    """What a checkpoint records of the run for ``read_resume``: the MUST and WARN rows of RESUME_TABLE, from its
+    ``training`` and (training) ``data`` sections, in plain types (paths replaced by their files' digests, so a moved
+    file is the same)."""
+    dataset_cfg = OmegaConf.to_container(data.section, resolve=True)
+    dataset = {k: v for k, v in dataset_cfg.items() if k not in ("data_files", "packed")}
+    tokenizer = {k: v for k, v in (data.tokenizer_cfg or {}).items() if k != "path"}
+    tokenizer["file"] = file_digest(data.tokenizer_path)
+    optimizer = training.optimizer
+    kwargs = OmegaConf.to_container(optimizer.kwargs, resolve=True)
+    schedule = training.lr_scheduler
     settings = {
-        "batch_size": s.batch_size,
-        "gradient_accumulation_steps": s.accum,
-        "seed": s.seed,
-        "shuffle": s.shuffle,
-        "packed": s.packed,
+        "batch_size": data.batch_size,
+        "gradient_accumulation_steps": training.accum,
+        "seed": training.seed,
+        "shuffle": training.shuffle,
+        "packed": data.packed,
         "dataset": dataset,
-        "data": [file_digest(Path(f)) for f in s.data_files],
+        "data": [file_digest(Path(f)) for f in data.files],
         "tokenizer": tokenizer,
-        "dtype": s.dtype_name,
-        "optimizer": s.optimizer.path,
-        "optimizer_in_bwd": s.optimizer_in_bwd,
-        "lr": s.optimizer.lr,
+        "dtype": dtype_name,
+        "optimizer": optimizer.path,
+        "optimizer_in_bwd": training.optimizer_in_bwd,
+        "lr": optimizer.lr,
         # (torch's backend flags choose the implementation, not the math: a resume may change them)
         "optimizer_settings": {k: v for k, v in kwargs.items() if k != "lr" and k not in TORCH_BACKEND_FLAGS},
-        "lr_scheduler": None if s.lr_scheduler is None else OmegaConf.to_container(s.lr_scheduler, resolve=True),
-        "epochs": s.epochs,
-        "max_steps_per_epoch": s.max_steps_per_epoch,
-        "clip_grad_norm": s.clip,
-        "fp8": s.fp8,
+        "lr_scheduler": None if schedule is None else OmegaConf.to_container(schedule, resolve=True),
+        "epochs": training.epochs,
+        "max_steps_per_epoch": training.max_steps_per_epoch,
+        "clip_grad_norm": training.clip,
+        "fp8": fp8,
     }
     if world_size is not None:
         settings["world_size"] = world_size

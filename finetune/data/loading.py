@@ -19,18 +19,18 @@ from functools import partial
 from typing import Tuple
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config
 from torchtune.data import padded_collate_packed, padded_collate_sft
 
-from finetune.base import BadInput
+from finetune.base import BadInput, first_line
 from finetune.data import records
 from finetune.data.packing import pack_dataset
 from finetune.data.records import ALPACA_REQUIRED, ALPACA_TEXT_FIELDS, CHAT_STYLES, INSTRUCT_FIELDS
 from finetune.model import attention
-from finetune.settings import Settings, first_line
+from finetune.sections import DataSettings, TrainingSettings
 
 # The dataset kinds whose records are checked, by a name in dataset._component_, and what their records hold.
 KINDS = {"alpaca": "alpaca", "instruct": "instruct_dataset", "chat": "chat_dataset"}
@@ -42,8 +42,10 @@ RECORDS = {
 }
 
 
-def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
-    """The samples (``dataset.packed=False``) or packed rows (``True``) the config names, every record checked."""
+def build_dataset(data: DataSettings, tokenizer, log):
+    """The samples (``dataset.packed=False``) or packed rows (``True``) of ``data``'s section (the training set's, or
+    the validation set's), every record checked."""
+    cfg_dataset = data.section
     where = cfg_dataset.get("data_files") or cfg_dataset.get("source")
     component = str(cfg_dataset.get("_component_", ""))
     kind = next((k for k, name in KINDS.items() if name in component), None)
@@ -95,7 +97,7 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
             names,
             templated=getattr(tokenizer, "chat_template", None) is not None,
         )
-    if not settings.packed:
+    if not data.packed:
         return ds
     dataset_cfg = OmegaConf.to_container(cfg_dataset, resolve=True)
     fingerprint = getattr(tokenizer, "fingerprint", None)
@@ -103,16 +105,16 @@ def build_dataset(cfg_dataset: DictConfig, tokenizer, settings: Settings, log):
         dataset_cfg = {**dataset_cfg, "tokenizer": fingerprint}
     cache_parts = dict(
         dataset_cfg=dataset_cfg,
-        data_files=settings.data_files,
-        tokenizer_path=str(settings.tokenizer_path),
-        tokenizer_cfg=settings.tokenizer_cfg,
+        data_files=list(data.files),
+        tokenizer_path=str(data.tokenizer_path),
+        tokenizer_cfg=data.tokenizer_cfg,
     )
     return pack_dataset(
         ds,
         max_seq_len=tokenizer.max_seq_len,
         padding_idx=tokenizer.pad_id,
         vocab_size=getattr(tokenizer, "vocab_size", None),
-        cache_dir=settings.pack_cache_dir,
+        cache_dir=data.pack_cache_dir,
         cache_parts=cache_parts,
         log=log,
     )
@@ -127,31 +129,39 @@ def collate_for(packed: bool, packed_attention: str, *, pad_id: int, ignore_inde
 
 
 def build_dataloader(
-    ds, settings: Settings, *, pad_id: int, ignore_index: int, num_replicas: int = 1, rank: int = 0
+    ds,
+    data: DataSettings,
+    training: TrainingSettings,
+    *,
+    pad_id: int,
+    ignore_index: int,
+    num_replicas: int = 1,
+    rank: int = 0,
 ) -> Tuple[DataLoader, StatefulDistributedSampler, int]:
-    """The loader (rank r of N reads samples r, r+N, ... of one seeded permutation), its sampler, and the optimizer
-    steps per epoch (``max_steps_per_epoch`` applied). Too little data for one step is a BadInput."""
+    """The training loader (rank r of N reads samples r, r+N, ... of one permutation, ``training``'s seed and
+    shuffle), its sampler, and the optimizer steps per epoch (``training``'s accumulation and
+    ``max_steps_per_epoch`` applied). Too little data for one step is a BadInput."""
     sampler = StatefulDistributedSampler(
-        ds, num_replicas=num_replicas, rank=rank, shuffle=settings.shuffle, seed=settings.seed
+        ds, num_replicas=num_replicas, rank=rank, shuffle=training.shuffle, seed=training.seed
     )
     loader = DataLoader(
         ds,
-        batch_size=settings.batch_size,
+        batch_size=data.batch_size,
         sampler=sampler,
-        collate_fn=collate_for(settings.packed, settings.packed_attention, pad_id=pad_id, ignore_index=ignore_index),
+        collate_fn=collate_for(data.packed, data.packed_attention, pad_id=pad_id, ignore_index=ignore_index),
         # A full last batch only: keeps shapes static for compile and steps comparable.
         drop_last=True,
         # Its own generator, so iterating the data does not consume the global RNG.
-        generator=torch.Generator().manual_seed(settings.seed),
+        generator=torch.Generator().manual_seed(training.seed),
     )
-    steps_per_epoch = len(loader) // settings.accum
-    if settings.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, settings.max_steps_per_epoch)
+    steps_per_epoch = len(loader) // training.accum
+    if training.max_steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, training.max_steps_per_epoch)
     if steps_per_epoch == 0:
         ranks = f" x {num_replicas} ranks" if num_replicas > 1 else ""
         raise BadInput(
-            f"the dataset has {len(ds)} samples, fewer than one optimizer step needs (batch_size={settings.batch_size}"
-            f"{ranks} x gradient_accumulation_steps={settings.accum}); lower batch_size"
+            f"the dataset has {len(ds)} samples, fewer than one optimizer step needs (batch_size={data.batch_size}"
+            f"{ranks} x gradient_accumulation_steps={training.accum}); lower batch_size"
         )
     return loader, sampler, steps_per_epoch
 

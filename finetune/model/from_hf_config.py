@@ -19,7 +19,7 @@ from typing import Any, Dict
 from finetune.base import BadInput
 from finetune.model.builders import decoder  # noqa: F401  (COMPONENT names it here)
 
-COMPONENT = "finetune.model.from_hf_config.decoder"  # what Settings.model names when built from config.json
+COMPONENT = "finetune.model.from_hf_config.decoder"  # what ModelSettings.section names when built from config.json
 
 
 # ------------------------------------------------------------------------------------------------

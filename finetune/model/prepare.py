@@ -4,17 +4,18 @@ meta device before sharding) and load its weights; everything else about it is h
 """
 
 import os
+from typing import Optional
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torchtune import training, utils
 
-from finetune.settings import FP8_RECIPES, Settings  # noqa: F401  (FP8_RECIPES: the values of fp8)
-
 log = utils.get_logger("INFO")
 
+FP8_RECIPES = ("tensorwise", "rowwise")  # the values of fp8: torchao's float8 training recipes (dynamic scaling)
 
-def prepare_device(settings: Settings) -> None:
+
+def prepare_device(device: torch.device, memory_limit_gib: Optional[float]) -> None:
     """On a GPU: expandable segments unless the user configured the allocator, and ``device_memory_limit_gib``.
 
     Without expandable segments, a training step's changing allocation sizes leave the caching allocator holding
@@ -24,13 +25,13 @@ def prepare_device(settings: Settings) -> None:
     to grow past that share of the card: a run that fits here fits a card of that size (the CUDA context,
     ~0.5 GiB, comes on top on a real card).
     """
-    if settings.device.type != "cuda":
+    if device.type != "cuda":
         return
     if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    if settings.memory_limit_gib is not None:
-        total = torch.cuda.get_device_properties(settings.device).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(settings.memory_limit_gib / total, settings.device)
+    if memory_limit_gib is not None:
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(memory_limit_gib / total, device)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, every_n: int = 1) -> int:
@@ -50,17 +51,17 @@ def apply_activation_checkpointing(model: torch.nn.Module, every_n: int = 1) -> 
     return count
 
 
-def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, settings: Settings, verbose: bool = True) -> None:
-    """Compile the loss with the model (``compile``) and split the output projection into the chunks torchtune's
+def wire_loss(model: torch.nn.Module, loss_fn: torch.nn.Module, *, compiled: bool, verbose: bool = True) -> None:
+    """Compile the loss with the model (``compiled``: the config's ``compile``) and split the output projection into the chunks torchtune's
     chunked cross-entropy takes (it then never holds the fp32 logits of a whole batch). A loss that applies the
     output layer itself (``finetune.model.LinearCrossEntropyLoss``) takes the model instead: it then returns its
     last hidden state, and the loss compiles what it runs."""
     if hasattr(loss_fn, "set_model_output"):
-        impl = loss_fn.set_model_output(model, compile=settings.compile)
+        impl = loss_fn.set_model_output(model, compile=compiled)
         if verbose:
             log.info(f"Loss: the output layer's linear cross-entropy in one step ({impl})")
         return
-    if settings.compile:
+    if compiled:
         training.compile_loss(loss_fn, verbose=verbose)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)

@@ -10,7 +10,7 @@ other input that does not fit.
 import re
 import resource
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -49,57 +49,64 @@ def smaller_class_config(config_path: Optional[str], budget_gib: float) -> Optio
     return max(candidates, key=lambda c: (c[0], c[1]), default=(0, 0, None))[2]
 
 
-def keys_to_try(settings, *, distributed: bool) -> List[str]:
-    """The overrides that cut memory and are not on yet, the cheapest in speed first (at most three)."""
-    s = settings
+def keys_to_try(memory, training, *, batch_size: int, device: torch.device, distributed: bool) -> List[str]:
+    """The overrides that cut memory and are not on yet (of the run's ``memory`` and ``training`` sections, and
+    its ``batch_size``), the cheapest in speed first (at most three)."""
     keys = []
     # The states in host memory, up for their step only: about 1.5 % slower on Llama2-7B, 4-5 GiB freed
     # (bench/results/llama2_7b_24gb_card_h200.json); one GPU, in backward.
-    if s.optimizer_in_bwd and not s.stream_states and s.device.type == "cuda" and not distributed:
+    in_bwd = training.optimizer_in_bwd
+    if in_bwd and not memory.stream_states and device.type == "cuda" and not distributed:
         keys.append("stream_optimizer_states=True")
-    if s.batch_size > 1:  # the same samples per step, in twice the micro-batches
-        half = f"batch_size={s.batch_size // 2}"
-        keys.append(half if s.optimizer_in_bwd else f"{half} gradient_accumulation_steps={s.accum * 2}")
-    if s.ac_every is None:
+    if batch_size > 1:  # the same samples per step, in twice the micro-batches
+        half = f"batch_size={batch_size // 2}"
+        keys.append(half if in_bwd else f"{half} gradient_accumulation_steps={training.accum * 2}")
+    if memory.ac_every is None:
         keys.append("enable_activation_checkpointing=True")
-    elif s.ac_every > 1:
+    elif memory.ac_every > 1:
         keys.append("ac_mode=full")
-    if "4bit" not in s.optimizer.path.lower() and not s.optimizer.cpu_offload:
+    if "4bit" not in training.optimizer.path.lower() and not training.optimizer.cpu_offload:
         keys.append("optimizer=optimizers.AdamW4bit")
-    if s.device.type == "cuda" and not distributed and not s.offload_activations:
+    if device.type == "cuda" and not distributed and not memory.offload_activations:
         keys.append("enable_activation_offloading=True")
     return keys[:3]
 
 
 def out_of_memory_line(
-    settings, error: BaseException, *, where: str, argv: List[str], distributed: bool = False
+    error: BaseException,
+    *,
+    where: str,
+    argv: List[str],
+    device: Optional[torch.device] = None,
+    memory_limit_gib: Optional[float] = None,
+    output_dir: Optional[Path] = None,
+    keys: Sequence[str] = (),
 ) -> str:
     """The one line (without ``error: ``) for ``error``, a ``torch.OutOfMemoryError`` raised ``where`` ("during
-    setup", "at step 12") in the run of command line ``argv`` with ``settings`` (None: not read yet). Reads the
-    allocator's peaks: call it before anything else allocates."""
-    s = settings
-    if s is None:
+    setup", "at step 12") in the run of command line ``argv`` on ``device`` (None: the settings were not read yet),
+    capped at ``memory_limit_gib``, writing to ``output_dir``; ``keys``: ``keys_to_try``'s. Reads the allocator's
+    peaks: call it before anything else allocates."""
+    if device is None:
         return f"out of memory {where}: {first_line(error)}"
-    if s.device.type == "cuda":
-        total = torch.cuda.get_device_properties(s.device).total_memory / 2**30
-        budget = s.memory_limit_gib or total
-        peak = torch.cuda.max_memory_reserved(s.device) / 2**30
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        budget = memory_limit_gib or total
+        peak = torch.cuda.max_memory_reserved(device) / 2**30
         reached = f"the GPU reached {peak:.1f} GiB reserved of {budget:.1f} GiB"
-        if s.memory_limit_gib:
-            reached += f" (device_memory_limit_gib={s.memory_limit_gib:g}; the card has {total:.1f} GiB)"
+        if memory_limit_gib:
+            reached += f" (device_memory_limit_gib={memory_limit_gib:g}; the card has {total:.1f} GiB)"
     else:
         budget = float("inf")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         reached = f"the process reached {peak:.1f} GiB resident"
     smaller = smaller_class_config(config_path_of(argv[1:]), budget)
-    keys = keys_to_try(s, distributed=distributed)
     if smaller is not None:
         fix = f"use --config {smaller}, the class that fits" + (f", or try {'; '.join(keys)}" if keys else "")
     elif keys:
         fix = f"try {'; '.join(keys)}"
     else:
         fix = "this model does not fit here with these settings: use a GPU with more memory, or a smaller model"
-    latest = latest_checkpoint(s.output_dir)
+    latest = latest_checkpoint(output_dir)
     kept = (
         f"the last checkpoint, {latest}, is intact (resume_from_checkpoint={latest} with the change)"
         if latest is not None

@@ -43,36 +43,38 @@ def variant_label(optimizer_path: str) -> str:
     return LIBRARY_PREFIX.get(parts[0], parts[0] + ".") + parts[-1] if len(parts) > 1 else parts[0]
 
 
-def memory_class(settings, config: str) -> str:
+def memory_class(device, memory_limit_gib: Optional[float], config: str) -> str:
     """``24gb`` for a run capped at 24 GiB, else the ``NNgb`` in the config's name, else the device (``cpu``, or
     the GPU's size)."""
-    if settings.memory_limit_gib is not None:
-        return f"{settings.memory_limit_gib:g}gb"
+    if memory_limit_gib is not None:
+        return f"{memory_limit_gib:g}gb"
     found = re.search(r"(\d+)gb", config, re.IGNORECASE)
     if found:
         return f"{found.group(1)}gb"
-    if settings.device.type == "cuda":
+    if device.type == "cuda":
         import torch
 
-        return f"{round(torch.cuda.get_device_properties(settings.device).total_memory / 2**30)}gb"
-    return settings.device.type
+        return f"{round(torch.cuda.get_device_properties(device).total_memory / 2**30)}gb"
+    return device.type
 
 
-def run_identity(cfg: DictConfig, settings, *, world: int = 1) -> Dict[str, Any]:
-    """The run's ``name``, ``group``, ``tags`` (defaults or ``metric_logger.*``), ``config``, ``optimizer`` and
-    ``variant``."""
+def run_identity(
+    cfg: DictConfig,
+    *,
+    optimizer: str,
+    device,
+    memory_limit_gib: Optional[float],
+    packed: bool,
+    compiled: bool,
+    in_backward: bool,
+    world: int = 1,
+) -> Dict[str, Any]:
+    """The run's ``name``, ``group``, ``tags`` (defaults or ``metric_logger.*``), ``config``, ``optimizer`` (its
+    dotted path) and ``variant``; the tags name the memory class and what is on (packed, compiled, in backward)."""
     config = config_name()
-    variant = variant_label(settings.optimizer.path)
-    tags = [memory_class(settings, config), variant]
-    tags += [
-        t
-        for t, on in (
-            ("packed", settings.packed),
-            ("compiled", settings.compile),
-            ("in-backward", settings.optimizer_in_bwd),
-        )
-        if on
-    ]
+    variant = variant_label(optimizer)
+    tags = [memory_class(device, memory_limit_gib, config), variant]
+    tags += [t for t, on in (("packed", packed), ("compiled", compiled), ("in-backward", in_backward)) if on]
     if world > 1:
         tags.append(f"{world}-ranks")
     mine = {"name": f"{config}-{variant}", "group": config, "tags": tags}
@@ -81,7 +83,7 @@ def run_identity(cfg: DictConfig, settings, *, world: int = 1) -> Dict[str, Any]
         if user.get(key) is not None:
             value = user.get(key)
             mine[key] = list(value) if OmegaConf.is_list(value) else ([value] if key == "tags" else str(value))
-    return {**mine, "config": config, "optimizer": settings.optimizer.path, "variant": variant}
+    return {**mine, "config": config, "optimizer": optimizer, "variant": variant}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ from omegaconf import DictConfig
 
 from finetune.base import BadInput
 from finetune.model import attention
-
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (dynamic scaling)
+from finetune.model.prepare import FP8_RECIPES
 
 
 def read_packed_attention(cfg: DictConfig, device: torch.device, *, packed: bool) -> str:

@@ -1,5 +1,5 @@
 """The paths a run reads, checked before anything is built: the tokenizer file, the dataset's local files,
-``checkpoint_dir`` (an HF model folder, whose config.json is read here once) and ``resume_from_checkpoint``."""
+``checkpoint_dir`` (an HF model folder) and ``resume_from_checkpoint``."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from finetune.base import BadInput, hf_weight_files
 from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE
-from finetune.checkpoint.hf_format import WEIGHTS_FILE, read_source_config
+from finetune.checkpoint.hf_format import WEIGHTS_FILE
 
 # Loaders of HF `datasets` that read local files named in `data_files`.
 LOCAL_DATASET_SOURCES = ("json", "csv", "parquet", "text", "arrow")
@@ -48,17 +48,19 @@ def dataset_files(cfg: DictConfig, section: str, node: DictConfig) -> list:
     return data_files
 
 
-def check_paths(cfg: DictConfig) -> dict:
-    """The tokenizer file, the dataset's local files, checkpoint_dir and resume_from_checkpoint exist and look right."""
-
+def tokenizer_file(cfg: DictConfig) -> Path:
+    """``tokenizer.path``, which must exist."""
     tok = Path(cfg.tokenizer.path)
     if not tok.is_file():
         raise BadInput(
             f"tokenizer.path={tok} does not exist; "
             + _fix_for(cfg, "tokenizer", "path", "llama2_tokenizer/tokenizer.model")
         )
-    data_files = dataset_files(cfg, "dataset", cfg.dataset)
+    return tok
 
+
+def checkpoint_folders(cfg: DictConfig) -> tuple:
+    """(checkpoint_dir, resume_from_checkpoint), each None or a folder that exists and holds what it must."""
     ckpt = cfg.get("checkpoint_dir")
     checkpoint_dir = Path(ckpt) if ckpt else None
     if checkpoint_dir is not None and (not checkpoint_dir.is_dir() or not hf_weight_files(checkpoint_dir)):
@@ -67,8 +69,6 @@ def check_paths(cfg: DictConfig) -> dict:
             "point it at the downloaded model (e.g. Llama-2-7b-hf), or set checkpoint_dir=null for random "
             "init"
         )
-    source_config = read_source_config(checkpoint_dir)
-
     resume = cfg.get("resume_from_checkpoint")
     resume_dir = Path(resume) if resume else None
     if resume_dir is not None:
@@ -79,10 +79,4 @@ def check_paths(cfg: DictConfig) -> dict:
                 "epoch_E folder this recipe wrote (or use checkpoint_dir=... to start a new run from its "
                 "weights)"
             )
-    return dict(
-        tokenizer_path=tok,
-        data_files=data_files,
-        checkpoint_dir=checkpoint_dir,
-        resume_dir=resume_dir,
-        source_config=source_config,
-    )
+    return checkpoint_dir, resume_dir

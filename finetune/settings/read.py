@@ -1,27 +1,38 @@
-"""The config, checked once into one ``Settings`` object before anything is built or written (``read_settings``).
+"""The config, checked once into the frozen sections of ``Settings`` before anything is built or written.
 
-Flag combinations, the optimizer (its class imported once, its kwargs checked against its signature, a wrapper's
-inner class), activation checkpointing and the model (the folder's, with checkpoint_dir) are read here; the key and
-number vocabulary is in checks.py, the machine-dependent keys in hardware.py, the paths in paths.py.
+``read_settings`` composes the sections, each read and checked by its own reader here (``read_training``,
+``read_memory``, ``read_data``, ``read_validation``, ``read_checkpoint``, ``read_model``), then checks the rules that
+join sections. The key and number vocabulary is in checks.py, the machine-dependent keys in hardware.py, the paths in
+paths.py, the sections themselves in sections.py.
 """
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torchtune import training, utils
+from torchtune import training as training_utils
+from torchtune import utils
 
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
+from finetune.checkpoint.hf_format import read_source_config
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
 from finetune.data import packing
-from finetune.optimizer import OptimizerSpec, resolve_optimizer
+from finetune.optimizer import resolve_optimizer
+from finetune.sections import (
+    CheckpointSettings,
+    DataSettings,
+    MemorySettings,
+    ModelSettings,
+    Settings,
+    TrainingSettings,
+    ValidationSettings,
+)
 from finetune.settings.checks import check_component_keys, check_config_keys, check_sentencepiece_file, flag, number
 from finetune.settings.hardware import read_fp8, read_packed_attention
-from finetune.settings.paths import check_paths, dataset_files
+from finetune.settings.paths import checkpoint_folders, dataset_files, tokenizer_file
 
 # Every top-level key the fine-tune recipes read (unknown ones are refused, with the closest of these suggested).
 KNOWN_CONFIG_KEYS = (
@@ -88,67 +99,6 @@ MODEL_SIZES = {
 AC_MODES = ("full", "selective")
 
 
-@dataclass
-class Settings:
-    """Every scalar and path a fine-tune recipe reads, checked. Components (model, tokenizer, dataset, loss,
-    lr_scheduler, metric_logger) stay config sections, built with ``config.instantiate``; the model's is ``model``:
-    the config's, or with checkpoint_dir the folder's model read from its config.json (``resolve_model``)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    batch_size: int
-    epochs: int
-    max_steps_per_epoch: Optional[int]
-    accum: int
-    log_every: int
-    save_every: Optional[int]
-    clip: Optional[float]
-    max_skips: int
-    overwrite: bool
-    optimizer_in_bwd: bool
-    seed: int
-    shuffle: bool
-    ac_every: Optional[int]  # activation checkpointing: one layer in every N; None = off
-    offload_activations: bool
-    compile: bool
-    pack_cache_dir: Optional[Path]
-    memory_limit_gib: Optional[float]
-    host_limit_gib: Optional[float]  # host_memory_limit_gib: what a background checkpoint's copy may add up to
-    output_dir: Path
-    tokenizer_path: Path
-    data_files: List[str]  # the local files the dataset reads (the pack cache's key hashes them)
-    checkpoint_dir: Optional[Path]
-    resume_dir: Optional[Path]
-    optimizer: OptimizerSpec
-    model_component: str
-    stream_states: bool = False  # optimizer states in host memory, streamed around each step in backward
-    stream_layers: int = 0  # transformer layers whose weights live in host memory (finetune/streaming/weights.py)
-    fp8: Optional[str] = None  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"
-    lr_scheduler: Optional[DictConfig] = None  # None: constant lr (lr_scheduler=null on the command line)
-    dtype_name: str = "bf16"
-    # The sections that make the tokens, resolved to plain values (the pack cache's key and the resume check read
-    # them): the tokenizer's and the dataset's.
-    tokenizer_cfg: Optional[dict] = None
-    dataset_cfg: Optional[dict] = None
-    reshard_after_forward: bool = True  # the distributed recipe's FSDP2 policy
-    async_checkpoint: bool = True  # write checkpoints in the background (finetune/checkpoint/async_save.py)
-    packed: bool = False  # dataset.packed: samples packed into rows of tokenizer.max_seq_len
-    source_config: Optional[dict] = None  # checkpoint_dir's config.json, read once
-    packed_attention: str = (
-        "flex"  # packed rows' attention: torchtune's flex BlockMask, or "varlen" (finetune/model/attention.py)
-    )
-    model: Any = None  # the model section the recipes instantiate (resolve_model)
-    family: str = hf_format.DEFAULT_FAMILY  # its hf_format.FAMILIES key
-    model_note: Optional[str] = None  # the line the recipes log when the model is the folder's
-    # Validation (finetune/validation.py): the dataset_val section as built (dataset's keys under its own when it
-    # names no _component_), None = no validation; every N steps (None: at the end of each epoch only).
-    dataset_val: Optional[DictConfig] = None
-    val_every: Optional[int] = None
-    batch_size_val: Optional[int] = None
-    val_packed: bool = False
-    val_data_files: List[str] = field(default_factory=list)
-
-
 def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
     """One layer in every N to checkpoint (``ac_mode=full``: N=1; ``selective``: N=``ac_option``), None when
     ``enable_activation_checkpointing`` is off."""
@@ -171,9 +121,84 @@ def activation_checkpointing(cfg: DictConfig) -> Optional[int]:
 
 
 def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
-    """Check the whole config (no side effects: nothing is built, written or seeded) and return the settings."""
+    """Check the whole config (no side effects: nothing is built, written or seeded) and return the settings: each
+    section read by its own reader, then the rules that join sections."""
     check_config_keys(cfg, DISTRIBUTED_CONFIG_KEYS if distributed else KNOWN_CONFIG_KEYS)
     check_component_keys(cfg)
+    device, dtype_name = read_device(cfg)
+    training = read_training(cfg, device)
+    log_every = number(cfg, "log_every_n_steps", integer=True, low=0, strict=True)
+    memory = read_memory(cfg, device, optimizer_in_bwd=training.optimizer_in_bwd)
+    if distributed:
+        refuse_one_device_features(training, memory)
+    data = read_data(cfg, device)
+    validation = read_validation(cfg, data)
+    checkpoint = read_checkpoint(cfg)
+    output_dir = Path(cfg.output_dir)
+    if checkpoint.overwrite:
+        check_overwrite_keeps_inputs(output_dir, checkpoint, [data] + ([validation.data] if validation else []))
+    model = read_model(cfg, checkpoint.checkpoint_dir)
+    return Settings(
+        device=device,
+        dtype=training_utils.get_dtype(dtype_name, device=device),
+        dtype_name=dtype_name,
+        output_dir=output_dir,
+        log_every=log_every,
+        training=training,
+        data=data,
+        validation=validation,
+        memory=memory,
+        model=model,
+        checkpoint=checkpoint,
+    )
+
+
+def refuse_one_device_features(training: TrainingSettings, memory: MemorySettings) -> None:
+    """What the distributed recipe does not take: the features that stand in for sharding on one GPU."""
+    if training.optimizer_in_bwd:
+        raise BadInput(
+            "optimizer_in_bwd=True is not supported by the distributed recipe; set "
+            "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)"
+        )
+    if memory.offload_activations:
+        raise BadInput(
+            "enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
+            "gradients and states instead: set enable_activation_offloading=False"
+        )
+    if training.optimizer.cpu_offload:
+        raise BadInput(
+            "optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
+            "the optimizer state across GPUs instead: use the single-device recipe or another optimizer"
+        )
+
+
+def check_overwrite_keeps_inputs(output_dir: Path, checkpoint: CheckpointSettings, datasets) -> None:
+    """``overwrite=True`` deletes the run in output_dir: refused when that would delete a file this run reads (its
+    start or resume checkpoint, its tokenizer, a data file of ``datasets``)."""
+    if resumes_in_place(output_dir, checkpoint.resume_dir):
+        return
+    inputs = [
+        ("checkpoint_dir", checkpoint.checkpoint_dir),
+        ("tokenizer.path", datasets[0].tokenizer_path),
+        ("resume_from_checkpoint", checkpoint.resume_dir),
+    ]
+    doomed = inputs_overwrite_would_delete(
+        output_dir,
+        [(k, p) for k, p in inputs if p is not None]
+        + [(f"{key}.data_files", f) for key, data in zip(("dataset", "dataset_val"), datasets) for f in data.files],
+    )
+    if doomed is not None:
+        key, path, result = doomed
+        raise BadInput(
+            f"overwrite=True would delete {result}, which this run reads ({key}={path}); copy it out "
+            f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
+            f"{key} there, or set output_dir to a new folder (e.g. output_dir="
+            f"{fresh_dir_name(output_dir)}) and keep overwrite=False"
+        )
+
+
+def read_device(cfg: DictConfig) -> Tuple[torch.device, str]:
+    """(the device, the dtype's name): ``device`` (cpu, or cuda with a GPU visible) and ``dtype`` (bf16 or fp32)."""
     dtype_name = cfg.get("dtype", "bf16")
     if dtype_name not in ("bf16", "fp32"):
         raise BadInput(f"dtype={dtype_name!r} is not supported; use dtype=bf16 or dtype=fp32")
@@ -184,37 +209,224 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
         raise BadInput(
             f"device={device_name} but no CUDA GPU is visible here; use device=cpu (slow beyond the tiny model)"
         )
-    device = utils.get_device(device=device_name)
+    return utils.get_device(device=device_name), dtype_name
 
-    def positive(key, allow_none=False, integer=True):
-        return number(cfg, key, integer=integer, low=0, strict=True, allow_none=allow_none)
 
-    batch_size, epochs = positive("batch_size"), positive("epochs")
-    max_steps = positive("max_steps_per_epoch", allow_none=True)
-    accum, log_every = positive("gradient_accumulation_steps"), positive("log_every_n_steps")
-    save_every = positive("save_every_n_steps", allow_none=True)  # null turns them off; 0 is refused, not "off"
-    clip = positive("clip_grad_norm", allow_none=True, integer=False)
+def read_training(cfg: DictConfig, device: torch.device) -> TrainingSettings:
+    """The steps (epochs, max_steps_per_epoch, gradient_accumulation_steps, clip_grad_norm, the skip limit), the data
+    order (seed, shuffle), the optimizer (its numbers in range, its class imported, in backward or not) and the lr
+    schedule; and the rules among them (in backward: no accumulation, no clipping; torchao's CPU offload likewise)."""
+    epochs = number(cfg, "epochs", integer=True, low=0, strict=True)
+    max_steps = number(cfg, "max_steps_per_epoch", integer=True, low=0, strict=True, allow_none=True)
+    accum = number(cfg, "gradient_accumulation_steps", integer=True, low=0, strict=True)
+    clip = number(cfg, "clip_grad_norm", integer=False, low=0, strict=True, allow_none=True)
     max_skips = number(cfg, "max_consecutive_skipped_steps", integer=True, low=0, strict=True, default=10, example=10)
     # Finite and in range before anything is built (a NaN lr would otherwise train a NaN model). No fine-tuning lr
     # is above 1 (Adam's are near 1e-5); parameter-free optimizers take 1.0 as a multiplier.
     if OmegaConf.select(cfg, "optimizer.lr") is not None:
-        number(
-            cfg,
-            "optimizer.lr",
-            integer=False,
-            low=0,
-            strict=True,
-            high=MAX_LR,
-            example=2e-5,
-            why_high="a fine-tuning lr is near 1e-5; parameter-free optimizers take 1.0",
-        )
+        why = "a fine-tuning lr is near 1e-5; parameter-free optimizers take 1.0"
+        number(cfg, "optimizer.lr", integer=False, low=0, strict=True, high=MAX_LR, example=2e-5, why_high=why)
     for key, strict in (
         ("optimizer.weight_decay", False),
         ("optimizer.eps", True),
         ("lr_scheduler.num_warmup_steps", False),
     ):
         number(cfg, key, integer=False, low=0, strict=strict, allow_none=True)
-    for key, (example, high) in MODEL_SIZES.items():  # (in a config that builds the model from its sizes, as tiny)
+    optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
+    if optimizer_in_bwd and accum > 1:
+        raise BadInput(
+            f"optimizer_in_bwd=True cannot accumulate gradients (gradient_accumulation_steps={accum}): each gradient "
+            "is applied and freed during backward; set gradient_accumulation_steps=1 or optimizer_in_bwd=False"
+        )
+    if optimizer_in_bwd and clip is not None:
+        raise BadInput(
+            f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={clip}): the global norm is only known "
+            "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False"
+        )
+    optimizer = resolve_optimizer(cfg.optimizer)
+    # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
+    # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
+    if optimizer.cpu_offload and (accum > 1 or clip is not None or optimizer_in_bwd):
+        raise BadInput(
+            f"optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward, so it cannot "
+            f"accumulate (gradient_accumulation_steps={accum}), clip (clip_grad_norm={clip}) or run in backward "
+            f"(optimizer_in_bwd={optimizer_in_bwd}); set gradient_accumulation_steps=1 clip_grad_norm=null "
+            "optimizer_in_bwd=False"
+        )
+    if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
+        raise BadInput(
+            f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
+            f"CPU and needs device=cuda (device={cfg.get('device', 'cuda')}); on the CPU the state is in CPU memory "
+            "already: use optimizer=torch.optim.AdamW (or another optimizer)"
+        )
+    return TrainingSettings(
+        epochs=epochs,
+        max_steps_per_epoch=max_steps,
+        accum=accum,
+        clip=clip,
+        max_skips=max_skips,
+        seed=number(cfg, "seed", integer=True, low=0, strict=False, default=0, example=42),
+        shuffle=bool(cfg.get("shuffle", True)),
+        optimizer=optimizer,
+        optimizer_in_bwd=optimizer_in_bwd,
+        lr_scheduler=lr_scheduler(cfg),
+    )
+
+
+def read_memory(cfg: DictConfig, device: torch.device, *, optimizer_in_bwd: bool) -> MemorySettings:
+    """Activation checkpointing and offloading, streamed states and layers, the memory cap, compile, FP8 and FSDP2's
+    resharding, checked against the device (and ``optimizer_in_bwd``, which streamed states step in)."""
+    stream_states = flag(cfg, "stream_optimizer_states")
+    if stream_states and not optimizer_in_bwd:
+        raise BadInput(
+            "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
+            "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
+        )
+    ac_every = activation_checkpointing(cfg)
+    stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
+    if stream_layers and not (stream_states and ac_every == 1):
+        raise BadInput(
+            f"stream_layers={stream_layers} brings those layers' weights to the GPU for their forward and backward "
+            "only, and needs stream_optimizer_states=True (each weight is written back right after its step) and "
+            "enable_activation_checkpointing=True with ac_option=1 (no saved tensor may hold a streamed weight)"
+        )
+    offload_activations = bool(cfg.get("enable_activation_offloading", False))
+    if offload_activations and device.type != "cuda":
+        raise BadInput(
+            "enable_activation_offloading=True moves activations to CPU memory during the forward pass "
+            f"and needs a GPU (device={cfg.get('device', 'cuda')}); set enable_activation_offloading=False"
+        )
+    memory_limit = number(cfg, "device_memory_limit_gib", integer=False, low=0, strict=True, allow_none=True)
+    if memory_limit is not None:
+        if device.type != "cuda":
+            raise BadInput(
+                f"device_memory_limit_gib={memory_limit} caps GPU memory and needs device=cuda; set "
+                "device_memory_limit_gib=null"
+            )
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if memory_limit > total:
+            raise BadInput(
+                f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
+                "smaller value or null"
+            )
+    compile_ = bool(cfg.get("compile", False))
+    return MemorySettings(
+        ac_every=ac_every,
+        offload_activations=offload_activations,
+        stream_states=stream_states,
+        stream_layers=stream_layers,
+        memory_limit_gib=memory_limit,
+        compile=compile_,
+        fp8=read_fp8(cfg, device, compile_=compile_),
+        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+    )
+
+
+def read_packed(key: str, node: DictConfig) -> bool:
+    packed = node.get("packed", False)
+    if packed not in (True, False):
+        raise BadInput(f"{key}.packed={packed!r} must be True or False")
+    return packed
+
+
+def read_data(cfg: DictConfig, device: torch.device) -> DataSettings:
+    """The training set (``dataset``, its local files checked to exist) and what every dataset of the run shares:
+    the tokenizer (its file checked, and read when it is a SentencePiece model), the pack cache and the attention
+    of packed rows (checked against the device)."""
+    batch_size = number(cfg, "batch_size", integer=True, low=0, strict=True)
+    packed = read_packed("dataset", cfg.dataset)
+    packed_attention = read_packed_attention(cfg, device, packed=packed)
+    number(cfg, "tokenizer.max_seq_len", integer=True, low=0, strict=True, allow_none=True, example=512)
+    cache = cfg.get("pack_cache_dir", "default")
+    tokenizer_path = tokenizer_file(cfg)
+    files = dataset_files(cfg, "dataset", cfg.dataset)
+    check_sentencepiece_file(cfg)  # (after tokenizer_file: the file exists)
+    return DataSettings(
+        section=cfg.dataset,
+        packed=packed,
+        files=tuple(files),
+        batch_size=batch_size,
+        tokenizer_path=tokenizer_path,
+        tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
+        pack_cache_dir=(
+            None
+            if cache in (None, False, "off")
+            else (packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
+        ),
+        packed_attention=packed_attention,
+    )
+
+
+def read_validation(cfg: DictConfig, data: DataSettings) -> Optional[ValidationSettings]:
+    """``dataset_val``, ``run_val_every_n_steps`` and ``batch_size_val`` (None without dataset_val).
+
+    ``dataset_val`` is a dataset section built as ``dataset`` is, with the same tokenizer, pack cache and attention
+    (those of ``data``, the training set's). One that names no ``_component_`` takes dataset's keys under its own
+    (``dataset_val.data_files=val.json`` is a held-out file of the same format); one that names a component stands
+    alone."""
+    section = cfg.get("dataset_val")
+    if section is None:
+        for key in ("run_val_every_n_steps", "batch_size_val"):
+            if cfg.get(key) is not None:
+                raise BadInput(
+                    f"{key}={cfg.get(key)!r} needs a validation set; set dataset_val (e.g. "
+                    f"dataset_val.data_files=FILE: a file of the training data's format), or remove it with ~{key}"
+                )
+        return None
+    if not OmegaConf.is_dict(section):
+        raise BadInput(
+            f"dataset_val={section!r} must be a dataset section like dataset's; set e.g. "
+            "dataset_val.data_files=FILE (the rest is taken from dataset), or dataset_val=null for no validation"
+        )
+    own = OmegaConf.to_container(section, resolve=True)  # (resolved here: ${data_dir} needs the whole config)
+    section = OmegaConf.create(
+        own if own.get("_component_") else {**OmegaConf.to_container(cfg.dataset, resolve=True), **own}
+    )
+    packed = read_packed("dataset_val", section)
+    if data.packed_attention == "varlen" and not packed:
+        raise BadInput(
+            "packed_attention=varlen points the attention at packed rows only, and dataset_val is not packed; set "
+            "dataset_val.packed=True, or packed_attention=flex"
+        )
+    every = number(cfg, "run_val_every_n_steps", integer=True, low=0, strict=True, allow_none=True, example=100)
+    size = data.batch_size  # (null: batch_size)
+    if cfg.get("batch_size_val") is not None:
+        size = number(cfg, "batch_size_val", integer=True, low=0, strict=True, example=data.batch_size)
+    own_data = DataSettings(
+        section=section,
+        packed=packed,
+        files=tuple(dataset_files(cfg, "dataset_val", section)),
+        batch_size=size,
+        tokenizer_path=data.tokenizer_path,
+        tokenizer_cfg=data.tokenizer_cfg,
+        pack_cache_dir=data.pack_cache_dir,
+        packed_attention=data.packed_attention,
+    )
+    return ValidationSettings(data=own_data, every=every)
+
+
+def read_checkpoint(cfg: DictConfig) -> CheckpointSettings:
+    """``checkpoint_dir`` and ``resume_from_checkpoint`` (folders that hold what they must), ``overwrite``,
+    ``save_every_n_steps`` (null turns them off; 0 is refused, not "off") and ``async_checkpoint``."""
+    save_every = number(cfg, "save_every_n_steps", integer=True, low=0, strict=True, allow_none=True)
+    overwrite = flag(cfg, "overwrite")
+    background = flag(cfg, "async_checkpoint", default=True)
+    host_limit = number(cfg, "host_memory_limit_gib", integer=False, low=0, strict=True, allow_none=True)
+    checkpoint_dir, resume_dir = checkpoint_folders(cfg)
+    return CheckpointSettings(
+        checkpoint_dir=checkpoint_dir,
+        resume_dir=resume_dir,
+        overwrite=overwrite,
+        save_every=save_every,
+        background=background,
+        host_limit_gib=host_limit,
+    )
+
+
+def read_model(cfg: DictConfig, checkpoint_dir: Optional[Path]) -> ModelSettings:
+    """The model section's sizes (in a config that builds the model from its sizes, as tiny does), then the model:
+    with ``checkpoint_dir``, the folder's, from its config.json (read here, once); else the config's."""
+    for key, (example, high) in MODEL_SIZES.items():
         if OmegaConf.select(cfg, key) is not None:
             why = "larger than any model's; the model's buffers would be built at this size"
             number(cfg, key, integer=True, low=0, strict=True, example=example, high=high, why_high=why)
@@ -231,216 +443,9 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
             f"model.num_heads={heads} must be a multiple of model.num_kv_heads={kv_heads}; set e.g. "
             f"model.num_kv_heads={heads}"
         )
-    number(cfg, "tokenizer.max_seq_len", integer=True, low=0, strict=True, allow_none=True, example=512)
-    overwrite = flag(cfg, "overwrite")
-    async_checkpoint = flag(cfg, "async_checkpoint", default=True)
-
-    optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd", False))
-    if optimizer_in_bwd and accum > 1:
-        raise BadInput(
-            f"optimizer_in_bwd=True cannot accumulate gradients (gradient_accumulation_steps={accum}): each gradient "
-            "is applied and freed during backward; set gradient_accumulation_steps=1 or optimizer_in_bwd=False"
-        )
-    if optimizer_in_bwd and clip is not None:
-        raise BadInput(
-            f"optimizer_in_bwd=True cannot clip gradients (clip_grad_norm={clip}): the global norm is only known "
-            "after every parameter has already stepped; set clip_grad_norm=null or optimizer_in_bwd=False"
-        )
-    stream_states = flag(cfg, "stream_optimizer_states")
-    if stream_states and not optimizer_in_bwd:
-        raise BadInput(
-            "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
-            "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
-        )
-    optimizer = resolve_optimizer(cfg.optimizer)
-    # torchao's CPUOffloadOptimizer copies each gradient to the CPU inside backward (a post-accumulate hook), so the
-    # gradient must be final there: no accumulation, no clipping afterwards, mean loss backward.
-    if optimizer.cpu_offload and (accum > 1 or clip is not None or optimizer_in_bwd):
-        raise BadInput(
-            f"optimizer=torchao.optim.CPUOffloadOptimizer copies gradients to the CPU during backward, so it cannot "
-            f"accumulate (gradient_accumulation_steps={accum}), clip (clip_grad_norm={clip}) or run in backward "
-            f"(optimizer_in_bwd={optimizer_in_bwd}); set gradient_accumulation_steps=1 clip_grad_norm=null "
-            "optimizer_in_bwd=False"
-        )
-
-    seed = number(cfg, "seed", integer=True, low=0, strict=False, default=0, example=42)
-    ac_every = activation_checkpointing(cfg)
-    stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
-    if stream_layers and not (stream_states and ac_every == 1):
-        raise BadInput(
-            f"stream_layers={stream_layers} brings those layers' weights to the GPU for their forward and backward "
-            "only, and needs stream_optimizer_states=True (each weight is written back right after its step) and "
-            "enable_activation_checkpointing=True with ac_option=1 (no saved tensor may hold a streamed weight)"
-        )
-    offload_activations = bool(cfg.get("enable_activation_offloading", False))
-    if offload_activations and device.type != "cuda":
-        raise BadInput(
-            "enable_activation_offloading=True moves activations to CPU memory during the forward pass "
-            f"and needs a GPU (device={device_name}); set enable_activation_offloading=False"
-        )
-    cache = cfg.get("pack_cache_dir", "default")
-    pack_cache_dir = (
-        None
-        if cache in (None, False, "off")
-        else (packing.default_cache_dir() if cache == "default" else Path(str(cache)).expanduser())
-    )
-    memory_limit = positive("device_memory_limit_gib", allow_none=True, integer=False)
-    if memory_limit is not None:
-        if device.type != "cuda":
-            raise BadInput(
-                f"device_memory_limit_gib={memory_limit} caps GPU memory and needs device=cuda; set "
-                "device_memory_limit_gib=null"
-            )
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        if memory_limit > total:
-            raise BadInput(
-                f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
-                "smaller value or null"
-            )
-
-    host_limit = positive("host_memory_limit_gib", allow_none=True, integer=False)
-
-    packed = OmegaConf.select(cfg, "dataset.packed", default=False)
-    if packed not in (True, False):
-        raise BadInput(f"dataset.packed={packed!r} must be True or False")
-    compile_ = bool(cfg.get("compile", False))
-    fp8 = read_fp8(cfg, device, compile_=compile_)
-    packed_attention = read_packed_attention(cfg, device, packed=packed)
-
-    if distributed:
-        if optimizer_in_bwd:
-            raise BadInput(
-                "optimizer_in_bwd=True is not supported by the distributed recipe; set "
-                "optimizer_in_bwd=False (FSDP2 already shards the gradients N ways)"
-            )
-        if offload_activations:
-            raise BadInput(
-                "enable_activation_offloading=True is for one GPU; the distributed recipe shards weights, "
-                "gradients and states instead: set enable_activation_offloading=False"
-            )
-        if optimizer.cpu_offload:
-            raise BadInput(
-                "optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
-                "the optimizer state across GPUs instead: use the single-device recipe or another optimizer"
-            )
-
-    paths = check_paths(cfg)
-    check_sentencepiece_file(cfg)  # (after check_paths: the file exists)
-    validation = read_validation(cfg, batch_size, packed_attention)
-    if optimizer.cpu_offload and device.type != "cuda":  # (torchao's own check: an AssertionError in its constructor)
-        raise BadInput(
-            f"optimizer=torchao.optim.CPUOffloadOptimizer moves the optimizer state from the GPU to the "
-            f"CPU and needs device=cuda (device={device_name}); on the CPU the state is in CPU memory "
-            "already: use optimizer=torch.optim.AdamW (or another optimizer)"
-        )
-    output_dir = Path(cfg.output_dir)
-    if overwrite and not resumes_in_place(output_dir, paths["resume_dir"]):
-        inputs = [
-            ("checkpoint_dir", paths["checkpoint_dir"]),
-            ("tokenizer.path", paths["tokenizer_path"]),
-            ("resume_from_checkpoint", paths["resume_dir"]),
-        ]
-        doomed = inputs_overwrite_would_delete(
-            output_dir,
-            [(k, p) for k, p in inputs if p is not None]
-            + [("dataset.data_files", f) for f in paths["data_files"]]
-            + [("dataset_val.data_files", f) for f in validation.get("val_data_files", [])],
-        )
-        if doomed is not None:
-            key, path, result = doomed
-            raise BadInput(
-                f"overwrite=True would delete {result}, which this run reads ({key}={path}); copy it out "
-                f"of output_dir first (e.g. cp -r {result} {fresh_dir_name(output_dir)}-start) and point "
-                f"{key} there, or set output_dir to a new folder (e.g. output_dir="
-                f"{fresh_dir_name(output_dir)}) and keep overwrite=False"
-            )
-    model, family, model_note = resolve_model(cfg, paths["checkpoint_dir"], paths["source_config"])
-    return Settings(
-        device=device,
-        dtype=training.get_dtype(dtype_name, device=device),
-        batch_size=batch_size,
-        epochs=epochs,
-        max_steps_per_epoch=max_steps,
-        accum=accum,
-        log_every=log_every,
-        save_every=save_every,
-        clip=clip,
-        max_skips=max_skips,
-        overwrite=overwrite,
-        optimizer_in_bwd=optimizer_in_bwd,
-        stream_states=stream_states,
-        stream_layers=stream_layers,
-        seed=seed,
-        shuffle=bool(cfg.get("shuffle", True)),
-        ac_every=ac_every,
-        offload_activations=offload_activations,
-        compile=compile_,
-        pack_cache_dir=pack_cache_dir,
-        memory_limit_gib=memory_limit,
-        host_limit_gib=host_limit,
-        output_dir=output_dir,
-        **paths,
-        optimizer=optimizer,
-        fp8=fp8,
-        model_component=str(OmegaConf.select(cfg, "model._component_") or ""),
-        lr_scheduler=lr_scheduler(cfg),
-        dtype_name=dtype_name,
-        tokenizer_cfg=OmegaConf.to_container(cfg.tokenizer, resolve=True),
-        dataset_cfg=OmegaConf.to_container(cfg.dataset, resolve=True),
-        reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
-        async_checkpoint=async_checkpoint,
-        packed=packed,
-        packed_attention=packed_attention,
-        model=model,
-        family=family,
-        model_note=model_note,
-        **validation,
-    )
-
-
-def read_validation(cfg: DictConfig, batch_size: int, packed_attention: str) -> dict:
-    """``dataset_val``, ``run_val_every_n_steps`` and ``batch_size_val`` as Settings fields ({} without dataset_val).
-
-    ``dataset_val`` is a dataset section built as ``dataset`` is, with the same tokenizer. One that names no
-    ``_component_`` takes dataset's keys under its own (``dataset_val.data_files=val.json`` is a held-out file of the
-    same format); one that names a component stands alone."""
-    section = cfg.get("dataset_val")
-    if section is None:
-        for key in ("run_val_every_n_steps", "batch_size_val"):
-            if cfg.get(key) is not None:
-                raise BadInput(
-                    f"{key}={cfg.get(key)!r} needs a validation set; set dataset_val (e.g. "
-                    f"dataset_val.data_files=FILE: a file of the training data's format), or remove it with ~{key}"
-                )
-        return {}
-    if not OmegaConf.is_dict(section):
-        raise BadInput(
-            f"dataset_val={section!r} must be a dataset section like dataset's; set e.g. "
-            "dataset_val.data_files=FILE (the rest is taken from dataset), or dataset_val=null for no validation"
-        )
-    own = OmegaConf.to_container(section, resolve=True)  # (resolved here: ${data_dir} needs the whole config)
-    section = OmegaConf.create(
-        own if own.get("_component_") else {**OmegaConf.to_container(cfg.dataset, resolve=True), **own}
-    )
-    packed = section.get("packed", False)
-    if packed not in (True, False):
-        raise BadInput(f"dataset_val.packed={packed!r} must be True or False")
-    if packed_attention == "varlen" and not packed:
-        raise BadInput(
-            "packed_attention=varlen points the attention at packed rows only, and dataset_val is not packed; set "
-            "dataset_val.packed=True, or packed_attention=flex"
-        )
-    every = number(cfg, "run_val_every_n_steps", integer=True, low=0, strict=True, allow_none=True, example=100)
-    size = batch_size  # (null: batch_size)
-    if cfg.get("batch_size_val") is not None:
-        size = number(cfg, "batch_size_val", integer=True, low=0, strict=True, example=batch_size)
-    return dict(
-        dataset_val=section,
-        val_every=every,
-        batch_size_val=size,
-        val_packed=packed,
-        val_data_files=dataset_files(cfg, "dataset_val", section),
-    )
+    source_config = read_source_config(checkpoint_dir)
+    section, family, note = resolve_model(cfg, checkpoint_dir, source_config)
+    return ModelSettings(section=section, family=family, note=note, source_config=source_config)
 
 
 def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optional[dict]):

@@ -193,9 +193,10 @@ def test_the_model_section_is_optional_with_a_folder(folders, tmp_path):
     )
     del cfg["model"]
     s = read_settings(cfg)
-    assert s.family == "mistral" and s.model._component_ == "finetune.model.from_hf_config.decoder"
-    assert (s.model.head_dim, s.model.rope_base, s.model.norm_eps) == (16, 30000.0, 2e-6)
-    assert f"built from {folder / 'config.json'}" in s.model_note
+    model = s.model.section
+    assert s.model.family == "mistral" and model._component_ == "finetune.model.from_hf_config.decoder"
+    assert (model.head_dim, model.rope_base, model.norm_eps) == (16, 30000.0, 2e-6)
+    assert f"built from {folder / 'config.json'}" in s.model.note
     cfg.checkpoint_dir = None
     cfg.tokenizer.path = str(folder / "tokenizer.json")
     with pytest.raises(BadInput, match=r"^model._component_ is not set; name a model builder"):

@@ -195,10 +195,18 @@ def test_validation_settings_are_read_once(val_file):
     )
     s = read_settings(cfg)
     # Without a _component_ of its own, dataset_val is dataset's section with its own keys on top.
-    assert s.dataset_val._component_ == "torchtune.datasets.alpaca_dataset" and s.dataset_val.train_on_input is True
-    assert (s.val_every, s.batch_size_val, s.val_packed, s.val_data_files) == (None, 4, False, [str(val_file)])
+    val = s.validation.data
+    assert val.section._component_ == "torchtune.datasets.alpaca_dataset" and val.section.train_on_input is True
+    assert (s.validation.every, val.batch_size, val.packed, val.files) == (None, 4, False, (str(val_file),))
+    # The tokenizer, the pack cache and the attention are the training set's; the training set is its own.
+    assert (val.tokenizer_path, val.pack_cache_dir, val.packed_attention) == (
+        s.data.tokenizer_path,
+        s.data.pack_cache_dir,
+        s.data.packed_attention,
+    )
+    assert s.data.files == (str(DATA_DIR / "alpaca" / "alpaca_data.json"),)
     plain = read_settings(OmegaConf.merge(OmegaConf.load(REPO_ROOT / TINY_CONFIG), {"data_dir": str(DATA_DIR)}))
-    assert plain.dataset_val is None
+    assert plain.validation is None
 
 
 def test_bad_validation_value_is_one_error_line_from_the_recipe(tmp_path):

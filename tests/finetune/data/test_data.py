@@ -10,6 +10,7 @@ special tokens and chat template).
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from finetune.base import BadInput
 from finetune.data import loading
 from finetune.data.packing import PackedSFTDataset
 from finetune.data.tokenizer import HFTokenizer
+from finetune.sections import DataSettings
 
 FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
 CONVERSATION = [
@@ -105,17 +107,19 @@ def test_bad_tokenizer_files_and_templates_are_one_error_each(folders, tmp_path)
 
 # -- datasets --------------------------------------------------------------------------------------------------------
 
-SETTINGS = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="tokenizer.json", tokenizer_cfg={})
-
 
 def build(cfg: dict, tok, packed=False):
-    settings = SimpleNamespace(**vars(SETTINGS), packed=packed)  # (the settings read dataset.packed)
-    return loading.build_dataset(
-        OmegaConf.create({**cfg, "packed": packed}),
-        tok,
-        settings,
-        log=SimpleNamespace(info=lambda *_: None, warning=lambda *_: None),
+    data = DataSettings(
+        section=OmegaConf.create({**cfg, "packed": packed}),
+        packed=packed,  # (the settings read dataset.packed)
+        files=(),
+        batch_size=1,
+        tokenizer_path=Path("tokenizer.json"),
+        tokenizer_cfg={},
+        pack_cache_dir=None,
+        packed_attention="flex",
     )
+    return loading.build_dataset(data, tok, log=SimpleNamespace(info=lambda *_: None, warning=lambda *_: None))
 
 
 def chats(n=24):

@@ -9,7 +9,6 @@ out per family.
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -20,6 +19,7 @@ from conftest import DATA_DIR
 from finetune.base import BadInput
 from finetune.data import loading
 from finetune.data.tokenizer import HFTokenizer
+from finetune.sections import DataSettings
 
 TEMPLATES = Path(__file__).with_name("chat_templates")
 # family: template file, special tokens, BOS, EOS
@@ -79,8 +79,17 @@ def build(path, tok, **extra):
         "packed": False,
         **extra,
     }
-    settings = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="t", tokenizer_cfg={}, packed=False)
-    return loading.build_dataset(OmegaConf.create(cfg), tok, settings, log=None)
+    data = DataSettings(
+        section=OmegaConf.create(cfg),
+        packed=False,
+        files=(),
+        batch_size=1,
+        tokenizer_path=Path("t"),
+        tokenizer_cfg={},
+        pack_cache_dir=None,
+        packed_attention="flex",
+    )
+    return loading.build_dataset(data, tok, log=None)
 
 
 def write(tmp_path, *conversations) -> Path:

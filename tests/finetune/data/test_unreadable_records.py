@@ -7,7 +7,7 @@ and field in Parquet; a line that is not JSON by file and line.
 import gzip
 import json
 import sys
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -17,6 +17,7 @@ from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG
 from finetune.base import BadInput
 from finetune.data import loading, records
 from finetune.data.tokenizer import HFTokenizer
+from finetune.sections import DataSettings
 
 BAD = b"\xff"
 
@@ -31,8 +32,17 @@ def tokenizer_json(tmp_path_factory):
 
 def build(cfg: dict, tokenizer_json, chat_template=False):
     tok = HFTokenizer(str(tokenizer_json), chat_template=chat_template)
-    settings = SimpleNamespace(pack_cache_dir=None, data_files=[], tokenizer_path="t", tokenizer_cfg={}, packed=False)
-    return loading.build_dataset(OmegaConf.create({"split": "train", "packed": False, **cfg}), tok, settings, log=None)
+    data = DataSettings(
+        section=OmegaConf.create({"split": "train", "packed": False, **cfg}),
+        packed=False,
+        files=(),
+        batch_size=1,
+        tokenizer_path=Path("t"),
+        tokenizer_cfg={},
+        pack_cache_dir=None,
+        packed_attention="flex",
+    )
+    return loading.build_dataset(data, tok, log=None)
 
 
 def chat(i):

@@ -9,13 +9,16 @@ import torch
 from torchtune.modules import TransformerDecoder
 
 from conftest import REPO_ROOT, run_here
-from finetune.reporting.out_of_memory import keys_to_try, out_of_memory_line, smaller_class_config
+from finetune.reporting import out_of_memory
+from finetune.reporting.out_of_memory import smaller_class_config
+from finetune.services import report_out_of_memory
 
 CONFIGS = REPO_ROOT / "configs"
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.99 GiB"
 
 
 def settings(**changes):
+    """A run's settings as the OOM line reads them: its memory and training sections and a few run-wide values."""
     base = dict(
         device=torch.device("cuda"),
         memory_limit_gib=16.0,
@@ -28,7 +31,29 @@ def settings(**changes):
         optimizer=SimpleNamespace(path="torch.optim.AdamW", cpu_offload=False),
         output_dir=Path("/nonexistent/run"),
     )
-    return SimpleNamespace(**{**base, **changes})
+    v = SimpleNamespace(**{**base, **changes})
+    return SimpleNamespace(
+        device=v.device,
+        output_dir=v.output_dir,
+        data=SimpleNamespace(batch_size=v.batch_size),
+        memory=SimpleNamespace(
+            memory_limit_gib=v.memory_limit_gib,
+            stream_states=v.stream_states,
+            ac_every=v.ac_every,
+            offload_activations=v.offload_activations,
+        ),
+        training=SimpleNamespace(accum=v.accum, optimizer_in_bwd=v.optimizer_in_bwd, optimizer=v.optimizer),
+    )
+
+
+def keys_for(s, *, distributed):
+    return out_of_memory.keys_to_try(
+        s.memory, s.training, batch_size=s.data.batch_size, device=s.device, distributed=distributed
+    )
+
+
+def line_for(s, error, *, where, argv):
+    return report_out_of_memory(s, error, where=where, argv=argv)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +83,7 @@ def test_the_class_that_fits_is_the_same_model_in_a_smaller_class(config, budget
 
 
 def test_keys_to_try_are_the_ones_not_on_yet():
-    assert keys_to_try(settings(), distributed=False) == [
+    assert keys_for(settings(), distributed=False) == [
         "batch_size=8 gradient_accumulation_steps=2",
         "enable_activation_checkpointing=True",
         "optimizer=optimizers.AdamW4bit",
@@ -69,19 +94,19 @@ def test_keys_to_try_are_the_ones_not_on_yet():
         offload_activations=True,
         optimizer=SimpleNamespace(path="optimizers.AdamW4bit", cpu_offload=False),
     )
-    assert keys_to_try(on, distributed=False) == []
+    assert keys_for(on, distributed=False) == []
     # In backward, the optimizer cannot accumulate: half the batch alone. Activation offloading is one GPU's.
-    assert keys_to_try(settings(optimizer_in_bwd=True, ac_every=1), distributed=True) == [
+    assert keys_for(settings(optimizer_in_bwd=True, ac_every=1), distributed=True) == [
         "batch_size=8",
         "optimizer=optimizers.AdamW4bit",
     ]
     # On one GPU, in backward, the states can wait in host memory: the cheapest in speed, so first.
-    assert keys_to_try(settings(optimizer_in_bwd=True, ac_every=1), distributed=False) == [
+    assert keys_for(settings(optimizer_in_bwd=True, ac_every=1), distributed=False) == [
         "stream_optimizer_states=True",
         "batch_size=8",
         "optimizer=optimizers.AdamW4bit",
     ]
-    assert "stream_optimizer_states=True" not in keys_to_try(
+    assert "stream_optimizer_states=True" not in keys_for(
         settings(optimizer_in_bwd=True, ac_every=1, stream_states=True), distributed=False
     )
 
@@ -90,7 +115,7 @@ def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * 2**30))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: int(15.9 * 2**30))
     argv = ["recipes/full_finetune_single_device.py", "--config", str(CONFIGS / "llama2/7B_full_80gb_fp8.yaml")]
-    line = out_of_memory_line(settings(memory_limit_gib=24.0), RuntimeError(CUDA_OOM), where="at step 3", argv=argv)
+    line = line_for(settings(memory_limit_gib=24.0), RuntimeError(CUDA_OOM), where="at step 3", argv=argv)
     assert line.startswith("out of memory at step 3: the GPU reached 15.9 GiB reserved of 24.0 GiB")
     assert "(device_memory_limit_gib=24; the card has 140.0 GiB)" in line
     assert f"use --config {CONFIGS / 'llama2/7B_full_24gb_fp8.yaml'}, the class that fits" in line
@@ -98,9 +123,9 @@ def test_the_line_names_the_peak_the_cap_and_the_class_that_fits(monkeypatch):
     assert line.endswith("no checkpoint was written")
     assert "\n" not in line
     # Without a cap, the card's capacity is the budget; at 10 GB no shipped class fits: the keys alone.
-    line = out_of_memory_line(settings(memory_limit_gib=None), RuntimeError(CUDA_OOM), where="during setup", argv=[])
+    line = line_for(settings(memory_limit_gib=None), RuntimeError(CUDA_OOM), where="during setup", argv=[])
     assert "reserved of 140.0 GiB;" in line
-    line = out_of_memory_line(settings(memory_limit_gib=10.0), RuntimeError(CUDA_OOM), where="during setup", argv=argv)
+    line = line_for(settings(memory_limit_gib=10.0), RuntimeError(CUDA_OOM), where="during setup", argv=argv)
     assert "; try batch_size=8 gradient_accumulation_steps=2; enable_activation_checkpointing=True" in line
 
 

@@ -229,12 +229,21 @@ def test_metric_logger_name_group_tags_override_the_defaults():
             ]
         ),
     )
+    s = read_settings(cfg)  # (what build_reporting passes: the optimizer, the device and cap, and what is on)
+    run = dict(
+        optimizer=s.training.optimizer.path,
+        device=s.device,
+        memory_limit_gib=s.memory.memory_limit_gib,
+        packed=s.data.packed,
+        compiled=s.memory.compile,
+        in_backward=s.training.optimizer_in_bwd,
+    )
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, read_settings(cfg))
+        identity = run_identity(cfg, **run)
     assert (identity["name"], identity["group"], identity["tags"]) == ("mine", "7B_full_24gb", ["a", "b"])
     cfg.metric_logger.pop("tags")
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, read_settings(cfg))
+        identity = run_identity(cfg, **run)
     assert identity["tags"] == ["24gb", "torch.AdamW", "packed", "compiled"]
     assert [
         variant_label(p)
