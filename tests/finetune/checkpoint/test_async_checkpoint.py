@@ -321,6 +321,36 @@ def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, 
     assert staged == ([] if room == "nothing" else [limit, limit]), [m for m in run.metrics if "checkpoint_saved" in m]
 
 
+def test_host_memory_limit_stages_what_fits_beside_the_process_and_gives_it_back(runs, tmp_path, monkeypatch):
+    """host_memory_limit_gib: the room for a snapshot is the limit less what the process holds (its resident set)
+    less a margin, whatever the machine has available; the buffer is allocated for each save and released once that
+    save is written, so the steps between checkpoints run without it. Same folders as synchronous saves."""
+    from finetune.checkpoint import async_save
+
+    sync = runs[0]
+    state = staged_bytes(torch.load(sync.output_dir / "step_2" / "recipe_state.pt", weights_only=True))
+    resident = 8 * 2**30  # the process as the limit sees it; the room left: the state's copy and not the whole
+    limit_gib = (resident + async_save.HOST_LIMIT_MARGIN + state + 2**16) / 2**30
+    monkeypatch.setattr(async_save, "resident_bytes", lambda: resident)
+    monkeypatch.setattr(async_save, "available_host_bytes", lambda: 2**40)  # (a large machine: the limit rules)
+    held, release = [], async_save.Staging.release
+
+    def release_and_count(self):
+        held.append(0 if self._host is None else self._host.numel())
+        release(self)
+
+    monkeypatch.setattr(async_save.Staging, "release", release_and_count)
+    run = run_here(tmp_path / "out", "save_every_n_steps=2", f"host_memory_limit_gib={limit_gib}")
+    assert run.ok, run.stderr[-3000:]
+    for name in ("step_2", "step_4", "epoch_0"):
+        for f in sorted((sync.output_dir / name).iterdir()):
+            assert (run.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+    staged = [m["checkpoint_staged_host_gib"] * 2**30 for m in run.metrics if "checkpoint_staged_host_gib" in m]
+    assert staged == [state, state]  # only recipe_state.pt's copy fitted; the weights were written at once
+    assert [h for h in held if h] == [state, state, state]  # each save's buffer given back once it is written
+    assert "given back once written" in run.stderr
+
+
 @pytest.mark.parametrize("moment", ["before", "after"])
 def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it(
     tmp_path, monkeypatch, moment, python_ctrl_c

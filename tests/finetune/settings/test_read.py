@@ -350,10 +350,11 @@ def test_read_validation_refuses_unpacked_rows_for_varlen(tmp_path):
 
 def test_read_checkpoint_reads_the_tiny_config():
     assert read.read_checkpoint(tiny()) == CheckpointSettings(
-        checkpoint_dir=None, resume_dir=None, overwrite=False, save_every=None, background=True
+        checkpoint_dir=None, resume_dir=None, overwrite=False, save_every=None, background=True, host_limit_gib=None
     )
     c = read.read_checkpoint(tiny("save_every_n_steps=2", "overwrite=True", "async_checkpoint=False"))
     assert (c.save_every, c.overwrite, c.background) == (2, True, False)
+    assert read.read_checkpoint(tiny("host_memory_limit_gib=20.5")).host_limit_gib == 20.5
 
 
 @pytest.mark.parametrize(
@@ -362,6 +363,8 @@ def test_read_checkpoint_reads_the_tiny_config():
         (["save_every_n_steps=0"], "save_every_n_steps=0 must be a positive integer or null"),
         (["overwrite=yes please"], "overwrite='yes please' must be True or False"),
         (["async_checkpoint=sometimes"], "async_checkpoint='sometimes' must be True or False"),
+        (["host_memory_limit_gib=0"], "host_memory_limit_gib=0"),
+        (["host_memory_limit_gib=lots"], "host_memory_limit_gib='lots'"),
         (["checkpoint_dir={t}/Llama-2-7b-hf"], ["is not a folder with HF weights", "checkpoint_dir=null"]),
         (
             ["resume_from_checkpoint={t}/step_9"],
