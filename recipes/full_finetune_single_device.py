@@ -89,7 +89,7 @@ from finetune.reporting.wandb_run import push_summary
 from finetune.services import build_data, build_reporting, report_out_of_memory
 from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings
 from finetune.stops import SkipCounter, StopSignal
-from finetune.streaming import StreamedStates, check_host_memory, step_metrics, stream_weights
+from finetune.streaming import StreamedStates, check_host_room, step_metrics, stream_weights
 
 log = utils.get_logger("INFO")
 
@@ -163,6 +163,14 @@ class FullFinetuneRecipeSingleDevice:
         # The HF config is read off the model before AC and compile wrap its layers.
         self._family = hf_format.FAMILIES[s.model.family]
         self._hf_config = hf_format.hf_config(model, self._dtype, s.model.source_config, self._family, self._tokenizer)
+        if s.memory.stream_states or s.memory.stream_layers:  # (before 13-16 GB of weights are read)
+            check_host_room(
+                model,
+                build=s.training.optimizer.build,
+                states=s.memory.stream_states,
+                layers=s.memory.stream_layers,
+                device=self._device,
+            )
         if weights is not None:
             hf_format.load_weights(model, weights, self._hf_config, self._family, assign=home.type == "meta")
             log.info(f"Loaded weights from {weights}")
@@ -207,7 +215,6 @@ class FullFinetuneRecipeSingleDevice:
             if (
                 self.settings.memory.stream_states
             ):  # the same hooks, with each state fetched for its step and written back
-                check_host_memory(spec.build, self._model.parameters(), self._device)
                 weights = self._weights  # (streamed weights share the copy streams and go down after each step)
                 self._streamed = StreamedStates(
                     self._model,

@@ -44,10 +44,10 @@ _MISSING = object()
 PROBE_NUMEL = 1 << 16  # large enough for every low-bit format's blocks and minimum size (4096 elements)
 
 
-def check_host_memory(build: Callable, params, device: torch.device, min_bytes: int = MIN_BYTES) -> int:
-    """Refuse, before training, a run whose streamed states would not fit in the host's available memory; return
-    the bytes they will take. The bytes per element come from one step of the configured optimizer on a probe
-    parameter of the run's device and dtype (exact for every format, whatever class the config names)."""
+def state_bytes(build: Callable, params, device: torch.device, min_bytes: int = MIN_BYTES) -> int:
+    """The bytes the streamed states of ``params`` take in host memory. The bytes per element come from one step of
+    the configured optimizer on a probe parameter of the run's device and dtype (exact for every format, whatever
+    class the config names); ``params`` may be on the meta device (only their sizes are read)."""
     params = list(params)
     if not params:
         return 0
@@ -58,7 +58,13 @@ def check_host_memory(build: Callable, params, device: torch.device, min_bytes: 
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _tensors(opt.state)}
     per_element = sum(storages.values()) / PROBE_NUMEL
     del opt, probe
-    need = sum(int(p.numel() * per_element) for p in params if p.numel() * per_element >= min_bytes)
+    return sum(int(p.numel() * per_element) for p in params if p.numel() * per_element >= min_bytes)
+
+
+def check_host_memory(build: Callable, params, device: torch.device, min_bytes: int = MIN_BYTES) -> int:
+    """Refuse a run whose streamed states would not fit in the host's available memory; return the bytes they will
+    take (``state_bytes``)."""
+    need = state_bytes(build, params, device, min_bytes)
     free = available_host_bytes()
     if free is not None and need > free:
         raise BadInput(

@@ -222,3 +222,32 @@ def test_on_cuda_a_16gb_config_saves_resumes_and_its_folder_loads_in_transformer
     loaded = model.state_dict()
     assert saved.keys() <= loaded.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+def test_a_machine_without_the_host_memory_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """The states and streamed weights a run will pin are counted on the model built on the meta device, before the
+    checkpoint's weights are read: one line with what they take, what the machine has, and the fix."""
+    from conftest import DATA_DIR
+    from finetune.checkpoint import hf_format
+    from finetune.model import toy_folder
+    from finetune.streaming import room
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(
+        folder, family="llama3_1", fields=dict(hidden_size=128, intermediate_size=512), data_dir=DATA_DIR
+    )
+    loaded = []
+    monkeypatch.setattr(hf_format, "load_weights", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(room, "available_host_bytes", lambda: 300 * 2**10)  # (the toy pins ~0.4 MiB)
+    cpu = [*toy_folder.CPU_OVERRIDES, "fp8=null", "enable_activation_offloading=False", "device_memory_limit_gib=null"]
+    run = run_here(
+        tmp_path / "out",
+        f"checkpoint_dir={folder}",
+        *cpu,
+        "stream_layers=2",
+        config="configs/llama3_1/8B_full_16gb_fp8.yaml",
+        fast=False,
+    )
+    assert run.returncode == 2 and not loaded
+    assert "this config keeps" in run.error and "optimizer states" in run.error and "2 layers' weights" in run.error
+    assert "larger GPU class" in run.error

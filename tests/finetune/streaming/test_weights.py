@@ -184,3 +184,16 @@ def test_a_model_built_on_the_meta_device_and_streamed_computes_what_the_residen
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(streamed(tokens), resident(tokens))
+
+
+def test_the_host_room_check_counts_states_and_weights_and_names_the_layers_that_fit(monkeypatch):
+    from finetune.streaming import room, states
+
+    model = support.tiny_decoder(layers=LAYERS)
+    build = lambda params: optimizers.AdamW4bit(params, lr=1e-2)  # noqa: E731
+    need = room.check_host_room(model, build=build, states=True, layers=2, device=torch.device("cpu"))
+    per_layer = need["2 layers' weights"] // 2
+    assert need["optimizer states"] == states.state_bytes(build, model.parameters(), torch.device("cpu"))
+    monkeypatch.setattr(room, "available_host_bytes", lambda: need["optimizer states"] + per_layer + 1)
+    with pytest.raises(BadInput, match=r"stream fewer layers \(stream_layers=1 fits"):
+        room.check_host_room(model, build=build, states=True, layers=2, device=torch.device("cpu"))
