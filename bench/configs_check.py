@@ -46,6 +46,7 @@ EVAL_RECIPE = "recipes/evaluate.py"
 # mostly have 32 GB of RAM, of which the system and a desktop keep some.
 GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400}
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
+RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
 
@@ -168,12 +169,22 @@ def check_config(config: str, args) -> dict:
     second, resumed, _ = recipe_run(
         config, again_dir, args, [other, f"resume_from_checkpoint={work / 'run' / step}"], work / "resumed.log"
     )
-    checks["resumed_exactly"] = (
-        not second.error() and [m["loss"] for m in resumed] == losses[args.save_every :] and len(resumed) > 0
+    # The first resumed step's loss is the restored weights' forward: equal, bit for bit. Later steps follow the
+    # uninterrupted run as closely as that run follows itself: FlashAttention's backward (packed_attention=varlen)
+    # sums in an order that varies from run to run, so two uninterrupted 7B runs differ from their third step
+    # (by 7e-4 of the loss at step 4 on an H100); the weights written at the end differ likewise.
+    again_losses = [m["loss"] for m in resumed]
+    expected = losses[args.save_every :]
+    checks["resumed_first_step_exact"] = not second.error() and again_losses[:1] == expected[:1]
+    row["resumed_losses"] = again_losses
+    row["resumed_max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(again_losses, expected)), default=None)
+    checks["resumed_within_repeatability"] = (
+        len(again_losses) == len(expected) and row["resumed_max_rel_diff"] <= RESUME_RTOL
     )
     epoch = work / "run" / "epoch_0" / "model.safetensors"
     again = again_dir / "epoch_0" / "model.safetensors"
-    checks["resumed_weights_equal"] = again.is_file() and epoch.is_file() and again.read_bytes() == epoch.read_bytes()
+    checks["resumed_saved"] = again.is_file()
+    row["resumed_weights_equal"] = again.is_file() and epoch.is_file() and again.read_bytes() == epoch.read_bytes()
     if second.error():
         row["resume_error"] = second.error()
     checks["transformers_loads"] = transformers_loads(work / "run" / "epoch_0") if epoch.is_file() else False

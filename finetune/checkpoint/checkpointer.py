@@ -224,11 +224,21 @@ class Checkpointer:
             if best[0] is not None:
                 return best
         if self._log is not None and not self._told:
-            self._log.warning(
-                "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while it is "
-                "written (it would pin the part that does not fit in spare GPU memory), so checkpoints are written "
-                "synchronously and training waits for each; free host memory, or set async_checkpoint=False"
-            )
+            limit = self._staging.host_limit
+            if limit is not None:  # (a config's choice for a small machine: said, not warned)
+                self._log.info(
+                    f"async_checkpoint=True: no file of the checkpoint has room for its copy under "
+                    f"host_memory_limit_gib={limit / 2**30:g} beside the run's own host memory, so checkpoints are "
+                    "written synchronously (from where the tensors live, no copy); where the machine has the memory, "
+                    "a larger host_memory_limit_gib writes them in the background"
+                )
+            else:
+                self._log.warning(
+                    "async_checkpoint=True: this host has not the memory to hold a snapshot of the checkpoint while "
+                    "it is written (it would pin the part that does not fit in spare GPU memory), so checkpoints are "
+                    "written synchronously and training waits for each; free host memory, or set "
+                    "async_checkpoint=False"
+                )
             self._told = True
         return None, ()
 
