@@ -2,7 +2,7 @@
 memory class, torchtune's stock config) and what each family x class row runs (``rows_of``: ours, the FP8 twins, the
 stock recipe at its flags, the candidates and loss paths), apart from the script that measures them.
 
-Their real config.json values are finetune/model/toy_folder.py's MODELS (the models the configs/ folders are for);
+Their real config.json values are finetune/toy_folder.py's MODELS (the models the configs/ folders are for);
 their stand-in tokenizers finetune/model/toy_tokenizer.py's STAND_INS.
 """
 
@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 
 import _harness as harness
 import _runner as runner
-from finetune.model.toy_folder import MODELS
 from finetune.model.toy_tokenizer import STAND_INS, StandIn
+from finetune.toy_folder import MODELS
 
 # -- the families ---------------------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ worker on its own GPU (families are dealt round-robin to the visible GPUs by ben
 on an 8-GPU host run side by side; on one GPU they run one after another):
 
 1. a Hugging Face checkpoint with random values, made by transformers from the family's real config.json (its
-   ``SPECS`` entry: sizes, RoPE, tying, token ids) on the GPU, in 5 GB shards (finetune/model/toy_folder.py's
+   ``SPECS`` entry: sizes, RoPE, tying, token ids) on the GPU, in 5 GB shards (finetune/toy_folder.py's
    builder), with a stand-in tokenizer: a byte-level BPE trained on the Alpaca file (no model hub here), saved by
    transformers as the family's tokenizer.json + tokenizer_config.json for our recipe and in the format torchtune's
    stock tokenizer for the family reads (Llama 3's tiktoken file, Qwen's vocab.json + merges.txt; Mistral's stock
@@ -70,7 +70,7 @@ from _family_rows import (  # noqa: E402
     n_params,
     rows_of,
 )
-from finetune.model import toy_folder  # noqa: E402
+from finetune import toy_folder  # noqa: E402
 from finetune.model.toy_tokenizer import alpaca_texts, train_bpe  # noqa: E402
 
 REPO_ROOT = harness.REPO_ROOT
@@ -119,7 +119,7 @@ def _gpt2_unicode_to_byte() -> Dict[str, int]:
 
 
 def make_family_checkpoint(spec: Spec, folder: Path, bpe, args) -> None:
-    """The family's checkpoint: the library's random model (finetune/model/toy_folder.py: transformers' model for the
+    """The family's checkpoint: the library's random model (finetune/toy_folder.py: transformers' model for the
     family's real config.json, or with --toy at its tiny sizes, with uniform random values, bit-identical on every
     CPU; bf16 on the GPU, in 5 GB shards) and the stand-in tokenizer, then the stock recipe's tokenizer files for it
     (``--make-checkpoint`` runs it in a process of its own, so the GPU memory it took is freed after)."""

@@ -1,5 +1,5 @@
 """What tests build besides conftest's fixtures: toy Hugging Face folders of each model family (the library's builder,
-finetune/model/toy_folder.py: a model made by transformers from the family's config.json at toy sizes, a stand-in
+finetune/toy_folder.py: a model made by transformers from the family's config.json at toy sizes, a stand-in
 tokenizer saved by transformers), the tiny Llama folder the eval tests read, and the batch runner of fine-tunes.
 (A run's offline wandb files are read back by the library's reader, finetune.reporting.wandb_run.read_runs.)
 
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 # -- toy models of the families ---------------------------------------------------------------------------------------
 
-# The toys are written by the library's builder (finetune/model/toy_folder.py: the model at its fixed TINY_SIZES,
+# The toys are written by the library's builder (finetune/toy_folder.py: the model at its fixed TINY_SIZES,
 # transformers' save_pretrained, the stand-in tokenizers of finetune/model/toy_tokenizer.py), read through this module
 # (``support.TOYS``, ``support.train_bpe``) but imported only when first asked for: finetune.model imports torchtune,
 # which must not come before the recipe's own imports in ``run_batch``.
@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
         return getattr(toy_tokenizer, name)
     if name in _FROM_TOY_FOLDER:
-        from finetune.model import toy_folder
+        from finetune import toy_folder
 
         return getattr(toy_folder, _FROM_TOY_FOLDER[name])
     if name == "TOYS":
@@ -60,9 +60,9 @@ class Toy:
 
 
 def _toys() -> Dict[str, Toy]:
-    """``support.TOYS``: per model, the toy of the config.json finetune/model/toy_folder.py's MODELS hold for it, at
+    """``support.TOYS``: per model, the toy of the config.json finetune/toy_folder.py's MODELS hold for it, at
     the library's TINY_SIZES (Qwen2.5-3B: the 7B's, tied)."""
-    from finetune.model.toy_folder import MODELS, tiny
+    from finetune.toy_folder import MODELS, tiny
 
     def hf(key: str, **fields: Any) -> Dict[str, Any]:
         return {
@@ -98,7 +98,7 @@ def tiny_decoder(device: str = "cpu", seed: int = 0, width: int = 128, layers: i
 
 def model_overrides(toy: Toy, hf: Dict[str, Any]) -> List[str]:
     """Recipe overrides that build the model of config.json ``hf`` with the toy's sizes builder."""
-    from finetune.model.toy_folder import sizes_overrides
+    from finetune.toy_folder import sizes_overrides
 
     return sizes_overrides(toy.sizes_builder, hf, **toy.builder_extra)
 
@@ -121,9 +121,9 @@ def write_tokenizer(folder: Path, toy: Toy, bpe) -> Dict[str, Optional[int]]:
 
 def make_checkpoint(folder: Path, toy: Toy, bpe, *, seed: int = 0, scale: Optional[float] = None) -> Dict[str, Any]:
     """An HF folder as transformers saves one: the family's model for the toy's config.json with the library's
-    uniform random values (finetune/model/toy_folder.py's save_model: bit-identical on every CPU; +-``scale``, by
+    uniform random values (finetune/toy_folder.py's save_model: bit-identical on every CPU; +-``scale``, by
     default TINY_SCALE) in fp32, and the toy's tokenizer. Returns the config.json written."""
-    from finetune.model import toy_folder
+    from finetune import toy_folder
 
     scale = toy_folder.TINY_SCALE if scale is None else scale
     return toy_folder.save_toy(folder, toy.hf, bpe, toy.stand_in, template_file=False, seed=seed, scale=scale)
@@ -134,7 +134,7 @@ def make_tiny_llama(folder: Path, tokenizer_model: Path) -> Path:
     of width 64 at transformers' own initialisation (seed 0), with Llama 2's SentencePiece tokenizer."""
     import shutil
 
-    from finetune.model.toy_folder import save_model
+    from finetune.toy_folder import save_model
 
     sizes = dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     save_model(folder, dict(sizes, model_type="llama", num_key_value_heads=4, max_position_embeddings=512), seed=0)
@@ -196,7 +196,7 @@ def make_any_folder(folder: Path, key: str, bpe, llama2_tokenizer: Path, **field
     import dataclasses
     import shutil
 
-    from finetune.model import toy_folder
+    from finetune import toy_folder
 
     toy, _ = ANY_FOLDERS[key]
     toy = dataclasses.replace(toy, hf={**toy.hf, **fields})
@@ -253,3 +253,22 @@ def make_sharded(source: Path, folder: Path, max_shard_size: str) -> List[str]:
 
 if __name__ == "__main__":
     run_batch(sys.argv[1])
+
+
+def dataset_settings(section: Dict[str, Any]):
+    """The data section a dataset is built from, ``section`` being the config's dataset keys: unpacked, one sample a
+    batch, no pack cache (what the data tests that build a dataset directly need)."""
+    from omegaconf import OmegaConf
+
+    from finetune.sections import DataSettings
+
+    return DataSettings(
+        section=OmegaConf.create(section),
+        packed=False,
+        files=(),
+        batch_size=1,
+        tokenizer_path=Path("t"),
+        tokenizer_cfg={},
+        pack_cache_dir=None,
+        packed_attention="flex",
+    )

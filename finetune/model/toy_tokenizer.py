@@ -3,7 +3,7 @@ and a short chat template of the family's shape, saved as transformers saves a t
 
 No model hub is reachable where the toys are made (the CPU tests, the device benchmarks), so the families' real
 tokenizers are out of reach; a stand-in has what the recipes look at: the family's BOS/EOS and chat tokens, a chat
-template in the family's format, a vocabulary trained the same way every time. ``finetune.model.toy_folder`` writes
+template in the family's format, a vocabulary trained the same way every time. ``finetune.toy_folder`` writes
 one into each toy folder; tests/support.py and bench/model_families.py write the fuller ones of ``STAND_INS``.
 """
 

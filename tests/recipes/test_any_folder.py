@@ -2,7 +2,7 @@
 ``checkpoint_dir=`` plus the CPU overrides docs/models.md gives ("Try a family on the CPU in a minute"): the model is
 the folder's.
 
-The folders are made as the docs make them, by ``python -m finetune.model.toy_folder --family <key>`` (transformers'
+The folders are made as the docs make them, by ``python -m finetune.toy_folder --family <key>`` (transformers'
 AutoConfig, from_config, save_pretrained), with tests/support.py's ANY_FOLDERS fields set on top: per family a
 config.json that no released model has (width 48 with head_dim 16, 3 layers, RoPE bases and norm eps no release
 has, Llama 3.1's RoPE scaling with every number changed, tying flipped against the config's builder). Each runs the
@@ -25,9 +25,10 @@ from omegaconf import OmegaConf
 
 import support
 from conftest import DATA_DIR, REPO_ROOT, run_here
+from finetune import toy_folder
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
-from finetune.model import from_hf_config, toy_folder
+from finetune.model import from_hf_config
 from finetune.settings import read_settings
 
 KEYS = list(support.ANY_FOLDERS)

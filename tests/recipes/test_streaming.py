@@ -107,7 +107,7 @@ def test_a_16gb_config_streams_an_hf_folder_of_its_family_as_the_resident_run_tr
     the model is built on the meta device and takes the folder's tensors (Llama 3's q/k permutation, its scaled RoPE
     built on the device), and trains the losses of the same run with every weight resident."""
     from conftest import DATA_DIR
-    from finetune.model import toy_folder
+    from finetune import toy_folder
 
     folder = tmp_path / "folder"
     toy_folder.make_toy_folder(folder, family=family, fields=fields, data_dir=DATA_DIR)
@@ -143,7 +143,7 @@ def test_a_3b_12gb_config_trains_its_family_folder_with_the_states_in_host_memor
     """The 3B models' 12 GB config, on a toy folder of the family (activation offloading, a GPU's, off): it trains,
     and every step after the first brings its states up from host memory and writes them back."""
     from conftest import DATA_DIR
-    from finetune.model import toy_folder
+    from finetune import toy_folder
 
     folder = tmp_path / "folder"
     toy_folder.make_toy_folder(folder, family=family, fields=fields, data_dir=DATA_DIR)
@@ -188,7 +188,7 @@ def test_on_cuda_a_16gb_config_saves_resumes_and_its_folder_loads_in_transformer
     from transformers import AutoModelForCausalLM
 
     from conftest import DATA_DIR
-    from finetune.model import toy_folder
+    from finetune import toy_folder
 
     folder = tmp_path / "folder"
     toy_folder.make_toy_folder(
@@ -228,8 +228,8 @@ def test_a_machine_without_the_host_memory_is_refused_before_the_weights_load(tm
     """The states and streamed weights a run will pin are counted on the model built on the meta device, before the
     checkpoint's weights are read: one line with what they take, what the machine has, and the fix."""
     from conftest import DATA_DIR
+    from finetune import toy_folder
     from finetune.checkpoint import hf_format
-    from finetune.model import toy_folder
     from finetune.streaming import room
 
     folder = tmp_path / "folder"

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 from tokenizers import AddedToken, Tokenizer
 
 import support
@@ -19,7 +18,6 @@ from conftest import DATA_DIR
 from finetune.base import BadInput
 from finetune.data import loading
 from finetune.data.tokenizer import HFTokenizer
-from finetune.sections import DataSettings
 
 TEMPLATES = Path(__file__).with_name("chat_templates")
 # family: template file, special tokens, BOS, EOS
@@ -79,16 +77,7 @@ def build(path, tok, **extra):
         "packed": False,
         **extra,
     }
-    data = DataSettings(
-        section=OmegaConf.create(cfg),
-        packed=False,
-        files=(),
-        batch_size=1,
-        tokenizer_path=Path("t"),
-        tokenizer_cfg={},
-        pack_cache_dir=None,
-        packed_attention="flex",
-    )
+    data = support.dataset_settings(cfg)
     return loading.build_dataset(data, tok, log=None)
 
 

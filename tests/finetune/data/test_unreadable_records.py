@@ -7,17 +7,14 @@ and field in Parquet; a line that is not JSON by file and line.
 import gzip
 import json
 import sys
-from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 import support
 from conftest import DATA_DIR, REPO_ROOT, TINY_CONFIG
 from finetune.base import BadInput
 from finetune.data import loading, records
 from finetune.data.tokenizer import HFTokenizer
-from finetune.sections import DataSettings
 
 BAD = b"\xff"
 
@@ -32,16 +29,7 @@ def tokenizer_json(tmp_path_factory):
 
 def build(cfg: dict, tokenizer_json, chat_template=False):
     tok = HFTokenizer(str(tokenizer_json), chat_template=chat_template)
-    data = DataSettings(
-        section=OmegaConf.create({"split": "train", "packed": False, **cfg}),
-        packed=False,
-        files=(),
-        batch_size=1,
-        tokenizer_path=Path("t"),
-        tokenizer_cfg={},
-        pack_cache_dir=None,
-        packed_attention="flex",
-    )
+    data = support.dataset_settings({"split": "train", "packed": False, **cfg})
     return loading.build_dataset(data, tok, log=None)
 
 

@@ -1,7 +1,7 @@
 """A toy Hugging Face folder of a model family, to try the family's config on a CPU in a minute.
 
-    python -m finetune.model.toy_folder --family qwen3 --out /tmp/toy-qwen3
-    python -m finetune.model.toy_folder --config /path/to/Qwen2.5-7B/config.json --out /tmp/toy-qwen2_5
+    python -m finetune.toy_folder --family qwen3 --out /tmp/toy-qwen3
+    python -m finetune.toy_folder --config /path/to/Qwen2.5-7B/config.json --out /tmp/toy-qwen2_5
 
 The folder is what transformers saves (``AutoConfig``, ``AutoModelForCausalLM.from_config``, ``save_pretrained``):
 the model's own config.json at toy sizes, with random values, and a tokenizer. The sizes shrink (2 layers, a width
@@ -422,7 +422,7 @@ def train_command(config: str, folder: Path, data_dir: Optional[Path] = None) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m finetune.model.toy_folder",
+        prog="python -m finetune.toy_folder",
         description="Write a toy Hugging Face folder of a model family (its config.json at toy sizes, random "
         "values, a tokenizer) and print the command that fine-tunes it on the CPU with the family's config.",
     )

@@ -1,4 +1,4 @@
-"""finetune/model/toy_folder.py: a toy Hugging Face folder per family, made from the model's config.json at toy sizes.
+"""finetune/toy_folder.py: a toy Hugging Face folder per family, made from the model's config.json at toy sizes.
 
 Per family: the folder transformers loads, with toy sizes that keep the model's query to key/value head ratio and
 every other field of its config.json (RoPE base and scaling, norm eps, tying), a tokenizer whose ids config.json
@@ -16,10 +16,11 @@ import transformers
 from omegaconf import OmegaConf
 
 from conftest import DATA_DIR, REPO_ROOT
+from finetune import toy_folder
 from finetune.base import BadInput
 from finetune.checkpoint import hf_format
 from finetune.data import HFTokenizer
-from finetune.model import from_hf_config, toy_folder
+from finetune.model import from_hf_config
 
 ARCHITECTURE = ("rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "model_type")
 
@@ -124,7 +125,7 @@ def test_a_folder_is_not_written_over(tmp_path):
 
 
 def test_the_command_line_prints_the_docs_command(tmp_path, capsys):
-    """``python -m finetune.model.toy_folder`` as the docs run it (its main(), in this process: a subprocess would
+    """``python -m finetune.toy_folder`` as the docs run it (its main(), in this process: a subprocess would
     spend most of its time importing transformers and torchtune again): the folder, then the command that trains it
     (the family's 80 GB config, checkpoint_dir, output_dir, CPU_OVERRIDES), quoted for the shell."""
     out = tmp_path / "toy-llama3_2"
