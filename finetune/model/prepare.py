@@ -10,6 +10,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torchtune import training, utils
 
+from finetune.base import BadInput
+
 log = utils.get_logger("INFO")
 
 FP8_RECIPES = ("tensorwise", "rowwise")  # the values of fp8: torchao's float8 training recipes (dynamic scaling)
@@ -108,4 +110,9 @@ def convert_to_fp8(model: torch.nn.Module, recipe: str, *, suits=fp8_suits) -> i
         return ok
 
     convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+    if not converted:  # (a run that asked for FP8 would otherwise train in bf16 without a word)
+        raise BadInput(
+            f"fp8={recipe} converts no layer of this model: its projections are too small for FP8 to pay or not "
+            "multiples of 16 (docs/recipes.md, FP8 matmuls); set fp8=null"
+        )
     return len(converted)

@@ -134,7 +134,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     data = read_data(cfg, device)
     validation = read_validation(cfg, data)
     checkpoint = read_checkpoint(cfg)
-    output_dir = Path(cfg.output_dir)
+    output_dir = read_output_dir(cfg)
     if checkpoint.overwrite:
         check_overwrite_keeps_inputs(output_dir, checkpoint, [data] + ([validation.data] if validation else []))
     model = read_model(cfg, checkpoint.checkpoint_dir)
@@ -170,6 +170,17 @@ def refuse_one_device_features(training: TrainingSettings, memory: MemorySetting
             "optimizer=torchao.optim.CPUOffloadOptimizer is for one GPU; the distributed recipe shards "
             "the optimizer state across GPUs instead: use the single-device recipe or another optimizer"
         )
+
+
+def read_output_dir(cfg: DictConfig) -> Path:
+    """``output_dir``: the run's folder, a non-empty path (null, empty or removed: one line, not a traceback)."""
+    value = OmegaConf.select(cfg, "output_dir", default=None)
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise BadInput(
+            f"output_dir={'null' if value is None else repr(value)} names no folder for the run's checkpoints and "
+            "metrics; set output_dir=outputs/<run name>"
+        )
+    return Path(str(value)).expanduser()
 
 
 def check_overwrite_keeps_inputs(output_dir: Path, checkpoint: CheckpointSettings, datasets) -> None:

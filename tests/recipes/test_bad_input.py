@@ -117,6 +117,13 @@ def test_bad_input_stops_before_training(tmp_path, out_with_checkpoint, make_ove
     assert not (out_with_checkpoint / "wandb").exists()
 
 
+@pytest.mark.parametrize("override", ["output_dir=null", "output_dir="])
+def test_an_output_dir_that_names_no_folder_is_one_error_line(tmp_path, override):
+    run = run_here(tmp_path / "out", override)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "names no folder for the run's checkpoints" in run.error and "set output_dir=" in run.error
+
+
 def test_unwritable_output_dir(tmp_path):
     # A path below a regular file cannot be created by anyone, root included (chmod would not
     # stop root, and tests may run as root).

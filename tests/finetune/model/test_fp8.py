@@ -89,6 +89,14 @@ def test_a_cpu_run_trains_like_bf16_matmuls_and_writes_the_same_checkpoint(tmp_p
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
 
 
+def test_fp8_on_a_model_with_no_layer_to_convert_is_one_error_line(tmp_path):
+    """The tiny config's projections are all too small for FP8: asking for it is refused before training, not
+    trained in plain matmuls with an info line."""
+    run = run_here(tmp_path / "fp8", "fp8=tensorwise")
+    assert run.returncode == 2 and run.metrics == []
+    assert "fp8=tensorwise converts no layer of this model" in run.error and "fp8=null" in run.error
+
+
 # On the device: FP8 tensor cores, compile, packing, optimizer-in-backward, activation checkpointing. A 2-layer model
 # at Llama2-7B's width (4096), so that every projection converts under both recipes.
 GPU_MODEL = [
