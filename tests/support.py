@@ -255,16 +255,16 @@ if __name__ == "__main__":
     run_batch(sys.argv[1])
 
 
-def dataset_settings(section: Dict[str, Any]):
-    """The data section a dataset is built from, ``section`` being the config's dataset keys: unpacked, one sample a
-    batch, no pack cache (what the data tests that build a dataset directly need)."""
+def dataset_settings(section: Dict[str, Any], packed: bool = False):
+    """The data section a dataset is built from, ``section`` being the config's dataset keys: one sample a batch, no
+    pack cache (what the data tests that build a dataset directly need)."""
     from omegaconf import OmegaConf
 
     from finetune.sections import DataSettings
 
     return DataSettings(
-        section=OmegaConf.create(section),
-        packed=False,
+        section=OmegaConf.create({**section, "packed": packed} if packed else section),
+        packed=packed,
         files=(),
         batch_size=1,
         tokenizer_path=Path("t"),

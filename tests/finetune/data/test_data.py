@@ -10,7 +10,6 @@ special tokens and chat template).
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +22,6 @@ from finetune.base import BadInput
 from finetune.data import loading
 from finetune.data.packing import PackedSFTDataset
 from finetune.data.tokenizer import HFTokenizer
-from finetune.sections import DataSettings
 
 FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
 CONVERSATION = [
@@ -109,16 +107,7 @@ def test_bad_tokenizer_files_and_templates_are_one_error_each(folders, tmp_path)
 
 
 def build(cfg: dict, tok, packed=False):
-    data = DataSettings(
-        section=OmegaConf.create({**cfg, "packed": packed}),
-        packed=packed,  # (the settings read dataset.packed)
-        files=(),
-        batch_size=1,
-        tokenizer_path=Path("tokenizer.json"),
-        tokenizer_cfg={},
-        pack_cache_dir=None,
-        packed_attention="flex",
-    )
+    data = support.dataset_settings({**cfg, "packed": packed}, packed=packed)  # (the settings read dataset.packed)
     return loading.build_dataset(data, tok, log=SimpleNamespace(info=lambda *_: None, warning=lambda *_: None))
 
 
