@@ -123,12 +123,20 @@ class Validation:
             return False
         return step_in_epoch == self.steps_per_epoch or (self.every is not None and step % self.every == 0)
 
-    def after_step(self, step: int, step_in_epoch: int) -> Dict[str, float]:
-        """``{"val_loss": ...}`` when this step validates (on every rank: they compute it together), else ``{}``."""
-        return {"val_loss": self.loss()} if self.due(step, step_in_epoch) else {}
+    def after_step(self, step: int, step_in_epoch: int, stop: Optional[Callable[[], bool]] = None) -> Dict[str, Any]:
+        """``{"val_loss": ...}`` when this step validates (on every rank: they compute it together), else ``{}``;
+        ``{"val_stopped": True}`` when ``stop()`` turned true during the pass (``loss``)."""
+        if not self.due(step, step_in_epoch):
+            return {}
+        value = self.loss(stop)
+        return {"val_stopped": True} if value is None else {"val_loss": value}
 
-    def loss(self) -> float:
-        """The token-weighted mean loss over the whole validation set (every rank's share); NaN if it has no token."""
+    def loss(self, stop: Optional[Callable[[], bool]] = None) -> Optional[float]:
+        """The token-weighted mean loss over the whole validation set (every rank's share); NaN if it has no token.
+
+        ``stop``: asked before each batch; once true, the pass is abandoned and None returned. A stop signal then
+        reaches its checkpoint in seconds, not after the whole pass (6,000 samples take minutes on a CPU, longer than
+        a scheduler's grace period). One process only: ranks would have to agree before each batch."""
         model = self.model
         was_training = model.training
         cuda = [self.device] if self.device.type == "cuda" else []
@@ -138,6 +146,8 @@ class Validation:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
                 for batch in self.loader:
+                    if stop is not None and stop():
+                        return None
                     ntok = count_trained_tokens(batch["labels"], self.ignore_index)  # (before loss_step takes them)
                     utils.batch_to_device(batch, self.device)
                     out = self.loss_step(batch)

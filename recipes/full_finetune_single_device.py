@@ -436,7 +436,8 @@ class FullFinetuneRecipeSingleDevice:
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
-                record.update(self._val.after_step(self.global_step, step_in_epoch))  # (val_loss: eval mode, no grad)
+                # (val_loss: eval mode, no grad; a stop signal ends the pass, and the checkpoint below follows)
+                record.update(self._val.after_step(self.global_step, step_in_epoch, stop=lambda: self._stop.received))
                 self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss = 0.0

@@ -214,3 +214,33 @@ def test_bad_validation_value_is_one_error_line_from_the_recipe(tmp_path):
     assert run.returncode == 2
     assert run.error.startswith("error: run_val_every_n_steps=2 needs a validation set")
     assert "Traceback" not in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_path, monkeypatch):
+    """SIGTERM in the middle of a validation pass: the pass ends at the next batch (its record says val_stopped, no
+    val_loss), and the step's checkpoint is written right after, as at any step boundary; the run exits 0. Before,
+    the signal waited for the whole pass (6,000 samples: minutes on a CPU, past a scheduler's grace period)."""
+    import os
+    import signal
+
+    from finetune import validation
+
+    records = json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[-200:]
+    big = tmp_path / "val.json"
+    big.write_text(json.dumps(records))
+    seen, count = [], validation.count_trained_tokens
+
+    def count_and_signal(labels, ignore_index):
+        seen.append(1)
+        if len(seen) == 2:  # (the second validation batch: the stop comes mid-pass)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return count(labels, ignore_index)
+
+    monkeypatch.setattr(validation, "count_trained_tokens", count_and_signal)
+    run = run_here(tmp_path / "out", f"dataset_val.data_files={big}", "run_val_every_n_steps=2", "batch_size_val=1")
+    assert run.ok, run.stderr[-3000:]
+    assert len(seen) == 2  # (of 200 batches)
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert run.metrics[-1].get("val_stopped") is True and "val_loss" not in run.metrics[-1]
+    assert (run.output_dir / "step_2" / "model.safetensors").is_file()
+    assert "Stopped by SIGTERM after step 2" in run.stderr + run.stdout
