@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import _harness as harness
+from finetune import host_memory
 
 RECIPE = "recipes/full_finetune_single_device.py"
 EVAL_RECIPE = "recipes/evaluate.py"
@@ -69,10 +70,10 @@ class Footprint:
 
     @staticmethod
     def _available() -> int:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no MemAvailable in /proc/meminfo")
+        info = host_memory.meminfo()
+        if info is None or "MemAvailable" not in info:
+            raise RuntimeError("no MemAvailable in /proc/meminfo")
+        return info["MemAvailable"]
 
     @staticmethod
     def _gpu_mib() -> int:

@@ -3,7 +3,7 @@
 between host and GPU. It sits below both so that neither imports the other.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -16,22 +16,30 @@ def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def meminfo() -> Optional[Dict[str, int]]:
+    """/proc/meminfo's fields in bytes (None where it cannot be read: not Linux)."""
+    try:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def available_host_bytes() -> Optional[int]:
     """MemAvailable less a reserve for everything else (None where /proc/meminfo cannot tell)."""
-    try:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
-        total, free = info["MemTotal"], info["MemAvailable"]
-    except (OSError, KeyError, ValueError, IndexError):
+    info = meminfo()
+    if info is None or "MemTotal" not in info or "MemAvailable" not in info:
         return None
-    return free - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * total))
+    return info["MemAvailable"] - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * info["MemTotal"]))
 
 
-def resident_bytes() -> int:
-    """This process's resident set (VmRSS: pinned pages included), 0 where /proc cannot tell."""
+def resident_bytes(peak: bool = False) -> Optional[int]:
+    """This process's resident set now (VmRSS) or at its peak (VmHWM), pinned pages included; None where
+    /proc/self/status cannot tell."""
+    field = "VmHWM:" if peak else "VmRSS:"
     try:
         for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None

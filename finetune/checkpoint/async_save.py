@@ -262,7 +262,7 @@ class Staging:
         free = available_host_bytes()
         if self.host_limit is None:
             return free
-        room = self.host_limit - resident_bytes() - HOST_LIMIT_MARGIN
+        room = self.host_limit - (resident_bytes() or 0) - HOST_LIMIT_MARGIN
         return room if free is None else min(free, room)
 
     def no_gpu(self) -> None:
@@ -398,8 +398,8 @@ def write_safetensors(
 ) -> None:
     """``convert(tensors)`` as safetensors.torch.save_file would write it (the same bytes), converting and writing
     one tensor at a time, so weights held on the GPU need no host copy of themselves: each GPU tensor goes to the
-    file through ``bounce`` (pinned uint8), a piece at a time, or without one, through a copy of that one tensor. ``convert`` maps a dict of some tensors to the
-    written names (it must convert each key on its own, as torchtune's converters do); ``tensors`` is emptied as
+    file through ``bounce`` (pinned uint8), a piece at a time, or without one, through a copy of that one tensor.
+    ``convert`` maps a dict of some tensors to the written names (it must convert each key on its own, as torchtune's converters do); ``tensors`` is emptied as
     it is written. Ends with an fsync."""
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
     source: Dict[str, str] = {}

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
+from finetune.host_memory import resident_bytes
 from finetune.reporting.wandb_run import finish
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -276,11 +277,10 @@ def host_memory_gib() -> Dict[str, float]:
     """The process's host memory: ``host_rss_gib`` now and ``peak_rss_gib`` at its peak (resident pages, pinned
     ones included: the optimizer states, streamed weights and staging buffers a small-card run keeps in host memory).
     Where /proc is missing (not Linux), the peak alone, from getrusage."""
-    try:
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
-        return {k: int(fields[v].split()[0]) / 2**20 for k, v in (("host_rss_gib", "VmRSS"), ("peak_rss_gib", "VmHWM"))}
-    except (OSError, KeyError, ValueError):
+    now, peak = resident_bytes(), resident_bytes(peak=True)
+    if now is None or peak is None:
         return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # ru_maxrss is KiB
+    return {"host_rss_gib": now / 2**30, "peak_rss_gib": peak / 2**30}
 
 
 def memory_metrics(device: torch.device) -> Dict[str, float]:
