@@ -12,7 +12,7 @@ import torch
 from finetune.base import BadInput
 from finetune.host_memory import available_host_bytes
 from finetune.streaming.states import state_bytes
-from finetune.streaming.weights import spread, streamed_params
+from finetune.streaming.weights import streamed_bytes, streamed_indices
 
 
 def _size(nbytes: int) -> str:
@@ -29,13 +29,7 @@ def check_host_room(
         parts["optimizer states"] = state_bytes(build, model.parameters(), device)
     per_layer = 0
     if layers:
-        if layers > len(model.layers):
-            raise BadInput(
-                f"stream_layers={layers} is more than the model's {len(model.layers)} layers; set "
-                f"stream_layers<={len(model.layers)}"
-            )
-        indices = spread(layers, len(model.layers))
-        weights = sum(p.numel() * p.element_size() for i in indices for p in streamed_params(model.layers[i]))
+        weights = streamed_bytes(model, streamed_indices(model, layers))
         parts[f"{layers} layers' weights"], per_layer = weights, weights // layers
     need, free = sum(parts.values()), available_host_bytes()
     if free is None or need <= free:

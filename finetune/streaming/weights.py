@@ -206,9 +206,22 @@ class StreamedWeights:
         return {"weights_copy_gb": moved / 1e9, "host_weights_gib": self.host_bytes / 2**30}
 
 
+def streamed_indices(model: torch.nn.Module, count: int) -> List[int]:
+    """The layers ``stream_layers=count`` streams, spread over the model (refused where it has fewer)."""
+    layers = len(model.layers)
+    if count > layers:
+        raise BadInput(f"stream_layers={count} is more than the model's {layers} layers; set stream_layers<={layers}")
+    return spread(count, layers)
+
+
+def streamed_bytes(model: torch.nn.Module, indices: List[int]) -> int:
+    """The bytes the weights of layers ``indices`` take in host memory once streamed (a meta model's too)."""
+    return sum(p.numel() * p.element_size() for i in indices for p in streamed_params(model.layers[i]))
+
+
 def check_weights_memory(model: torch.nn.Module, indices: List[int]) -> int:
     """Refuse, before anything moves, streamed weights that would not fit in the host's available memory."""
-    need = sum(p.numel() * p.element_size() for i in indices for p in streamed_params(model.layers[i]))
+    need = streamed_bytes(model, indices)
     free = available_host_bytes()
     if free is not None and need > free:
         raise BadInput(
@@ -220,10 +233,7 @@ def check_weights_memory(model: torch.nn.Module, indices: List[int]) -> int:
 
 def stream_weights(model: torch.nn.Module, count: int, device: torch.device, *, trace=None) -> StreamedWeights:
     """``stream_layers=count``: check it against the model and the host, then place the model (``StreamedWeights``)."""
-    layers = len(model.layers)
-    if count > layers:
-        raise BadInput(f"stream_layers={count} is more than the model's {layers} layers; set stream_layers<={layers}")
-    indices = spread(count, layers)
+    indices = streamed_indices(model, count)
     check_weights_memory(model, indices)
     return StreamedWeights(model, indices, device, trace=trace)
 
