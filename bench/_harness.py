@@ -50,10 +50,11 @@ DATA_DIR = "../shared/data"
 
 # What a card sold as N GB leaves a run, the cap of its class: such a card reports a little under N GiB to CUDA (an
 # A100 or H100 80 GB about 79.1, an RTX 5090 31.4, a 4090 23.6, a 16 GB card about 15.7, a 12 GB one 11.8), less its
-# CUDA context and some room for a display. A row that completes under its cap fits that card. (Until 2026-12-04 the
+# CUDA context and some room for a display. A row that completes under its cap fits that card. The 16 and 12 GB caps leave ~0.8 GiB for what nvidia-smi
+# lists beside the allocator (CUDA context, loaded kernels): 15,400 and 11,400 MiB per process, measured. (Until 2026-12-04 the
 # 80, 32 and 24 GB classes were capped at 80, 32 and 24 GiB: Llama2-7B's 24 GiB configs reserved 23.1 GiB there and
 # ran out of memory at 22.7, bench/results/llama2_7b_24gb_card_h200.json.)
-CLASS_GIB = {"80gb": 78, "32gb": 30.5, "24gb": 22.7, "16gb": 14.9, "12gb": 10.9}
+CLASS_GIB = {"80gb": 78, "32gb": 30.5, "24gb": 22.7, "16gb": 14.2, "12gb": 10.3}
 # The code a result depends on. bench/results/ is excluded: it is what the benchmarks write, and a --merge into a
 # committed file would otherwise make the next run of the same matrix refuse to start.
 CODE_PATHS = ["finetune", "recipes", "optimizers", "eval", "configs", "bench", ":(exclude)bench/results"]

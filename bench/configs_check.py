@@ -58,10 +58,11 @@ def card_class(config: str) -> Optional[str]:
 
 class Footprint:
     """Samples, every ``every`` seconds while a run lives: MemAvailable's drop from its value at the start (bytes),
-    and the GPU memory nvidia-smi lists for the run's processes (MiB)."""
+    the GPU memory nvidia-smi lists for the run's processes (MiB), and the proportional set size of torch.compile's
+    worker processes (GB: part of the host drop, which a machine with fewer cores pays less of)."""
 
     def __init__(self, every: float = 0.5):
-        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB)
+        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB, compile workers GB)
         self._stop, self._pids = threading.Event(), set()
         self._base = self._available()
         self._start = time.monotonic()
@@ -88,10 +89,25 @@ class Footprint:
             return 0
         return sum(int(line.split(",")[1]) for line in out.splitlines() if line.strip())
 
+    @staticmethod
+    def _compile_workers_gb() -> float:
+        """Inductor compiles in a pool of subprocesses (``torch/_inductor/compile_worker``), one per core by default,
+        kept for the whole run: their memory, each page shared between them counted once (Pss)."""
+        total = 0
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and b"compile_worker" in (proc / "cmdline").read_bytes():
+                    rollup = (proc / "smaps_rollup").read_text()
+                    total += int(re.search(r"^Pss:\s+(\d+) kB", rollup, re.M).group(1)) * 1024
+            except (OSError, AttributeError):  # (gone meanwhile, or not ours to read)
+                continue
+        return round(total / 1e9, 2)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             t = time.monotonic() - self._start
-            self.samples.append((round(t, 1), (self._base - self._available()) / 1e9, self._gpu_mib()))
+            taken = (self._base - self._available()) / 1e9
+            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb()))
             self._stop.wait(self.every)
 
     def stop(self) -> None:
@@ -114,6 +130,7 @@ class Footprint:
             "host_gb_peak_training": peak(training, 1),
             "host_gb_peak_saving": peak(saving, 1) if saving else None,
             "gpu_mib_peak": int(peak(self.samples, 2)),
+            "compile_workers_gb_peak": peak(self.samples, 3),
         }
 
 
@@ -160,6 +177,9 @@ def check_config(config: str, args) -> dict:
     row["losses"] = losses
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
+    anchor = args.anchors.get(config.split("/")[0])
+    if anchor and row["tok_s"]:
+        row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
     step = f"step_{args.save_every}"
     checks["saved"] = all((work / "run" / n / "model.safetensors").is_file() for n in (step, "epoch_0"))
     # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.
@@ -233,6 +253,19 @@ def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
     return {"truthfulqa_mc2": next(v for k, v in scores.items() if k.startswith("acc") and "stderr" not in k)}
 
 
+def read_anchor(family: str, path: Path) -> dict:
+    """The stock low-memory row of a results file measured in the same device call (bench/e2e.py's rows are Llama2's;
+    bench/model_families.py's name their family, e.g. llama3_1_8b for configs/llama3_1/)."""
+    try:
+        records = json.loads(path.read_text())["records"]
+    except (OSError, ValueError, KeyError) as e:
+        harness.refuse(f"--anchor {family}={path}: not a results file with records ({e})")
+    for r in records:
+        if r.get("name") == "stock_low_memory" and r.get("tok_s") and str(r.get("family") or family).startswith(family):
+            return {"tok_s": r["tok_s"], "command": r.get("command"), "file": path.name}
+    harness.refuse(f"--anchor {family}={path}: no measured stock_low_memory row of {family} in it")
+
+
 def parse_args(argv: List[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", required=True, help="comma-separated, as under configs/ without .yaml")
@@ -251,11 +284,20 @@ def parse_args(argv: List[str]):
     ap.add_argument("--eval-limit", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--set", action="append", default=[], help="an override for every run (key=value)")
+    ap.add_argument(
+        "--anchor",
+        action="append",
+        default=[],
+        metavar="FAMILY=JSON",
+        help="bench/e2e.py's or bench/model_families.py's results of the same call: its stock_low_memory row is the "
+        "family's anchor (each row's vs_stock)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
     ap.add_argument("--out", default=harness.scratch("configs_check.json"))
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
     args.folders = dict(item.split("=", 1) for item in args.checkpoint)
+    args.anchors = {family: read_anchor(family, Path(path)) for family, path in (a.split("=", 1) for a in args.anchor)}
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in args.configs:
         if not (harness.REPO_ROOT / "configs" / f"{c}.yaml").is_file():
@@ -275,9 +317,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         harness.write_json(args.out, doc)
         verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"
         print(
-            f"{config}: {verdict}; {row.get('tok_s')} tok/s, GPU {row.get('gpu_mib_peak')} MiB, host "
+            f"{config}: {verdict}; {row.get('tok_s')} tok/s ({row.get('vs_stock')}x stock), GPU {row.get('gpu_mib_peak')} MiB, host "
             f"{row.get('host_gb_peak')} GB (training {row.get('host_gb_peak_training')}, saving "
-            f"{row.get('host_gb_peak_saving')}), eval {row.get('eval')}",
+            f"{row.get('host_gb_peak_saving')}; compile workers {row.get('compile_workers_gb_peak')}), "
+            f"eval {row.get('eval')}",
             flush=True,
         )
 

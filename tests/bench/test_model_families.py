@@ -141,7 +141,7 @@ def test_the_command_line_picks_the_rows(argv, rows):
     assert [r.name for r in job.rows] == rows.split()
     for r in job.rows:
         if r.kind == "ours" and r.memory_class == "16gb":  # (an FP8 config only, its weights streamed)
-            assert r.config == family_rows.STREAMED_16GB[job.spec.key][0] and r.cap == 14.9
+            assert r.config == family_rows.STREAMED_16GB[job.spec.key][0] and r.cap == family_rows.CLASS_GIB["16gb"]
         elif r.kind == "ours":
             assert r.config == job.spec.configs[r.memory_class] + ("_fp8" if "_fp8" in r.name else "")
             assert r.cap == family_rows.CLASS_GIB[r.memory_class]
