@@ -218,6 +218,11 @@ def check_config(config: str, args) -> dict:
     if row["limits"]["host_gb"] is not None:
         checks["host_within_desktop"] = row["host_gb_peak"] <= row["limits"]["host_gb"]
     row["passed"] = all(checks.values())
+    if args.logs_dir:  # (the run folders go; their logs are what tells why a row failed)
+        logs = Path(args.logs_dir)
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copyfile(log, logs / f"{config.replace('/', '_')}_{log.name}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(again_dir, ignore_errors=True)
@@ -293,6 +298,7 @@ def parse_args(argv: List[str]):
         "family's anchor (each row's vs_stock)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument("--logs-dir", help="copy each config's run, resume and eval logs here")
     ap.add_argument("--out", default=harness.scratch("configs_check.json"))
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
