@@ -84,10 +84,12 @@ class StreamedWeights:
         self._host: Dict[torch.nn.Parameter, torch.Tensor] = {}
         self._moved = 0
         self._in_backward = False
-        for position, i in enumerate(indices):
-            params, pairs = streamed_params(model.layers[i]), []
+        streamed = [streamed_params(model.layers[i]) for i in indices]
+        slots = iter(self.link.slots.take_all([p.numel() * p.element_size() for params in streamed for p in params]))
+        for position, (i, params) in enumerate(zip(indices, streamed)):
+            pairs = []
             for p in params:
-                host = self.link.slots.take(p.numel() * p.element_size())
+                host = next(slots)
                 host.view(p.dtype).view(p.shape).copy_(p.detach())
                 p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
                 p.untyped_storage().resize_(0)
