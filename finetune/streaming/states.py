@@ -33,8 +33,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from finetune.base import BadInput
-from finetune.host_memory import available_host_bytes
 from finetune.streaming.link import link_for
 
 AHEAD_BYTES = 256 * 2**20  # ~1 layer of Llama2-7B's 4-bit states: copied in ~5 ms, a layer's backward takes longer
@@ -59,20 +57,6 @@ def state_bytes(build: Callable, params, device: torch.device, min_bytes: int = 
     per_element = sum(storages.values()) / PROBE_NUMEL
     del opt, probe
     return sum(int(p.numel() * per_element) for p in params if p.numel() * per_element >= min_bytes)
-
-
-def check_host_memory(build: Callable, params, device: torch.device, min_bytes: int = MIN_BYTES) -> int:
-    """Refuse a run whose streamed states would not fit in the host's available memory; return the bytes they will
-    take (``state_bytes``)."""
-    need = state_bytes(build, params, device, min_bytes)
-    free = available_host_bytes()
-    if free is not None and need > free:
-        raise BadInput(
-            f"stream_optimizer_states=True keeps {need / 2**30:.1f} GiB of optimizer state in pinned host memory; "
-            f"this machine has {max(free, 0) / 2**30:.1f} GiB available (MemAvailable less a reserve): free host "
-            "memory, or choose a smaller state format (optimizer=optimizers.AdamW4bit)"
-        )
-    return need
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:

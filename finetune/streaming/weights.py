@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from finetune.base import BadInput
-from finetune.host_memory import available_host_bytes
 from finetune.streaming.link import link_for
 
 MIN_BYTES = 64 * 2**10
@@ -221,23 +220,10 @@ def streamed_bytes(model: torch.nn.Module, indices: List[int]) -> int:
     return sum(p.numel() * p.element_size() for i in indices for p in streamed_params(model.layers[i]))
 
 
-def check_weights_memory(model: torch.nn.Module, indices: List[int]) -> int:
-    """Refuse, before anything moves, streamed weights that would not fit in the host's available memory."""
-    need = streamed_bytes(model, indices)
-    free = available_host_bytes()
-    if free is not None and need > free:
-        raise BadInput(
-            f"stream_layers={len(indices)} keeps {need / 2**30:.1f} GiB of weights in pinned host memory; this machine "
-            f"has {max(free, 0) / 2**30:.1f} GiB available: free host memory, or stream fewer layers"
-        )
-    return need
-
-
 def stream_weights(model: torch.nn.Module, count: int, device: torch.device, *, trace=None) -> StreamedWeights:
-    """``stream_layers=count``: check it against the model and the host, then place the model (``StreamedWeights``)."""
-    indices = streamed_indices(model, count)
-    check_weights_memory(model, indices)
-    return StreamedWeights(model, indices, device, trace=trace)
+    """``stream_layers=count``: check it against the model, then place the model (``StreamedWeights``). The host's
+    room for the weights is checked before they are loaded, with the states' (room.check_host_room)."""
+    return StreamedWeights(model, streamed_indices(model, count), device, trace=trace)
 
 
 def step_metrics(states: Any, weights: Optional[StreamedWeights]) -> Dict[str, float]:

@@ -113,14 +113,11 @@ def test_a_forward_without_gradients_frees_every_layer_and_training_goes_on_iden
     assert train(streamed, 2) == train(resident, 2)
 
 
-def test_stream_weights_checks_the_count_and_the_host_memory(monkeypatch):
+def test_stream_weights_checks_the_count():
     model = support.tiny_decoder(layers=LAYERS)
     apply_activation_checkpointing(model)
     with pytest.raises(BadInput, match=r"stream_layers=5 is more than the model's 4 layers"):
         stream_weights(model, 5, torch.device("cpu"))
-    monkeypatch.setattr(weights_module, "available_host_bytes", lambda: 1000)
-    with pytest.raises(BadInput, match=r"stream_layers=2 keeps .* GiB of weights in pinned host memory"):
-        stream_weights(model, 2, torch.device("cpu"))
 
 
 def test_spread_places_the_streamed_layers_evenly():
