@@ -51,15 +51,15 @@ def build_dataset(data: DataSettings, tokenizer, log):
     kind = next((k for k, name in KINDS.items() if name in component), None)
     if kind == "chat" and cfg_dataset.get("conversation_style") not in CHAT_STYLES:
         raise BadInput(
-            f"dataset.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
-            f"{', '.join(CHAT_STYLES)}; set dataset.conversation_style=openai (messages of role and content) "
+            f"{data.key}.conversation_style={cfg_dataset.get('conversation_style')!r} is not one of "
+            f"{', '.join(CHAT_STYLES)}; set {data.key}.conversation_style=openai (messages of role and content) "
             "or sharegpt (from, value)"
         )
     # Local text files are read byte by byte first: a byte that is not UTF-8 would otherwise pass datasets' JSON
     # reader inside a string and fail when the sampler reaches its record, mid-run.
     text_files = records.local_text_files(cfg_dataset)
     for path in text_files:
-        records.check_utf8(path)
+        records.check_utf8(path, data.key)
     # The samples are built unpacked and packed here (finetune/data/packing.py: best-fit rows, a token cache).
     cfg_samples = OmegaConf.merge(cfg_dataset, {"packed": False})
     try:
@@ -69,7 +69,7 @@ def build_dataset(data: DataSettings, tokenizer, log):
             for path in text_files:
                 problem = records.json_error(path, cfg_dataset.get("field"))
                 if problem:
-                    raise BadInput(f"dataset.data_files={path} {problem}; fix or drop that record") from None
+                    raise BadInput(f"{data.key}.data_files={path} {problem}; fix or drop that record") from None
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
@@ -77,7 +77,8 @@ def build_dataset(data: DataSettings, tokenizer, log):
             f"could not load the dataset {where} ({first_line(cause)}); it must be {RECORDS[kind]} (or a hub name "
             "reachable from here)"
         ) from None
-    names = records.RecordNames(where, cfg_dataset, text_files)  # (how an error names a record: a line, or from 1)
+    # How an error names a record (a line, or its place from 1) and the section's keys (dataset_val.column_map)
+    names = records.RecordNames(where, cfg_dataset, text_files, data.key)
     if not text_files:  # Parquet, Arrow, the hub: their strings are checked as loaded
         records.check_table_utf8(ds, names)
     column_map = cfg_dataset.get("column_map") or {}

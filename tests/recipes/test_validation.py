@@ -244,3 +244,17 @@ def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_pat
     assert run.metrics[-1].get("val_stopped") is True and "val_loss" not in run.metrics[-1]
     assert (run.output_dir / "step_2" / "model.safetensors").is_file()
     assert "Stopped by SIGTERM after step 2" in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("damage", ["utf8", "json"])
+def test_an_unreadable_validation_file_is_named_by_its_own_key(tmp_path, val_file, damage):
+    """A byte that is not UTF-8, or a line that is not JSON, in the validation file: the error names
+    dataset_val.data_files (the key to fix), not the training set's dataset.data_files."""
+    text = val_file.read_bytes()
+    bad = tmp_path / "val.json"
+    bad.write_bytes(text.replace(b"e", b"\xff", 1) if damage == "utf8" else text[:-2])
+    run = run_here(tmp_path / "out", f"dataset_val.data_files={bad}")
+    assert run.returncode == 2
+    assert run.error.startswith(f"error: dataset_val.data_files={bad} line "), run.error
+    assert ("is not valid UTF-8" if damage == "utf8" else "is not valid JSON") in run.error
+    assert "Traceback" not in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
