@@ -314,10 +314,7 @@ def check_chat_records(ds, column, style, train_on_input: bool, names: RecordNam
         try:
             ds[first_with_tools]
         except BadInput as e:
-            raise BadInput(
-                f"{names(first_with_tools)}, the first with tool messages: {e}. Use a model whose "
-                "template renders tool messages and tool calls, or drop them"
-            ) from None
+            raise BadInput(f"{names(first_with_tools)}, the first with tool messages: {e}") from None
 
 
 def _message_problem(message, role_key, text_key, roles, style) -> str:

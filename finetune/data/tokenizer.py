@@ -55,6 +55,11 @@ TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves a folder's chat te
 # fails to match at its end). A published tokenizer encodes it in milliseconds.
 PROBE_TEXT = "".join(c * 500 + d for c in "a1 !é\n" for d in "a1 !é\n" if c != d) + "Hello, world! It's 42."
 PROBE_SECONDS = 5.0
+# What a template that leaves out a part of tool use costs the training, by the part left out.
+_LEFT_OUT = {
+    "tool_calls": ("its calls", "the call would not be trained (its turn renders as a reply without text)"),
+    "tool messages": ("it", "the reply after it would be trained without the result it answers"),
+}
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -282,13 +287,36 @@ class HFTokenizer(ModelTokenizer, Transform):
             | getattr(m, "template_fields", {})
             for m in messages
         ]
-        tokens = self._render(chat)
+        tokens = self._render(chat)  # (first: a template that refuses the conversation says so)
+        if any(m.get("tool_calls") or m["role"] == "tool" for m in chat):
+            self._check_tools_rendered(chat)
         mask = [True] * len(tokens)
         for i, message in enumerate(messages):
             if not message.masked:
                 start, trained = self._find_message(chat, i, tokens)
                 mask[start : start + len(trained)] = [False] * len(trained)
         return tokens, mask
+
+    def _check_tools_rendered(self, chat: List[Dict[str, Any]]) -> None:
+        """Every tool call and tool result changes the rendering. A template that leaves either out renders another
+        conversation than the data holds, silently: a call turn with no text then trains nothing, and a reply is
+        trained without the result it answers. Each is compared with the rendering of the conversation up to it
+        without it (text only, one more rendering per tool message: conversations without tools pay nothing)."""
+        render = self.chat_template.render
+        for i, message in enumerate(chat):
+            if message.get("tool_calls"):
+                what, without = "tool_calls", chat[:i] + [{k: v for k, v in message.items() if k != "tool_calls"}]
+            elif message["role"] == "tool":
+                what, without = "tool messages", chat[:i]
+            else:
+                continue
+            if render(chat[: i + 1]) == render(without):
+                it, lost = _LEFT_OUT[what]
+                raise BadInput(
+                    f"the chat template in {self.chat_template.where} renders no {what} (message {i + 1}, "
+                    f"{message['role']}, renders the same without {it}): {lost}; use a model whose template renders "
+                    "tool calls and results, or drop the tool messages"
+                )
 
     def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
         return self._ids(self.chat_template.render(chat, generation_prompt))
