@@ -12,9 +12,12 @@ Three kinds of dataset, each torchtune's builder reading local JSON, JSONL or Pa
 
 Every record is checked when the dataset is built (``finetune/data/records.py``: readable UTF-8 and JSON, complete,
 conversations in an order the tokenizer formats, tool messages included), so a bad one is one ``error:`` line naming
-it (its file and line, or its index), before training.
+it (its file and line, or its index), before training. With a tokenizer that can refuse a record (a model's
+``tokenizer.json``: its chat template, its pre-tokenizer regex) every record is also tokenized then, packed or not,
+and served from those tokens (cached: ``finetune/data/packing.py``).
 """
 
+import time
 from functools import partial
 from typing import Tuple
 
@@ -27,7 +30,7 @@ from torchtune.data import padded_collate_packed, padded_collate_sft
 
 from finetune.base import BadInput, first_line
 from finetune.data import records
-from finetune.data.packing import pack_dataset
+from finetune.data.packing import SampleTable, pack_dataset, tokenized_samples
 from finetune.data.records import ALPACA_REQUIRED, ALPACA_TEXT_FIELDS, CHAT_STYLES, INSTRUCT_FIELDS
 from finetune.model import attention
 from finetune.sections import DataSettings, TrainingSettings
@@ -98,8 +101,14 @@ def build_dataset(data: DataSettings, tokenizer, log):
             names,
             templated=getattr(tokenizer, "chat_template", None) is not None,
         )
-    if not data.packed:
+    if not data.packed and not getattr(tokenizer, "refuses_records", False):
+        # A tokenizer that encodes any text (torchtune's SentencePiece): the checks above are all a record needs,
+        # and each sample is tokenized when the loader reads it. Streaming Alpaca through it here would cost about
+        # 6 s a run (2 CPU cores) for no check.
         return ds
+    # Every sample tokenized now, once, before the first step: a record the tokenizer refuses stops the run here,
+    # named, never when the sampler reaches it mid-epoch. The tokens are cached (the pack cache), so the next run
+    # loads them in a second and the loader serves them without tokenizing again, packed or not.
     dataset_cfg = OmegaConf.to_container(cfg_dataset, resolve=True)
     fingerprint = getattr(tokenizer, "fingerprint", None)
     if fingerprint is not None:  # an HF tokenizer: its tokenizer_config.json (special tokens, chat template) counts
@@ -110,15 +119,20 @@ def build_dataset(data: DataSettings, tokenizer, log):
         tokenizer_path=str(data.tokenizer_path),
         tokenizer_cfg=data.tokenizer_cfg,
     )
-    return pack_dataset(
-        ds,
+    tokenized = dict(
         max_seq_len=tokenizer.max_seq_len,
-        padding_idx=tokenizer.pad_id,
         vocab_size=getattr(tokenizer, "vocab_size", None),
         cache_dir=data.pack_cache_dir,
         cache_parts=cache_parts,
         log=log,
+        names=names,
     )
+    if data.packed:
+        return pack_dataset(ds, padding_idx=tokenizer.pad_id, **tokenized)
+    t0 = time.perf_counter()
+    samples, source = tokenized_samples(ds, **tokenized)
+    log.info(f"Tokenized {len(samples)} samples, every record checked ({source} in {time.perf_counter() - t0:.1f} s)")
+    return SampleTable(samples)
 
 
 def collate_for(packed: bool, packed_attention: str, *, pad_id: int, ignore_index: int):

@@ -87,6 +87,11 @@ class HFTokenizer(ModelTokenizer, Transform):
     """torchtune's tokenizer interface (``encode``, ``decode``, ``tokenize_messages``, the dataset transform) over a
     Hugging Face ``tokenizer.json``. Bad files are a BadInput naming them."""
 
+    # Some record can make it fail (its pre-tokenizer regex panics on a text, the chat template refuses a
+    # conversation, a rendering is too long to tokenize): finetune/data/loading.py then tokenizes every record at
+    # setup, packed or not, so that none stops the run mid-epoch.
+    refuses_records = True
+
     def __init__(self, path: str, max_seq_len: Optional[int] = None, chat_template: bool = False):
         self.path = Path(path)
         self.max_seq_len = max_seq_len

@@ -9,6 +9,7 @@ out per family.
 """
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def build(path, tok, **extra):
         **extra,
     }
     data = support.dataset_settings(cfg)
-    return loading.build_dataset(data, tok, log=None)
+    return loading.build_dataset(data, tok, log=logging.getLogger(__name__))
 
 
 def write(tmp_path, *conversations) -> Path:
