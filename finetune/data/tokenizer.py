@@ -55,6 +55,13 @@ TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves a folder's chat te
 # fails to match at its end). A published tokenizer encodes it in milliseconds.
 PROBE_TEXT = "".join(c * 500 + d for c in "a1 !é\n" for d in "a1 !é\n" if c != d) + "Hello, world! It's 42."
 PROBE_SECONDS = 5.0
+# A text is refused before it is tokenized when it is longer than TOO_LONG times tokenizer.max_seq_len tokens of the
+# vocabulary's longest: whatever the text, it then holds more than TOO_LONG times the tokens a sample keeps (the
+# rest is cut), and tokenizing costs about 1 us and 200 bytes a character (a 16 M-character rendering: 45 s and
+# 3.5 GiB, for 512 tokens). A factor, not a cut: a record a few times too long is truncated after tokenizing, as
+# it always was, with the same tokens; cutting the text first could split a word and change the kept tokens.
+TOO_LONG = 8
+UNCUT_CHARS = 1 << 22  # the bound with tokenizer.max_seq_len=null (every token kept): beyond any model's context
 # What a template that leaves out a part of tool use costs the training, by the part left out.
 _LEFT_OUT = {
     "tool_calls": ("its calls", "the call would not be trained (its turn renders as a reply without text)"),
@@ -104,6 +111,8 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "torchtune.models.llama2.llama2_tokenizer)"
             ) from None
         self._probe_tokenizer()
+        self._longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self._max_chars = UNCUT_CHARS if max_seq_len is None else TOO_LONG * max_seq_len * self._longest
         config_file = self.path.with_name(CONFIG_FILE)
         self._config_bytes = config_file.read_bytes() if config_file.is_file() else b""
         try:
@@ -143,7 +152,12 @@ class HFTokenizer(ModelTokenizer, Transform):
                     raise_exception=self._template_error, strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt)
                 ),
             )
-            self.chat_template.probe()
+            probe = self.chat_template.probe()
+            if probe is not None and len(probe) > self._max_chars:
+                raise BadInput(
+                    f"the chat template in {where} renders a two-message conversation to {self._too_long(probe)}; "
+                    f"replace {where.name} with the model's published template"
+                )
             self._template_source = source
 
     def _read_template(self, config_file: Path) -> Tuple[str, Path]:
@@ -181,6 +195,26 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "pre_tokenizer's Split regex backtracks without bound; re-copy tokenizer.json from the model's "
                 "published folder"
             ) from None
+
+    def _bounded_ids(self, text: str, what: str) -> List[int]:
+        """``_ids`` of a sample's text (``what`` it is, for the error) within the bound of TOO_LONG."""
+        if len(text) > self._max_chars:
+            raise BadInput(
+                f"{what} is {self._too_long(text)}; shorten or drop that record, or raise tokenizer.max_seq_len"
+            )
+        return self._ids(text)
+
+    def _too_long(self, text: str) -> str:
+        if self.max_seq_len is None:
+            return (
+                f"{len(text):,} characters, more than {UNCUT_CHARS:,}, and tokenizer.max_seq_len=null keeps every "
+                "token (set tokenizer.max_seq_len, e.g. 4096)"
+            )
+        return (
+            f"{len(text):,} characters, more than {TOO_LONG} x tokenizer.max_seq_len={self.max_seq_len} tokens of at "
+            f"most {self._longest} characters ({self._max_chars:,}): tokenizing it would cost seconds and gigabytes "
+            "for tokens that are cut"
+        )
 
     def _probe_tokenizer(self) -> None:
         """Encode PROBE_TEXT once, now: a pre-tokenizer regex that backtracks without bound is refused before any
@@ -228,7 +262,7 @@ class HFTokenizer(ModelTokenizer, Transform):
     # -- encoding ---------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True, **_) -> List[int]:
-        ids = self._ids(text)
+        ids = self._bounded_ids(text, "a message's text")
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
         return bos + ids + ([self.eos_id] if add_eos else [])
 
@@ -300,6 +334,8 @@ class HFTokenizer(ModelTokenizer, Transform):
             if not message.masked:
                 start, trained = self._find_message(chat, i, tokens)
                 mask[start : start + len(trained)] = [False] * len(trained)
+                if self.max_seq_len is not None and start >= self.max_seq_len:
+                    break  # the later messages are cut too: no more renderings of ever longer prefixes
         return tokens, mask
 
     def _check_tools_rendered(self, chat: List[Dict[str, Any]]) -> None:
@@ -324,7 +360,9 @@ class HFTokenizer(ModelTokenizer, Transform):
                 )
 
     def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
-        return self._ids(self.chat_template.render(chat, generation_prompt))
+        return self._bounded_ids(
+            self.chat_template.render(chat, generation_prompt), "the chat template's rendering of a conversation"
+        )
 
     def _find_message(self, chat: List[Dict[str, str]], i: int, tokens: List[int]) -> Tuple[int, List[int]]:
         """Where message ``i``'s trained tokens start in ``tokens`` (the whole conversation's), and what they are."""

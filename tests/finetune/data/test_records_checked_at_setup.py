@@ -34,6 +34,8 @@ def chat(i, bad=None):
         messages.insert(0, {"role": "system", "content": "Be brief."})
     elif bad == "regex":
         messages[0]["content"] = "x" * 60 + "!"
+    elif bad == "long":  # 200,000 characters: over 8 x max_seq_len=64 tokens of the vocabulary's longest
+        messages[0]["content"] = "word " * 40000
     return {"messages": messages}
 
 
@@ -63,12 +65,21 @@ def chats(path, bad=None):
     return path
 
 
-@pytest.mark.parametrize("fault", ["template", "regex", "validation"])
+WHY = {
+    "template": "the chat template in {tokenizer}/tokenizer_config.json refused a conversation (System role",
+    "regex": "{tokenizer}/tokenizer.json failed to tokenize a text of 61 characters",
+    "long": "the chat template's rendering of a conversation is 200,0",
+    "validation": "the chat template in {tokenizer}/tokenizer_config.json refused a conversation (System role",
+}
+
+
+@pytest.mark.parametrize("fault", WHY)
 def test_a_refused_record_stops_the_run_before_the_first_step(bpe, tmp_path, fault):
-    """A system message the template refuses, a text the regex cannot split, in the training set (unpacked) or the
-    validation set: one error line naming the record's line, nothing trained, nothing written."""
+    """A system message the template refuses, a text the regex cannot split, a conversation too long to tokenize
+    (tests/finetune/data/test_chat_template_bounds.py), in the training set (unpacked) or the validation set: one
+    error line naming the record's line, nothing trained, nothing written."""
     path = tokenizer_folder(tmp_path / "tokenizer", bpe, "regex" if fault == "regex" else None)
-    bad = chats(tmp_path / "bad.jsonl", "regex" if fault == "regex" else "template")
+    bad = chats(tmp_path / "bad.jsonl", "template" if fault == "validation" else fault)
     good = chats(tmp_path / "good.jsonl")
     train, val = (good, bad) if fault == "validation" else (bad, None)
     run = run_here(
@@ -87,9 +98,8 @@ def test_a_refused_record_stops_the_run_before_the_first_step(bpe, tmp_path, fau
     )
     assert run.returncode == 2, run.stderr[-3000:]
     assert [m["step"] for m in run.metrics] == [] and not (tmp_path / "out" / "metrics.jsonl").exists()
-    assert run.error.startswith(f"error: line {BAD_LINE} of {bad}: "), run.error
-    why = "tokenizer.json failed to tokenize" if fault == "regex" else "refused a conversation (System role"
-    assert why in run.error and "Traceback" not in run.stderr
+    assert run.error.startswith(f"error: line {BAD_LINE} of {bad}: " + WHY[fault].format(tokenizer=path.parent))
+    assert "Traceback" not in run.stderr
 
 
 def test_unpacked_samples_come_from_the_cache_as_the_dataset_makes_them(bpe, tmp_path):
