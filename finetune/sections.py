@@ -41,6 +41,7 @@ class DataSettings:
     attention of packed rows decides how a batch is collated; both are the run's, the same in either dataset."""
 
     section: DictConfig  # the dataset section to instantiate (dataset_val: dataset's keys under its own)
+    key: str  # the section's config key, "dataset" or "dataset_val": what an error about its data names
     packed: bool  # samples packed into rows of tokenizer.max_seq_len (finetune/data/packing.py)
     files: Tuple[str, ...]  # the local files the dataset reads (the pack cache's key hashes them); () for the hub
     batch_size: int  # samples (or packed rows) per micro-batch: batch_size, or batch_size_val

@@ -56,6 +56,14 @@ class RankShare(Dataset):
         return sample
 
 
+def _predicts_a_token(dataset, ignore_index: int) -> bool:
+    """Whether some sample of ``dataset`` has a label the loss counts, asked sample by sample up to the first that
+    has: one sample is read in the usual case, the whole set only when none has (and the run then stops)."""
+    return any(
+        count_trained_tokens(torch.as_tensor(dataset[i]["labels"])[None], ignore_index) for i in range(len(dataset))
+    )
+
+
 class Validation:
     """The validation loss of a run: ``after_step`` returns ``{"val_loss": ...}`` on the steps that validate, ``{}``
     on the others (and always without ``dataset_val``). Build it with ``Validation.off()`` or from the dataset, then
@@ -86,6 +94,15 @@ class Validation:
             raise BadInput(
                 f"dataset_val ({data.section.get('data_files') or data.section.get('source')}) holds "
                 "no samples; point dataset_val.data_files at a file with records, or set dataset_val=null"
+            )
+        if not _predicts_a_token(dataset, ignore_index):
+            key = data.key
+            raise BadInput(
+                f"{key} ({data.section.get('data_files') or data.section.get('source')}) has no token to predict: "
+                f"every label of its {len(dataset)} samples is masked (prompts longer than tokenizer.max_seq_len="
+                f"{data.tokenizer_cfg.get('max_seq_len')}, or empty replies, with {key}.train_on_input=False), so "
+                f"val_loss would be NaN; set {key}.train_on_input=True, raise tokenizer.max_seq_len, or point "
+                f"{key}.data_files at records with replies"
             )
         share = RankShare(dataset, rank=rank, world=world, ignore_index=ignore_index)
         self.loader = DataLoader(

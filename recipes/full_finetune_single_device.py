@@ -37,7 +37,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     packed_attention                 flex (default) or varlen: packed rows' attention (FlashAttention, CUDA)
     enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
     device_memory_limit_gib, host_memory_limit_gib   cap GPU memory / the host memory a background save fills
-    pack_cache_dir                   cache of tokenized samples for packing; off = none
+    pack_cache_dir                   cache of tokenized samples (packing, tokenizer.json); off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
     log_every_n_steps                a metrics line on the terminal every N steps (every step is recorded)
     async_checkpoint                 write checkpoints in the background (default True); False = training waits

@@ -255,15 +255,16 @@ if __name__ == "__main__":
     run_batch(sys.argv[1])
 
 
-def dataset_settings(section: Dict[str, Any], packed: bool = False):
-    """The data section a dataset is built from, ``section`` being the config's dataset keys: one sample a batch, no
-    pack cache (what the data tests that build a dataset directly need)."""
+def dataset_settings(section: Dict[str, Any], packed: bool = False, key: str = "dataset"):
+    """The data section a dataset is built from, ``section`` being the config's dataset keys (``key``: dataset, or
+    dataset_val): one sample a batch, no pack cache (what the data tests that build a dataset directly need)."""
     from omegaconf import OmegaConf
 
     from finetune.sections import DataSettings
 
     return DataSettings(
         section=OmegaConf.create({**section, "packed": packed} if packed else section),
+        key=key,
         packed=packed,
         files=(),
         batch_size=1,

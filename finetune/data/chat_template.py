@@ -306,13 +306,14 @@ class ChatTemplate:
         except TemplateError as e:
             raise BadInput(f"the chat template in {where} does not parse ({e})") from None
 
-    def probe(self) -> None:
+    def probe(self) -> Optional[str]:
         """Render a small conversation now, so that a template that hangs, overflows, recurses or breaks the
-        sandbox is refused before any data is read. Its refusing the probe's roles is not an error here."""
+        sandbox is refused before any data is read; returns the rendering (None where the template refuses the
+        probe's roles, which is not an error here)."""
         try:
-            self.render(PROBE)
+            return self.render(PROBE)
         except _DataRefused:
-            pass
+            return None
 
     def render(self, chat: List[Dict[str, Any]], generation_prompt: bool = False) -> str:
         _budget.left = BUDGET_CHARS

@@ -18,10 +18,12 @@ predict the next sample's first), and pack padding is ignored. ``count_trained_t
 
 Tokenizing 52,002 Alpaca records takes ~20 s on two CPU cores; the tokenized samples are cached as a ``.npz``
 file (plain arrays, never unpickled) under ``pack_cache_dir``, so the next run loads them in well under a second.
-The cache:
+Unpacked data goes the same way where the tokenizer can refuse a record (``finetune/data/loading.py``): every sample
+is tokenized at setup, so a refused record stops the run before the first step, and ``SampleTable`` serves the
+samples from the same cache. The cache:
 
-- key: everything that makes the tokens: the dataset section, the data files' content, the tokenizer file's
-  content and the whole tokenizer section (max_seq_len, prompt_template, ...).
+- key: everything that makes the tokens: the dataset section (but ``packed``), the data files' content, the
+  tokenizer file's content and the whole tokenizer section (max_seq_len, prompt_template, ...).
 - checked before use, and rebuilt when anything is off: the arrays' names, shapes and dtypes, a sha256 of them and
   the key stored beside them (a damaged file, or one copied under another key), token ids within the vocabulary,
   no sample longer than the pack, one sample per record, and a few samples tokenized afresh and compared (a cache
@@ -42,13 +44,15 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 from tqdm import tqdm
+
+from finetune.base import BadInput
 
 # Bump when the cached arrays' meaning changes, so old cache files are not reused.
 CACHE_FORMAT = 2
@@ -91,7 +95,8 @@ def cache_key(
     """A digest of everything the tokenized samples depend on (files by their content, not their path)."""
     parts = {
         "format": CACHE_FORMAT,
-        "dataset": {k: v for k, v in dataset_cfg.items() if k != "data_files"},
+        # (packed or not, the samples are the same: the one cache serves both)
+        "dataset": {k: v for k, v in dataset_cfg.items() if k not in ("data_files", "packed")},
         "data_files": [file_digest(Path(f)) for f in data_files],
         "tokenizer": file_digest(Path(tokenizer_path)),
         "tokenizer_cfg": {k: v for k, v in (tokenizer_cfg or {}).items() if k != "path"},
@@ -105,6 +110,10 @@ def _checksum(key: str, arrays: Dict[str, np.ndarray]) -> np.ndarray:
     for name in ARRAYS:
         h.update(np.ascontiguousarray(arrays[name]).tobytes())
     return np.frombuffer(h.digest(), dtype=np.uint8)
+
+
+def _sample_name(i: int) -> str:
+    return f"sample {i + 1} (counting from 1)"
 
 
 class TokenizedSamples:
@@ -121,7 +130,12 @@ class TokenizedSamples:
         return len(self.offsets) - 1
 
     @classmethod
-    def from_dataset(cls, ds: Dataset, desc: str = "Tokenizing for packing") -> "TokenizedSamples":
+    def from_dataset(
+        cls, ds: Dataset, desc: str = "Tokenizing", names: Callable[[int], str] = _sample_name
+    ) -> "TokenizedSamples":
+        """Every sample of ``ds`` tokenized, in order. A record the tokenizer refuses (a BadInput: its chat template
+        refused the conversation, its regex could not split the text, the text is too long to tokenize) stops
+        here, named by ``names(i)``."""
         n = len(ds)
         chunks = _Chunks(ds, size=512)
         # Worker processes share the tokenizing where there are cores to spare (a GPU host); each returns a chunk
@@ -135,7 +149,10 @@ class TokenizedSamples:
         )
         tokens, labels, lengths = [], [], [np.zeros(1, np.int64)]
         with tqdm(total=n, desc=desc, dynamic_ncols=True, mininterval=1.0) as bar:
-            for tok, lab, length in loader:
+            for chunk in loader:
+                if len(chunk) == 2:  # (a refused record: its index and why)
+                    raise BadInput(f"{names(int(chunk[0]))}: {chunk[1]}")
+                tok, lab, length = chunk
                 tokens.append(tok)
                 labels.append(lab)
                 lengths.append(length)
@@ -189,6 +206,21 @@ class TokenizedSamples:
         return out if ok else None
 
 
+class SampleTable(Dataset):
+    """The samples one by one (``dataset.packed=False``), read from the tokenized arrays: what the dataset's own
+    ``__getitem__`` returns for the loss (tokens and labels), without tokenizing the record again."""
+
+    def __init__(self, samples: TokenizedSamples):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Dict[str, List[int]]:
+        a, b = int(self.samples.offsets[i]), int(self.samples.offsets[i + 1])
+        return {"tokens": self.samples.tokens[a:b].tolist(), "labels": self.samples.labels[a:b].tolist()}
+
+
 class _Chunks(Dataset):
     """Chunk c of a dataset as (tokens, labels, lengths) arrays: one item per worker round trip, not per sample."""
 
@@ -199,7 +231,12 @@ class _Chunks(Dataset):
         return (len(self.ds) + self.size - 1) // self.size
 
     def __getitem__(self, c: int):
-        items = [self.ds[i] for i in range(c * self.size, min(len(self.ds), (c + 1) * self.size))]
+        items = []
+        for i in range(c * self.size, min(len(self.ds), (c + 1) * self.size)):
+            try:
+                items.append(self.ds[i])
+            except BadInput as e:  # returned, not raised: a worker process's exception comes back as a traceback
+                return i, str(e)
         return (
             np.fromiter((t for s in items for t in s["tokens"]), dtype=np.int32),
             np.fromiter((t for s in items for t in s["labels"]), dtype=np.int32),
@@ -295,14 +332,14 @@ def count_trained_tokens(labels: torch.Tensor, ignore_index: int = CROSS_ENTROPY
 def _cache_problem(
     samples: TokenizedSamples,
     ds: Dataset,
-    max_seq_len: int,
+    max_seq_len: Optional[int],
     vocab_size: Optional[int],
     ignore_index: int = CROSS_ENTROPY_IGNORE_IDX,
 ) -> Optional[str]:
     """Why cached samples (checksum passed) cannot serve for ``ds``, or None."""
     if len(samples) != len(ds):
         return f"{len(samples)} samples for a dataset of {len(ds)}"
-    if len(samples) and int(samples.lengths.max()) > max_seq_len:
+    if len(samples) and max_seq_len is not None and int(samples.lengths.max()) > max_seq_len:
         return f"a sample of {int(samples.lengths.max())} tokens, longer than the pack ({max_seq_len})"
     labels = samples.labels[samples.labels != ignore_index]
     for name, ids in (("token", samples.tokens), ("label", labels)):
@@ -345,31 +382,24 @@ def tidy_cache(cache_dir: Path, keep: Path, now: Optional[float] = None) -> None
         total -= size
 
 
-def pack_dataset(
+def tokenized_samples(
     ds: Dataset,
     *,
     max_seq_len: Optional[int],
-    padding_idx: int,
     cache_dir: Optional[Path],
     cache_parts: dict,
     log,
     vocab_size: Optional[int] = None,
-) -> PackedSFTDataset:
-    """``dataset.packed=True``: tokenize every sample once (or load them from the cache) and pack them into rows of
-    ``max_seq_len`` (the tokenizer's) tokens.
+    names: Callable[[int], str] = _sample_name,
+) -> Tuple[TokenizedSamples, str]:
+    """Every sample of ``ds`` tokenized once (a record the tokenizer refuses stops here, named by ``names``), or
+    loaded from the cache; and where they came from ("cache" or "tokenized").
 
     ``cache_parts`` are what the samples depend on besides the data (``cache_key``'s arguments: the dataset config,
     the data files, the tokenizer file and section); ``cache_dir=None`` caches nothing. A cache file that fails any
     check is rebuilt (``_cache_problem``); one that cannot be written costs the next run time, nothing else.
     """
-    from finetune.base import BadInput
-
-    if max_seq_len is None:
-        raise BadInput(
-            "dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
-            "than it are truncated by the tokenizer"
-        )
-    samples, t0, cache_file, key = None, time.perf_counter(), None, ""
+    samples, cache_file, key = None, None, ""
     if cache_dir is not None:
         key = cache_key(max_seq_len=max_seq_len, **cache_parts)
         cache_file = cache_dir / f"samples-{key}.npz"
@@ -385,7 +415,7 @@ def pack_dataset(
                 samples = None
     source = "cache" if samples is not None else "tokenized"
     if samples is None:
-        samples = TokenizedSamples.from_dataset(ds)
+        samples = TokenizedSamples.from_dataset(ds, names=names)
         if cache_file is not None:
             try:
                 samples.save(cache_file, key)
@@ -397,6 +427,37 @@ def pack_dataset(
         except OSError:
             pass
         tidy_cache(cache_dir, cache_file)
+    return samples, source
+
+
+def pack_dataset(
+    ds: Dataset,
+    *,
+    max_seq_len: Optional[int],
+    padding_idx: int,
+    cache_dir: Optional[Path],
+    cache_parts: dict,
+    log,
+    vocab_size: Optional[int] = None,
+    names: Callable[[int], str] = _sample_name,
+) -> PackedSFTDataset:
+    """``dataset.packed=True``: every sample tokenized once (or loaded from the cache: ``tokenized_samples``) and
+    packed into rows of ``max_seq_len`` (the tokenizer's) tokens."""
+    if max_seq_len is None:
+        raise BadInput(
+            "dataset.packed=True needs a pack length: set tokenizer.max_seq_len (e.g. 512); samples longer "
+            "than it are truncated by the tokenizer"
+        )
+    t0 = time.perf_counter()
+    samples, source = tokenized_samples(
+        ds,
+        max_seq_len=max_seq_len,
+        cache_dir=cache_dir,
+        cache_parts=cache_parts,
+        log=log,
+        vocab_size=vocab_size,
+        names=names,
+    )
     packed = PackedSFTDataset(samples, max_seq_len=max_seq_len, padding_idx=padding_idx)
     log.info(
         f"Packed {len(samples)} samples into {len(packed)} rows of {max_seq_len} tokens "

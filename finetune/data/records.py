@@ -59,8 +59,9 @@ def _open(path: Path):
     return opener(path, "rb") if opener else open(path, "rb")
 
 
-def check_utf8(path: Path) -> None:
-    """``path`` is UTF-8 text throughout, or a BadInput naming the line and column of the first byte that is not.
+def check_utf8(path: Path, key: str = "dataset") -> None:
+    """``path`` is UTF-8 text throughout, or a BadInput naming the line and column of the first byte that is not
+    (and the file as ``key.data_files``: dataset's, or dataset_val's).
     Streamed in 16 MiB blocks through an incremental decoder (a multi-byte character may straddle two blocks), about
     a second per GB; only the error path reads a line twice."""
     if path.suffix in (".zst", ".zip", ".lz4"):
@@ -83,7 +84,7 @@ def check_utf8(path: Path) -> None:
                 bad = (e.object[e.start : e.start + 1] or b"?")[0]
                 column = _column(path, line_start, at)
                 raise BadInput(
-                    f"dataset.data_files={path} line {line + 1} is not valid UTF-8 (byte 0x{bad:02x} at column "
+                    f"{key}.data_files={path} line {line + 1} is not valid UTF-8 (byte 0x{bad:02x} at column "
                     f"{column}); fix or drop the record (or re-save the file as UTF-8)"
                 ) from None
             if not block:
@@ -140,10 +141,14 @@ def json_error(path: Path, field: Optional[str] = None) -> Optional[str]:
 class RecordNames:
     """How an error names record ``i`` of the loaded table (0-based there): ``line 4 of data.jsonl`` for JSON lines
     (datasets skips blank lines, so the line is found by counting the others, on the error path only), ``record 4
-    of data.json (counting from 1)`` for a JSON list, CSV, Parquet or hub data. ``where`` names the whole dataset."""
+    of data.json (counting from 1)`` for a JSON list, CSV, Parquet or hub data. ``where`` names the whole dataset,
+    ``key`` its config section."""
 
-    def __init__(self, where, cfg_dataset: Optional[Mapping[str, Any]] = None, text_files: List[Path] = ()):
+    def __init__(
+        self, where, cfg_dataset: Optional[Mapping[str, Any]] = None, text_files: List[Path] = (), key: str = "dataset"
+    ):
         self.where = where
+        self.key = key  # the dataset's config key, for an error that names one of its keys (dataset_val.column_map)
         cfg_dataset = cfg_dataset or {}
         files = cfg_dataset.get("data_files")
         # Lines only where the table is those files' records in order: one file or a list, not a dict of splits.
@@ -238,7 +243,7 @@ def check_text_records(
         if column not in table.column_names:
             raise BadInput(
                 f"the records in {names.where} have no '{column}' field; each needs {needs} (map other names "
-                "with dataset.column_map)"
+                f"with {names.key}.column_map)"
             )
         values = table.data.column(column)
         if values.null_count:
@@ -273,8 +278,8 @@ def check_chat_records(ds, column, style, train_on_input: bool, names: RecordNam
     trained_role = "assistant" if style == "openai" else "gpt"
     if column not in table.column_names:
         raise BadInput(
-            f"the records in {names.where} have no '{column}' field (dataset.conversation_column); its columns "
-            f"are {', '.join(table.column_names)}: set dataset.conversation_column to the one that holds "
+            f"the records in {names.where} have no '{column}' field ({names.key}.conversation_column); its columns "
+            f"are {', '.join(table.column_names)}: set {names.key}.conversation_column to the one that holds "
             "the messages"
         )
     first_with_tools = None
@@ -290,7 +295,7 @@ def check_chat_records(ds, column, style, train_on_input: bool, names: RecordNam
         if not train_on_input and not any(m[role_key] == trained_role for m in conversation):
             raise BadInput(
                 f"{names(i)} has no {trained_role} message, so nothing to train on; fix or drop "
-                "that record (or set dataset.train_on_input=True)"
+                f"that record (or set {names.key}.train_on_input=True)"
             )
         order = [ROLES.get(m[role_key], m[role_key]) for m in conversation]
         turn_error = _turn_order(order)
@@ -309,10 +314,7 @@ def check_chat_records(ds, column, style, train_on_input: bool, names: RecordNam
         try:
             ds[first_with_tools]
         except BadInput as e:
-            raise BadInput(
-                f"{names(first_with_tools)}, the first with tool messages: {e}. Use a model whose "
-                "template renders tool messages and tool calls, or drop them"
-            ) from None
+            raise BadInput(f"{names(first_with_tools)}, the first with tool messages: {e}") from None
 
 
 def _message_problem(message, role_key, text_key, roles, style) -> str:

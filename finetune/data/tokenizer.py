@@ -55,6 +55,18 @@ TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves a folder's chat te
 # fails to match at its end). A published tokenizer encodes it in milliseconds.
 PROBE_TEXT = "".join(c * 500 + d for c in "a1 !é\n" for d in "a1 !é\n" if c != d) + "Hello, world! It's 42."
 PROBE_SECONDS = 5.0
+# A text is refused before it is tokenized when it is longer than TOO_LONG times tokenizer.max_seq_len tokens of the
+# vocabulary's longest: whatever the text, it then holds more than TOO_LONG times the tokens a sample keeps (the
+# rest is cut), and tokenizing costs about 1 us and 200 bytes a character (a 16 M-character rendering: 45 s and
+# 3.5 GiB, for 512 tokens). A factor, not a cut: a record a few times too long is truncated after tokenizing, as
+# it always was, with the same tokens; cutting the text first could split a word and change the kept tokens.
+TOO_LONG = 8
+UNCUT_CHARS = 1 << 22  # the bound with tokenizer.max_seq_len=null (every token kept): beyond any model's context
+# What a template that leaves out a part of tool use costs the training, by the part left out.
+_LEFT_OUT = {
+    "tool_calls": ("its calls", "the call would not be trained (its turn renders as a reply without text)"),
+    "tool messages": ("it", "the reply after it would be trained without the result it answers"),
+}
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -82,6 +94,11 @@ class HFTokenizer(ModelTokenizer, Transform):
     """torchtune's tokenizer interface (``encode``, ``decode``, ``tokenize_messages``, the dataset transform) over a
     Hugging Face ``tokenizer.json``. Bad files are a BadInput naming them."""
 
+    # Some record can make it fail (its pre-tokenizer regex panics on a text, the chat template refuses a
+    # conversation, a rendering is too long to tokenize): finetune/data/loading.py then tokenizes every record at
+    # setup, packed or not, so that none stops the run mid-epoch.
+    refuses_records = True
+
     def __init__(self, path: str, max_seq_len: Optional[int] = None, chat_template: bool = False):
         self.path = Path(path)
         self.max_seq_len = max_seq_len
@@ -94,6 +111,8 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "torchtune.models.llama2.llama2_tokenizer)"
             ) from None
         self._probe_tokenizer()
+        self._longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self._max_chars = UNCUT_CHARS if max_seq_len is None else TOO_LONG * max_seq_len * self._longest
         config_file = self.path.with_name(CONFIG_FILE)
         self._config_bytes = config_file.read_bytes() if config_file.is_file() else b""
         try:
@@ -133,7 +152,12 @@ class HFTokenizer(ModelTokenizer, Transform):
                     raise_exception=self._template_error, strftime_now=lambda fmt: TEMPLATE_DATE.strftime(fmt)
                 ),
             )
-            self.chat_template.probe()
+            probe = self.chat_template.probe()
+            if probe is not None and len(probe) > self._max_chars:
+                raise BadInput(
+                    f"the chat template in {where} renders a two-message conversation to {self._too_long(probe)}; "
+                    f"replace {where.name} with the model's published template"
+                )
             self._template_source = source
 
     def _read_template(self, config_file: Path) -> Tuple[str, Path]:
@@ -171,6 +195,26 @@ class HFTokenizer(ModelTokenizer, Transform):
                 "pre_tokenizer's Split regex backtracks without bound; re-copy tokenizer.json from the model's "
                 "published folder"
             ) from None
+
+    def _bounded_ids(self, text: str, what: str) -> List[int]:
+        """``_ids`` of a sample's text (``what`` it is, for the error) within the bound of TOO_LONG."""
+        if len(text) > self._max_chars:
+            raise BadInput(
+                f"{what} is {self._too_long(text)}; shorten or drop that record, or raise tokenizer.max_seq_len"
+            )
+        return self._ids(text)
+
+    def _too_long(self, text: str) -> str:
+        if self.max_seq_len is None:
+            return (
+                f"{len(text):,} characters, more than {UNCUT_CHARS:,}, and tokenizer.max_seq_len=null keeps every "
+                "token (set tokenizer.max_seq_len, e.g. 4096)"
+            )
+        return (
+            f"{len(text):,} characters, more than {TOO_LONG} x tokenizer.max_seq_len={self.max_seq_len} tokens of at "
+            f"most {self._longest} characters ({self._max_chars:,}): tokenizing it would cost seconds and gigabytes "
+            "for tokens that are cut"
+        )
 
     def _probe_tokenizer(self) -> None:
         """Encode PROBE_TEXT once, now: a pre-tokenizer regex that backtracks without bound is refused before any
@@ -218,7 +262,7 @@ class HFTokenizer(ModelTokenizer, Transform):
     # -- encoding ---------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True, **_) -> List[int]:
-        ids = self._ids(text)
+        ids = self._bounded_ids(text, "a message's text")
         bos = [self.bos_id] if add_bos and self.bos_id is not None else []
         return bos + ids + ([self.eos_id] if add_eos else [])
 
@@ -282,16 +326,43 @@ class HFTokenizer(ModelTokenizer, Transform):
             | getattr(m, "template_fields", {})
             for m in messages
         ]
-        tokens = self._render(chat)
+        tokens = self._render(chat)  # (first: a template that refuses the conversation says so)
+        if any(m.get("tool_calls") or m["role"] == "tool" for m in chat):
+            self._check_tools_rendered(chat)
         mask = [True] * len(tokens)
         for i, message in enumerate(messages):
             if not message.masked:
                 start, trained = self._find_message(chat, i, tokens)
                 mask[start : start + len(trained)] = [False] * len(trained)
+                if self.max_seq_len is not None and start >= self.max_seq_len:
+                    break  # the later messages are cut too: no more renderings of ever longer prefixes
         return tokens, mask
 
+    def _check_tools_rendered(self, chat: List[Dict[str, Any]]) -> None:
+        """Every tool call and tool result changes the rendering. A template that leaves either out renders another
+        conversation than the data holds, silently: a call turn with no text then trains nothing, and a reply is
+        trained without the result it answers. Each is compared with the rendering of the conversation up to it
+        without it (text only, one more rendering per tool message: conversations without tools pay nothing)."""
+        render = self.chat_template.render
+        for i, message in enumerate(chat):
+            if message.get("tool_calls"):
+                what, without = "tool_calls", chat[:i] + [{k: v for k, v in message.items() if k != "tool_calls"}]
+            elif message["role"] == "tool":
+                what, without = "tool messages", chat[:i]
+            else:
+                continue
+            if render(chat[: i + 1]) == render(without):
+                it, lost = _LEFT_OUT[what]
+                raise BadInput(
+                    f"the chat template in {self.chat_template.where} renders no {what} (message {i + 1}, "
+                    f"{message['role']}, renders the same without {it}): {lost}; use a model whose template renders "
+                    "tool calls and results, or drop the tool messages"
+                )
+
     def _render(self, chat: List[Dict[str, str]], generation_prompt: bool = False) -> List[int]:
-        return self._ids(self.chat_template.render(chat, generation_prompt))
+        return self._bounded_ids(
+            self.chat_template.render(chat, generation_prompt), "the chat template's rendering of a conversation"
+        )
 
     def _find_message(self, chat: List[Dict[str, str]], i: int, tokens: List[int]) -> Tuple[int, List[int]]:
         """Where message ``i``'s trained tokens start in ``tokens`` (the whole conversation's), and what they are."""

@@ -354,6 +354,7 @@ def read_data(cfg: DictConfig, device: torch.device) -> DataSettings:
     check_sentencepiece_file(cfg)  # (after tokenizer_file: the file exists)
     return DataSettings(
         section=cfg.dataset,
+        key="dataset",
         packed=packed,
         files=tuple(files),
         batch_size=batch_size,
@@ -405,6 +406,7 @@ def read_validation(cfg: DictConfig, data: DataSettings) -> Optional[ValidationS
         size = number(cfg, "batch_size_val", integer=True, low=0, strict=True, example=data.batch_size)
     own_data = DataSettings(
         section=section,
+        key="dataset_val",
         packed=packed,
         files=tuple(dataset_files(cfg, "dataset_val", section)),
         batch_size=size,

@@ -244,3 +244,31 @@ def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_pat
     assert run.metrics[-1].get("val_stopped") is True and "val_loss" not in run.metrics[-1]
     assert (run.output_dir / "step_2" / "model.safetensors").is_file()
     assert "Stopped by SIGTERM after step 2" in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("damage", ["utf8", "json"])
+def test_an_unreadable_validation_file_is_named_by_its_own_key(tmp_path, val_file, damage):
+    """A byte that is not UTF-8, or a line that is not JSON, in the validation file: the error names
+    dataset_val.data_files (the key to fix), not the training set's dataset.data_files."""
+    text = val_file.read_bytes()
+    bad = tmp_path / "val.json"
+    bad.write_bytes(text.replace(b"e", b"\xff", 1) if damage == "utf8" else text[:-2])
+    run = run_here(tmp_path / "out", f"dataset_val.data_files={bad}")
+    assert run.returncode == 2
+    assert run.error.startswith(f"error: dataset_val.data_files={bad} line "), run.error
+    assert ("is not valid UTF-8" if damage == "utf8" else "is not valid JSON") in run.error
+    assert "Traceback" not in run.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_validation_set_with_no_token_to_predict_is_refused_at_setup(tmp_path):
+    """Prompts longer than tokenizer.max_seq_len (64 in FAST) with dataset_val.train_on_input=False: every label of
+    the set is masked, and val_loss would be NaN at every pass without a word. One error line before training."""
+    long_prompt = " ".join(["Describe the history of the city and its rivers in detail."] * 12)
+    records = [{"instruction": long_prompt, "input": "", "output": f"Answer {i}."} for i in range(3)]
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps(records))
+    run = run_here(tmp_path / "out", f"dataset_val.data_files={val}", "dataset_val.train_on_input=False")
+    assert run.returncode == 2, run.metrics
+    assert run.error.startswith(f"error: dataset_val ({val}) has no token to predict"), run.error
+    assert "tokenizer.max_seq_len=64" in run.error and "dataset_val.train_on_input=True" in run.error
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

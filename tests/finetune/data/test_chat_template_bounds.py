@@ -127,6 +127,35 @@ def test_a_backtracking_pre_tokenizer_regex_is_one_error(bpe, tmp_path):
         tok.tokenize_messages([Message("user", "x" * 60 + "!", masked=True), Message("assistant", "Blue.")])
 
 
+# A template within its own bounds (no value over 1,024 characters, 1,000,000 in all: the finding was 16,000 pieces of
+# 1,000 under the 16,777,216-character bound, 45 s and 3.5 GiB to tokenize) whose output dwarfs any max_seq_len.
+PIECES = "{% for i in range(1000) %}{{ 'x' * 999 }}\n{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+LONG_TEXT = "word " * 40000  # 200,000 characters in one message: some 3,000 times tokenizer.max_seq_len=64
+
+
+@pytest.mark.parametrize("where", ["template", "templated-record", "plain-record"])
+def test_a_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(bpe, tmp_path, where):
+    """A template whose output is a million characters whatever the conversation: refused at setup, naming its file.
+    A record that far past tokenizer.max_seq_len, rendered or plain: refused before tokenizing (the run's setup check
+    names the record: tests/finetune/data/test_records_checked_at_setup.py). Before, each was tokenized whole (seconds
+    and hundreds of MB here, minutes and gigabytes at the template bound) to keep its first 64 tokens."""
+    path = folder(tmp_path, bpe, PIECES if where == "template" else support.TEMPLATES["qwen2"])
+    long = [Message("user", LONG_TEXT, masked=True), Message("assistant", "Blue.")]
+    with pytest.raises(BadInput) as e:
+        tok = HFTokenizer(str(path), max_seq_len=64, chat_template=where != "plain-record")
+        tok.tokenize_messages(CONVERSATION if where == "template" else long)
+    text = str(e.value)
+    expected = {
+        "template": "chat_template.jinja renders a two-message conversation to 1,000,",
+        "templated-record": "the chat template's rendering of a conversation is 200,",
+        "plain-record": "a message's text is 200,000 characters",
+    }[where]
+    assert expected in text and "tokenizer.max_seq_len=64" in text and "\n" not in text, text
+    # A record past max_seq_len but within the bound is cut to it, as before
+    tok = HFTokenizer(str(folder(tmp_path / "good", bpe, support.TEMPLATES["qwen2"])), max_seq_len=64)
+    assert len(tok.tokenize_messages([Message("user", "word " * 100, masked=True), Message("assistant", "x")])[0]) == 64
+
+
 @pytest.mark.parametrize(
     "payload",
     [

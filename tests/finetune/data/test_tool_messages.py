@@ -1,13 +1,16 @@
 """Tool use in chat data (finetune/data/records.py, finetune/data/tokenizer.py): OpenAI's order (system?, user,
 assistant with tool_calls, tool, assistant) is accepted where the chat template renders it, with each family's real
 template (tests/finetune/data/chat_templates/); the assistant's tool call and reply are trained, the tool's result
-never; where nothing renders tools (no chat template) one error names the record and the fix.
+never; where nothing renders tools (no chat template, or one that leaves them out) one error names the record and the
+fix.
 
 The expected renderings are transformers' ``apply_chat_template`` of the same messages; what is trained is written
 out per family.
 """
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +51,16 @@ TRAINED["llama3_2"] = TRAINED["llama3_1"]
 TRAINED["qwen3"] = TRAINED["qwen2_5"]
 
 
+TURN = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{CALLS}<|im_end|>\n"
+CALLS = "{{ (m['tool_calls'] | tojson) if m['tool_calls'] else '' }}"
+DROPPING = {
+    "drops_calls": "{% for m in messages %}" + TURN.replace("{CALLS}", "") + "{% endfor %}",
+    "drops_results": "{% for m in messages %}{% if m['role'] != 'tool' %}"
+    + TURN.replace("{CALLS}", CALLS)
+    + "{% endif %}{% endfor %}",
+}
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Each family's tokenizer folder: the stand-in BPE, the family's special tokens, its real chat template."""
@@ -62,6 +75,12 @@ def folders(tmp_path_factory):
         (root / family / "tokenizer_config.json").write_text(json.dumps(config))
     # A folder whose template renders only user and assistant turns (tests/support.py's Mistral stand-in)
     support.write_tokenizer(root / "user_assistant_only", support.TOYS["mistral_7b"], bpe)
+    # Templates that render every turn but silently leave out what tool use adds: an assistant's tool_calls (plain
+    # ChatML, the Qwen stand-in's), or the tool messages themselves
+    for name, template in DROPPING.items():
+        support.write_tokenizer(root / name, support.TOYS["qwen2_5_7b"], bpe)
+        config = json.loads((root / name / "tokenizer_config.json").read_text())
+        (root / name / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return root
 
 
@@ -78,7 +97,7 @@ def build(path, tok, **extra):
         **extra,
     }
     data = support.dataset_settings(cfg)
-    return loading.build_dataset(data, tok, log=None)
+    return loading.build_dataset(data, tok, log=logging.getLogger(__name__))
 
 
 def write(tmp_path, *conversations) -> Path:
@@ -144,6 +163,24 @@ def test_a_template_that_cannot_render_tools_stops_before_training(folders, tmp_
     tok = HFTokenizer(str(folders / "user_assistant_only" / "tokenizer.json"), chat_template=True)
     with pytest.raises(BadInput, match=r"line 3 of .*, the first with tool messages: the chat template .*refused"):
         build(write(tmp_path, PLAIN_CHAT, PLAIN_CHAT, TOOL_CHAT), tok)
+
+
+@pytest.mark.parametrize(
+    "folder, what",
+    [("drops_calls", r"renders no tool_calls \(message 2, assistant,"), ("drops_results", r"renders no tool messages")],
+    ids=["calls", "results"],
+)
+def test_a_template_that_leaves_tools_out_stops_before_training(folders, tmp_path, folder, what):
+    """A template that renders the conversation but not its tool calls (the call turn would train nothing: an
+    empty reply) or not the tool results (the reply would be trained without what it answers): one error naming
+    the template and the record, at setup; before, the run trained the last reply only, without a word."""
+    tok = HFTokenizer(str(folders / folder / "tokenizer.json"), chat_template=True)
+    with pytest.raises(BadInput) as e:
+        build(write(tmp_path, PLAIN_CHAT, PLAIN_CHAT, TOOL_CHAT), tok)
+    line = str(e.value)
+    assert re.match(rf"line 3 of {tmp_path}/chats.jsonl.*: the chat template in {folders / folder}/tokenizer_config"
+                    rf"\.json {what}", line), line  # fmt: skip
+    assert "\n" not in line and "use a model whose template renders tool" in line
 
 
 BAD = [

@@ -6,6 +6,7 @@ and field in Parquet; a line that is not JSON by file and line.
 
 import gzip
 import json
+import logging
 import sys
 
 import pytest
@@ -30,7 +31,7 @@ def tokenizer_json(tmp_path_factory):
 def build(cfg: dict, tokenizer_json, chat_template=False):
     tok = HFTokenizer(str(tokenizer_json), chat_template=chat_template)
     data = support.dataset_settings({"split": "train", "packed": False, **cfg})
-    return loading.build_dataset(data, tok, log=None)
+    return loading.build_dataset(data, tok, log=logging.getLogger(__name__))
 
 
 def chat(i):

@@ -327,6 +327,7 @@ def test_read_validation_refuses_unpacked_rows_for_varlen(tmp_path):
     val.write_text("[]")
     data = DataSettings(
         section=tiny().dataset,
+        key="dataset",
         packed=True,
         files=(),
         batch_size=4,
