@@ -160,6 +160,43 @@ def test_a_3b_12gb_config_trains_its_family_folder_with_the_states_in_host_memor
     assert len(run.losses) == 3 and all(m["host_copy_gb"] > 0 for m in run.metrics)
 
 
+def test_the_moe_config_streams_4bit_states_of_stacked_experts_and_resumes_exactly(tmp_path):
+    """Qwen3-MoE's 80 GB config on its toy folder as it runs on the GPU but for the device: bf16 weights (the 4-bit
+    AdamW rounds them stochastically), the update in backward, every state in host memory, every layer recomputed,
+    plus one layer's weights streamed (its stacked experts are its big tensors). It trains the losses of the same run
+    with everything resident, bit for bit, records the load-balancing loss beside the loss, and resumes exactly."""
+    from conftest import DATA_DIR
+    from finetune import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(folder, family="qwen3_moe", data_dir=DATA_DIR)
+    cpu = [o for o in toy_folder.CPU_OVERRIDES if not o.startswith(("optimizer.", "dtype=", "dataset.split"))]
+    common = [
+        f"checkpoint_dir={folder}",
+        *cpu,
+        "dtype=bf16",
+        "dataset.split=train[:60]",  # (4 steps of 2 rows of 128 tokens)
+        "max_steps_per_epoch=4",
+        "save_every_n_steps=2",
+        f"pack_cache_dir={tmp_path / 'cache'}",
+    ]
+
+    def run(name, *extra):
+        done = run_here(tmp_path / name, *common, *extra, config="configs/qwen3_moe/30B_A3B_full_80gb.yaml", fast=False)
+        assert done.ok, done.stderr[-3000:]
+        return done
+
+    resident = run("resident", "stream_optimizer_states=False")
+    streamed = run("streamed", "stream_layers=1")
+    assert "Optimizer: optimizers.AdamW4bit (in backward, one per parameter), states in host memory" in streamed.stderr
+    assert len(streamed.losses) == 4 and streamed.losses == resident.losses
+    assert all(m["weights_copy_gb"] > 0 for m in streamed.metrics)
+    assert [m["aux_loss"] for m in streamed.metrics] == [m["aux_loss"] for m in resident.metrics]
+    assert all(1.5 < m["aux_loss"] < 3 for m in streamed.metrics)  # (2 experts a token: 2 for an even routing)
+    resumed = run("resumed", "stream_layers=1", f"resume_from_checkpoint={streamed.output_dir / 'step_2'}")
+    assert resumed.losses == streamed.losses[2:]
+
+
 # The GPU half of a 16 GB config (bf16 weights, states and some layers' weights in pinned host memory, CudaLink's two
 # copy streams, a background save's GPU and host staging), on a toy folder wide enough that its layers' bf16 weights
 # stream (64 KiB and more), without compile and FP8 (their own tests cover them; here they would only add minutes).
