@@ -22,7 +22,7 @@ def runs(tmp_path):
 
 def test_streamed_states_train_the_resident_losses_and_resume_exactly(runs, tmp_path):
     resident, streamed = runs
-    assert len(streamed.losses) == 3 and streamed.losses == resident.losses
+    assert len(streamed.losses) == 4 and streamed.losses == resident.losses
     assert all(m["host_copy_gb"] > 0 for m in streamed.metrics)  # (the first step writes out only)
     # The checkpoint holds the same optimizer state a resident run writes, tensor for tensor.
     load = lambda run: torch.load(run.output_dir / "step_2" / "recipe_state.pt", weights_only=True)["optimizer"]  # noqa: E731
@@ -60,7 +60,7 @@ def test_streamed_weights_train_the_resident_losses_save_the_same_model_and_resu
     streamed = run_here(tmp_path / "streamed", *LAYERS, "stream_layers=2")
     assert resident.ok, resident.stderr[-3000:]
     assert streamed.ok, streamed.stderr[-3000:]
-    assert len(streamed.losses) == 3 and streamed.losses == resident.losses
+    assert len(streamed.losses) == 4 and streamed.losses == resident.losses
     assert all(m["weights_copy_gb"] > 0 and m["host_copy_gb"] > m["weights_copy_gb"] for m in streamed.metrics[1:])
     a, b = (load_file(run.output_dir / "step_2" / "model.safetensors") for run in (resident, streamed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
