@@ -2,8 +2,7 @@
 
 The toys are tests/support.py's, saved by transformers as a user saves a model: each family's real config.json with
 2 layers of width 64 (4 query heads in 2 key/value groups; Qwen3 with head_dim 32, not 64 / 4; Qwen3-MoE with 8
-experts of 32, 2 per token), the family's RoPE,
-tying and biases, random values, and a 1,024-token byte-level BPE trained here on Alpaca, saved as the family's
+experts of 32, 2 per token), the family's RoPE, tying and biases, random values, and a 1,024-token byte-level BPE trained here on Alpaca, saved as the family's
 tokenizer.json and tokenizer_config.json (special tokens, chat template). Per family:
 
 - the HF round trip in both directions: transformers' checkpoint into our torchtune model, and our written folder
@@ -16,7 +15,7 @@ tokenizer.json and tokenizer_config.json (special tokens, chat template). Per fa
 
 The twelve fine-tunes run in one subprocess (``python tests/support.py``, its run_batch), started with conftest's pinned environment (the
 recorded losses need it), so torch and torchtune are imported once, not twelve times. Everything else runs in this
-process. About 45 s on 2 cores.
+process. About 55 s on 2 cores.
 """
 
 import json
