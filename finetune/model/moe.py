@@ -106,7 +106,7 @@ class SparseMoe(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden_dim)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, num_experts_per_tok, norm_topk_prob
-        self.stats: Optional[List[Tuple[torch.Tensor, torch.Tensor, int]]] = None
+        self.stats: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
@@ -120,8 +120,8 @@ class SparseMoe(nn.Module):
         # per expert, its routed copies (scatter_add on integers: no host sync, the same sums on every run)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))
-        if self.stats is not None:
-            self.stats.append((counts.float(), probs.sum(dim=0), tokens))
+        if self.stats is not None:  # (tensors only: under compile nothing symbolic leaves the layer)
+            self.stats.append((counts, probs.sum(dim=0)))
         order = chosen.argsort(stable=True)  # the copies sorted by expert
         y = self.experts(x[order // self.top_k], counts)
         # back to token-major order, then each token's k outputs summed with its weights (one small GEMM per token,
@@ -131,14 +131,15 @@ class SparseMoe(nn.Module):
         return out.view(shape)
 
 
-def load_balancing_loss(stats: List[Tuple[torch.Tensor, torch.Tensor, int]], num_experts: int) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func`` from the sparse layers' (counts, probability sums, rows): the
-    assignments and probabilities summed over layers, each divided by the rows of all layers, their dot product
-    times the number of experts: ``num_experts_per_tok`` for a perfectly even routing (each row counts its k
-    assignments), more as the routing concentrates. The gradient reaches the router through the probabilities only."""
-    rows = sum(n for _, _, n in stats)
-    counts = torch.stack([c for c, _, _ in stats]).sum(dim=0) / rows
-    probs = torch.stack([p for _, p, _ in stats]).sum(dim=0) / rows
+def load_balancing_loss(stats: List[Tuple[torch.Tensor, torch.Tensor]], num_experts: int, top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` from the sparse layers' (assignments per expert, probability sums):
+    both summed over layers, each divided by the rows of all layers (every row made ``top_k`` assignments), their dot
+    product times the number of experts: ``top_k`` for a perfectly even routing (each row counts its k assignments),
+    more as the routing concentrates. The gradient reaches the router through the probabilities only."""
+    counts = torch.stack([c for c, _ in stats]).sum(dim=0)  # (integers: exact at any batch)
+    rows = counts.sum() / top_k
+    probs = torch.stack([p for _, p in stats]).sum(dim=0) / rows
+    counts = (counts / rows).float()
     return num_experts * torch.sum(counts * probs)
 
 
@@ -158,7 +159,7 @@ class MoeDecoder(TransformerDecoder):
         self._sparse = [m for m in self.modules() if isinstance(m, SparseMoe)]
 
     def forward(self, tokens: torch.Tensor, **kwargs: Any):
-        stats: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        stats: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for block in self._sparse:
             block.stats = stats
         try:
@@ -166,7 +167,10 @@ class MoeDecoder(TransformerDecoder):
         finally:
             for block in self._sparse:
                 block.stats = None
-        self.aux_loss = load_balancing_loss(stats, self.moe_fields["num_experts"]) if stats else None
+        fields = self.moe_fields
+        self.aux_loss = (
+            load_balancing_loss(stats, fields["num_experts"], fields["num_experts_per_tok"]) if stats else None
+        )
         return output
 
 
