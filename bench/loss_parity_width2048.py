@@ -19,7 +19,10 @@ default: multi-head attention, heads of 128, the llama2 builder's MLP), or, at t
 a real model of that width in the families of configs/: ``llama3`` (Llama 3.2 1B's: 32 heads of 64 in 8 key/value
 groups, MLP 8,192, RoPE base 500,000 with Llama 3's scaling, tied embeddings), ``qwen3`` (Qwen3 1.7B's: 16 heads of 128
 in 8 groups, an RMSNorm over each head's query and key, MLP 6,144, base 1e6, tied), ``qwen2`` (Qwen2.5 3B's: 16 heads
-of 128 in 2 groups, biases on q/k/v, MLP 11,008, base 1e6, tied). As in the 7-8B models, the grouped-query key/value
+of 128 in 2 groups, biases on q/k/v, MLP 11,008, base 1e6, tied), ``qwen3_moe`` (Qwen3-30B-A3B's: 32 heads of 128 in 4
+groups, q/k norms, with 16 experts of 768 and 4 a token instead of its 128 and 8, so the model stays near the others'
+size; the trained loss adds 0.001 x the load-balancing loss, as the recipes do, the held-out loss is the
+cross-entropy). As in the 7-8B models, the grouped-query key/value
 projections are small enough that FP8 leaves them in bf16.
 
 Rows (--variants, keys; `ref` always runs; default: all but the `_comp`, `_fp8` and `_fp8rw` extras): `ref` (torch fused AdamW, fp32
@@ -52,6 +55,7 @@ import torch.nn.functional as F
 
 import _harness as harness
 import _parity_report as report
+from finetune.model import moe
 
 REGIME = dict(vocab_size=32000, num_layers=8, num_heads=16, num_kv_heads=16, embed_dim=2048, max_seq_len=512)
 # --arch: (builder, its keywords beyond the vocabulary, depth and width, which --width and --layers set; a description)
@@ -72,10 +76,24 @@ ARCHS = {
         dict(num_heads=16, num_kv_heads=2, intermediate_dim=11008, tie_word_embeddings=True),
         "torchtune qwen2 builder at Qwen2.5 3B's layer (GQA 16/2 heads of 128, q/k/v biases, base 1e6, tied)",
     ),
+    "qwen3_moe": (
+        "finetune.model.builders.qwen3_moe",
+        dict(
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_dim=6144,
+            moe_intermediate_dim=768,
+            num_experts=16,
+            num_experts_per_tok=4,
+        ),
+        "our qwen3_moe builder at Qwen3-30B-A3B's layer with 16 experts of 768, 4 a token (GQA 32/4 heads of 128, "
+        "q/k RMSNorm, renormalised top-k, load-balancing loss x 0.001 in the trained loss)",
+    ),
 }
 
 
-ARCH_NAMES = {"llama2": "Llama2", "llama3": "Llama 3", "qwen3": "Qwen3", "qwen2": "Qwen2.5"}
+ARCH_NAMES = {"llama2": "Llama2", "llama3": "Llama 3", "qwen3": "Qwen3", "qwen2": "Qwen2.5", "qwen3_moe": "Qwen3-MoE"}
 
 
 def rows() -> tuple:
@@ -242,7 +260,7 @@ class Regime:
         t = time.perf_counter()
         first = None
         for i, b in enumerate(batches):
-            loss = self.loss(b)
+            loss, _ = moe.training_loss(self.model, self.loss(b))  # (a mixture of experts': + its routers' loss)
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -363,7 +381,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "model": dict(
             reg.shape,
             architecture=ARCHS[args.arch][2],
-            intermediate_dim=reg.model.layers[0].mlp.w1.weight.shape[0],
+            # (the dense MLP's width, or for a mixture of experts the dense width its builder was given)
+            intermediate_dim=getattr(reg.model, "moe_fields", {}).get("intermediate_size")
+            or reg.model.layers[0].mlp.w1.weight.shape[0],
         ),
         "arch": args.arch,
         "width": args.width,

@@ -25,7 +25,7 @@ from finetune.base import BadInput, hf_weight_files
 
 # The model_types of the fine-tune recipes' families (finetune/checkpoint/hf_format.py FAMILIES; a test holds the two together):
 # transformers' AutoModelForCausalLM loads each.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 # config.json keys without which transformers falls back to its defaults (a 7B model): required, positive integers.
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}

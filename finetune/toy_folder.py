@@ -11,7 +11,8 @@ tied embeddings, Qwen's window fields, max positions. ``--set key=value`` change
 (``--set rope_theta=20000 --set num_hidden_layers=3``).
 
 ``--family`` takes a folder name of ``configs/`` (the model its shipped configs are for: Llama 2 7B, Llama 3.1 8B,
-Llama 3.2 3B, Qwen2.5 7B, Qwen3 8B, Mistral 7B v0.3); ``--config`` a config.json of your own (or the folder that
+Llama 3.2 3B, Qwen2.5 7B, Qwen3 8B, Qwen3-30B-A3B, Mistral 7B v0.3; a mixture of experts' toy has 8 experts, 2 per
+token, their width keeping its ratio to the model's); ``--config`` a config.json of your own (or the folder that
 holds it: a model's folder downloaded without its weights will do). The tokenizer:
 
 - Llama 2: its SentencePiece ``tokenizer.model`` from ``--data-dir`` (``llama2_tokenizer/``), as configs/tiny.yaml;
@@ -114,6 +115,10 @@ MODELS: Dict[str, Dict[str, Any]] = {
                        head_dim=128, tie_word_embeddings=False),
     "mistral":  _model("mistral", "mistral/7B_full_80gb", 32768, 4096, 14336, 32, 32, 8, 32768, 1e-5, 1000000.0,
                        sliding_window=None, tie_word_embeddings=False),
+    "qwen3_moe": _model("qwen3_moe", "qwen3_moe/30B_A3B_full_80gb", 151936, 2048, 6144, 48, 32, 4, 40960, 1e-6,
+                        1000000.0, head_dim=128, tie_word_embeddings=False, moe_intermediate_size=768,
+                        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                        mlp_only_layers=[], router_aux_loss_coef=0.001),
 }
 # fmt: on
 
@@ -124,6 +129,7 @@ FAMILY_CONFIG = {
     "llama3": "llama3_1/8B_full_80gb",
     "qwen2": "qwen2_5/7B_full_80gb",
     "qwen3": "qwen3/8B_full_80gb",
+    "qwen3_moe": "qwen3_moe/30B_A3B_full_80gb",
     "mistral": "mistral/7B_full_80gb",
 }
 
@@ -136,11 +142,15 @@ TOKENIZERS = {
                       TEMPLATES["llama3"]),
     "qwen2": StandIn(tuple(QWEN_CHAT_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", TEMPLATES["qwen2"]),
     "qwen3": StandIn(tuple(QWEN_CHAT_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", CHATML),
+    "qwen3_moe": StandIn(tuple(QWEN_CHAT_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", CHATML),
     "mistral": STAND_INS["mistral"],
 }  # fmt: skip
 TOY_VOCAB = 1024
 TOY_HEAD_DIM = 16
 TOY_LAYERS = 2
+# A mixture of experts' toy: 8 experts, 2 per token (Qwen3-30B-A3B: 128, 8): routing that a few steps move, at a cost
+# a CPU run does not notice.
+TOY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2}
 # config.json fields that describe a saved file, not the model (transformers writes them again)
 _NOT_ARCHITECTURE = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "auto_map")
 
@@ -159,6 +169,11 @@ def shrink(source: Dict[str, Any]) -> Dict[str, Any]:
     width = toy_heads * TOY_HEAD_DIM
     own_head_dim = hf.get("head_dim") and hf["head_dim"] != hf["hidden_size"] // heads
     mlp = max(16, round(hf["intermediate_size"] / hf["hidden_size"] * width / 16) * 16)
+    if "moe_intermediate_size" in hf:  # (a mixture of experts: the experts' width keeps its ratio too, 8 of them)
+        moe = max(16, round(hf["moe_intermediate_size"] / hf["hidden_size"] * width / 16) * 16)
+        hf.pop("num_local_experts", None)  # (transformers 5's name for num_experts)
+        hf.update(TOY_EXPERTS, moe_intermediate_size=moe)
+        hf["mlp_only_layers"] = [i for i in hf.get("mlp_only_layers") or [] if i < TOY_LAYERS]
     hf.update(
         hidden_size=width,
         intermediate_size=mlp,
@@ -321,12 +336,15 @@ TINY_SIZES = dict(zip(_SIZES, (1024, 64, 128, 2, 4)), num_key_value_heads=2)
 TINY_POSITIONS = 16384
 TINY_SCALE = 0.1
 TINY_BPE_SIZE = 1008  # the stand-in BPE's tokens: with a family's special tokens (at most 10) within the 1,024
+TINY_MOE = dict(TOY_EXPERTS, moe_intermediate_size=32)  # a mixture of experts': 8 experts of 32, 2 per token
 
 
 def tiny(hf: Dict[str, Any], head_dim: Optional[int] = None) -> Dict[str, Any]:
     """config.json's fields ``hf`` at TINY_SIZES: positions up to TINY_POSITIONS, a head_dim only where ``head_dim``
     is given (none: the width's share), a Qwen2 sliding window over every position and layer."""
     tiny_hf = {**hf, **TINY_SIZES, "max_position_embeddings": min(hf["max_position_embeddings"], TINY_POSITIONS)}
+    if "moe_intermediate_size" in hf:
+        tiny_hf.update(TINY_MOE)
     tiny_hf.pop("head_dim", None)
     if head_dim is not None:
         tiny_hf["head_dim"] = head_dim
@@ -353,11 +371,25 @@ _BUILDER_KEYWORDS = {
 }
 
 
+# ... and a mixture of experts' (finetune.model.qwen3_moe), where config.json has them.
+_MOE_KEYWORDS = {
+    "moe_intermediate_size": "moe_intermediate_dim",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "router_aux_loss_coef": "router_aux_loss_coef",
+}
+
+
 def sizes_overrides(builder: str, hf: Dict[str, Any], **extra: Any) -> List[str]:
     """Recipe overrides that build the model of config.json ``hf`` with ``builder``, a model builder taking the
     sizes (``torchtune.models.llama3_1.llama3_1``), and its keywords beyond them (``extra``: ``scale_factor=8``)."""
+    if "num_local_experts" in hf:  # (transformers 5 writes num_experts under this name)
+        hf = {"num_experts": hf["num_local_experts"], **hf}
     args = {
         **{keyword: hf[field] for field, keyword in _BUILDER_KEYWORDS.items()},
+        **{keyword: hf[field] for field, keyword in _MOE_KEYWORDS.items() if field in hf},
         "rope_base": rope_theta(hf),
         **extra,
     }

@@ -225,6 +225,10 @@ class LowBitAdamW(TritonPath, Optimizer):
                 active = b.all_active
                 b.step_all += 1
             else:
+                # As torch's AdamW: a parameter without a gradient is skipped (no moment decay, no step count); a
+                # zero gradient is a step like any other. So a mixture of experts' expert that got no token (a zero
+                # slice of its stacked weights' gradient: docs/models.md, "Mixture of experts") has its moments
+                # decayed and moves by its momentum, in every format.
                 active = tuple(i for i, g in enumerate(grads) if g is not None)
                 if not active:
                     continue

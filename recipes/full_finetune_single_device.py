@@ -75,6 +75,7 @@ from finetune.checkpoint.run_folder import RunFolder
 from finetune.data.loading import skip_to
 from finetune.data.packing import count_trained_tokens
 from finetune.data.tokenizer import check_fits_model
+from finetune.model import moe
 from finetune.model.attention import use_varlen_attention
 from finetune.model.prepare import (
     apply_activation_checkpointing,
@@ -347,7 +348,7 @@ class FullFinetuneRecipeSingleDevice:
                 dynamic_ncols=True,
                 desc=console.epoch_label(epoch, s.training.epochs),
             )
-            running_loss = 0.0
+            running_loss, running_aux = 0.0, None
             t0 = time.perf_counter()
             batches = iter(self._dataloader)
             while True:
@@ -361,9 +362,12 @@ class FullFinetuneRecipeSingleDevice:
                 num_tokens = sum(counts)
                 for batch, ntok in zip(micro_batches, counts):
                     utils.batch_to_device(batch, self._device)
-                    loss = self._loss_step(batch)  # the mean over this micro-batch's tokens
+                    # the mean over this micro-batch's tokens (with a mixture of experts' load-balancing term)
+                    loss, aux = moe.training_loss(self._model, self._loss_step(batch))
                     (loss if ntok == num_tokens else loss * (ntok / max(num_tokens, 1))).backward()
                     running_loss += loss.detach() * ntok
+                    if aux is not None:
+                        running_aux = aux * ntok + (0.0 if running_aux is None else running_aux)
 
                 grad_norm, opt_timer, skipped = None, None, False
                 loss_t = running_loss / max(num_tokens, 1)
@@ -427,6 +431,8 @@ class FullFinetuneRecipeSingleDevice:
                 nonfinite = console.nonfinite_elements(self._optimizers)
                 if nonfinite is not None:
                     record["nonfinite_grad_elements"] = nonfinite
+                if running_aux is not None:  # (the load-balancing loss, unscaled, beside the loss it is part of)
+                    record["aux_loss"] = float(running_aux / max(num_tokens, 1))
                 record.update(self._summary.first_step_field())  # (the first record of this process)
                 if s.memory.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
@@ -440,7 +446,7 @@ class FullFinetuneRecipeSingleDevice:
                 record.update(self._val.after_step(self.global_step, step_in_epoch, stop=lambda: self._stop.received))
                 self._metrics.write(record)
                 self._profiler.step(self.global_step)
-                running_loss = 0.0
+                running_loss, running_aux = 0.0, None
                 self._checkpointer.poll()  # a checkpoint written in the background is published (or fails) here
                 self._stop.check_ctrl_c()
 

@@ -82,6 +82,9 @@ def _toys() -> Dict[str, Toy]:
             # (Qwen3's head_dim: 2 x 64 / 4, not the width's share, as in the real 4B)
             Toy("qwen3_8b", "qwen3", hf("qwen3", head_dim=32), "finetune.model.builders.qwen3", {"head_dim": 32}),
             Toy("mistral_7b", "mistral", hf("mistral"), "torchtune.models.mistral.mistral"),
+            # (Qwen3-30B-A3B at TINY_SIZES: 8 experts of 32, 2 per token, every layer sparse)
+            Toy("qwen3_moe_30b", "qwen3_moe", hf("qwen3_moe", head_dim=32), "finetune.model.builders.qwen3_moe",
+                {"head_dim": 32}),
         ]
     }  # fmt: skip
 
@@ -186,6 +189,12 @@ ANY_FOLDERS: Dict[str, tuple] = {
     "mistral": _odd("mistral", "mistral", "mistral", "mistral/7B_full_80gb",
                     vocab_size=1024, rms_norm_eps=2e-6, rope_theta=30000.0, sliding_window=None,
                     tie_word_embeddings=False),
+    # (6 experts of 24, 3 per token, not renormalised; layer 1 dense (mlp_only_layers): the released model has none of
+    # these; tied, unlike it)
+    "qwen3_moe": _odd("qwen3_moe", "qwen3_moe", "qwen3_moe", "qwen3_moe/30B_A3B_full_80gb",
+                      vocab_size=1024, rms_norm_eps=2e-6, rope_theta=50000.0, tie_word_embeddings=True,
+                      moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                      mlp_only_layers=[1], router_aux_loss_coef=0.01),
 }  # fmt: skip
 
 

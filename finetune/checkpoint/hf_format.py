@@ -18,6 +18,7 @@ family; they call ``resolve_model`` (through settings), ``hf_config``, ``read_we
 
 import functools
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,73 @@ def _inverse(mapping: Dict[str, Optional[str]]) -> Dict[str, str]:
     return {v: k for k, v in mapping.items() if v is not None}
 
 
+# Qwen3-MoE: Qwen3's names (the dense MLP's too, for ``mlp_only_layers``), the router, and the experts. The folders on
+# the hub and transformers 5's save_pretrained hold each expert's three matrices under its own names
+# (``mlp.experts.{j}.gate_proj.weight`` [I, H], ``up_proj`` [I, H], ``down_proj`` [H, I]); transformers 5 holds them
+# stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]), as our model
+# does. A folder of either naming is read; folders are written per expert, which transformers 4 and 5 both load.
+_QWEN3_MOE_FROM_HF = {**_QWEN3_FROM_HF, "model.layers.{}.mlp.gate.weight": "layers.{}.mlp.router.weight"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED_HF = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_TUNE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _moe_hf_to_tune(state, num_heads, num_kv_heads, dim, head_dim):
+    """HF's Qwen3-MoE names to ours, each layer's per-expert matrices stacked. The per-expert tensors are taken out
+    of ``state`` as their layer is stacked: a 30B folder (57 GiB in bf16) is then never held twice in host memory."""
+    per_expert: Dict[int, Dict[Tuple[int, str], torch.Tensor]] = {}
+    out, rest = {}, {}
+    for key in list(state):
+        expert, stacked = _EXPERT.match(key), _STACKED_HF.match(key)
+        if expert:
+            per_expert.setdefault(int(expert.group(1)), {})[(int(expert.group(2)), expert.group(3))] = state.pop(key)
+        elif stacked:
+            out[f"layers.{stacked.group(1)}.mlp.experts.{stacked.group(2)}"] = state[key]
+        else:
+            rest[key] = state[key]
+    out.update(_rename(_QWEN3_MOE_FROM_HF)(rest, num_heads, num_kv_heads, dim, head_dim))
+    for layer, parts in per_expert.items():
+        count = 1 + max(j for j, _ in parts)
+        missing = [f"{j}.{p}_proj" for j in range(count) for p in ("gate", "up", "down") if (j, p) not in parts]
+        if missing:
+            raise KeyError(f"model.layers.{layer}.mlp.experts.{missing[0]}.weight is missing ({len(missing)} in all)")
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts.pop((j, "gate")), parts.pop((j, "up"))]) for j in range(count)]
+        )
+        out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([parts.pop((j, "down")) for j in range(count)])
+    return out
+
+
+def _moe_tune_to_hf(state, num_heads, num_kv_heads, dim, head_dim):
+    """Our Qwen3-MoE names to HF's, the stacked experts written per expert (views of the stacked tensors: the writer
+    copies one expert's matrix at a time)."""
+    out, rest = {}, {}
+    for key, value in state.items():
+        stacked = _STACKED_TUNE.match(key)
+        if not stacked:
+            rest[key] = value
+            continue
+        prefix = f"model.layers.{stacked.group(1)}.mlp.experts"
+        if stacked.group(2) == "down_proj":
+            out.update({f"{prefix}.{j}.down_proj.weight": value[j] for j in range(value.shape[0])})
+            continue
+        gate, up = value.chunk(2, dim=1)
+        for j in range(value.shape[0]):
+            out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate[j], up[j]
+    out.update(_rename(_inverse(_QWEN3_MOE_FROM_HF))(rest, num_heads, num_kv_heads, dim, head_dim))
+    return out
+
+
+def _dense_fields(model: torch.nn.Module) -> Dict[str, Any]:
+    """config.json's MLP field read off a dense model: the width of its first layer's MLP."""
+    return {"intermediate_size": model.layers[0].mlp.w1.weight.shape[0]}
+
+
+def _moe_fields(model: torch.nn.Module) -> Dict[str, Any]:
+    """config.json's MLP fields of a mixture of experts: those it was built with (finetune/model/moe.py)."""
+    return dict(model.moe_fields)
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's Hugging Face format."""
@@ -85,6 +153,8 @@ class Family:
     tune_to_hf: Callable = convert_weights.tune_to_hf
     # transformers' config of the family -> from_hf_config.decoder's keywords; a BadInput for what it cannot honour
     from_config: Callable = from_hf_config.llama
+    # the built model -> config.json's MLP fields (read off the model; checked against a source's config.json)
+    mlp_fields: Callable = _dense_fields
 
 
 # torchtune's builders have no sliding-window attention: the families that can have one say so in config.json.
@@ -138,6 +208,19 @@ FAMILIES: Dict[str, Family] = {
         tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF)),
         from_config=from_hf_config.qwen3,
     ),
+    # Qwen3-MoE (our builder and blocks: finetune/model/builders.py, moe.py): Qwen3's attention, sparse MoE blocks.
+    "qwen3_moe": Family(
+        name="qwen3_moe",
+        builders=("finetune.model.qwen3_moe", "finetune.model.builders.qwen3_moe"),
+        model_type="qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        example_builder="finetune.model.qwen3_moe_30b_a3b",
+        fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+        hf_to_tune=_moe_hf_to_tune,
+        tune_to_hf=_moe_tune_to_hf,
+        from_config=from_hf_config.qwen3_moe,
+        mlp_fields=_moe_fields,
+    ),
     "mistral": Family(
         name="mistral",
         builders=("torchtune.models.mistral.", "finetune.model.mistral", "finetune.model.builders.mistral"),
@@ -152,12 +235,12 @@ DEFAULT_FAMILY = "llama2"
 
 
 def family_of(model_component: Optional[str]) -> Family:
-    """The family whose builder ``model._component_`` names; a builder of no known family (one of your own) is read
-    and written as Llama 2, whose layout every Llama-architecture builder shares."""
-    for family in FAMILIES.values():
-        if str(model_component or "").startswith(family.builders):
-            return family
-    return FAMILIES[DEFAULT_FAMILY]
+    """The family whose builder ``model._component_`` names (the longest prefix that matches: ``qwen3_moe`` before
+    ``qwen3``); a builder of no known family (one of your own) is read and written as Llama 2, whose layout every
+    Llama-architecture builder shares."""
+    component = str(model_component or "")
+    matches = [(len(b), f) for f in FAMILIES.values() for b in f.builders if component.startswith(b)]
+    return max(matches, key=lambda m: m[0])[1] if matches else FAMILIES[DEFAULT_FAMILY]
 
 
 def _is_family_builder(model_component: Optional[str]) -> bool:
@@ -250,7 +333,7 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
         model_type=family.model_type,
         vocab_size=model.tok_embeddings.weight.shape[0],
         hidden_size=model.tok_embeddings.weight.shape[1],
-        intermediate_size=layer.mlp.w1.weight.shape[0],
+        **family.mlp_fields(model),
         num_hidden_layers=len(model.layers),
         num_attention_heads=attn.num_heads,
         num_key_value_heads=attn.num_kv_heads,
@@ -267,10 +350,13 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
         torch_dtype=DTYPE_NAMES[dtype],
     )
     if base is not None:
-        check_model_fits_source(hf, base, family)
+        check_model_fits_source(hf, base, family, tuple(family.mlp_fields(model)))
         # The source's own fields win: its spelling of RoPE (rope_parameters or rope_theta/rope_scaling), head_dim
-        # left to transformers' default, fields we do not read; only the dtype is the run's.
-        hf = {**{k: v for k, v in hf.items() if k not in ROPE_KEYS and k not in ("head_dim", "torch_dtype")}, **base}
+        # left to transformers' default, its name for a field (transformers 5 writes num_experts as
+        # num_local_experts), fields we do not read; only the dtype is the run's.
+        aliases = from_hf_config.read_config({"model_type": family.model_type, **base}).attribute_map
+        own = [k for k in hf if k in ROPE_KEYS or k in ("head_dim", "torch_dtype") or aliases.get(k) in base]
+        hf = {**{k: v for k, v in hf.items() if k not in own}, **base}
         hf["dtype" if "dtype" in base else "torch_dtype"] = DTYPE_NAMES[dtype]  # (transformers 5's name, or 4's)
     if base is None or "bos_token_id" not in base:
         hf["bos_token_id"] = getattr(tokenizer, "bos_id", None) if tokenizer is not None else 1
@@ -282,16 +368,17 @@ def hf_config(model: torch.nn.Module, dtype: torch.dtype, base: Optional[dict], 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
-def check_model_fits_source(derived: dict, base: dict, family: Family) -> None:
+def check_model_fits_source(derived: dict, base: dict, family: Family, mlp_fields=("intermediate_size",)) -> None:
     """The model's own config.json fields (``derived``, read off it) against the source's as transformers reads
-    them: a field that differs is a BadInput naming it, both values and the fix."""
+    them: a field that differs is a BadInput naming it, both values and the fix. ``mlp_fields``: the family's MLP
+    fields among them (``Family.mlp_fields``)."""
     source = from_hf_config.read_config({"model_type": family.model_type, **base})
     rope = from_hf_config.rope_of(source)
     scaling = {k: rope[k] for k in from_hf_config.LLAMA3_SCALING_KEYS if k in rope} or None
     expected = {
         "vocab_size": source.vocab_size,
         "hidden_size": source.hidden_size,
-        "intermediate_size": source.intermediate_size,
+        **{key: getattr(source, key) for key in mlp_fields},
         "num_hidden_layers": source.num_hidden_layers,
         "num_attention_heads": source.num_attention_heads,
         "num_key_value_heads": getattr(source, "num_key_value_heads", None) or source.num_attention_heads,
@@ -307,6 +394,8 @@ def check_model_fits_source(derived: dict, base: dict, family: Family) -> None:
             have = {k: have[k] for k in from_hf_config.LLAMA3_SCALING_KEYS} if have else None
             want = {k: float(v) for k, v in want.items()} if want else None
             have = {k: float(v) for k, v in have.items()} if have else None
+        if isinstance(want, (list, tuple)):  # (mlp_only_layers: a set of layers, in any order)
+            want, have = sorted(want), sorted(have)
         if have != want and not (isinstance(want, (int, float)) and float(have) == float(want)):
             raise BadInput(
                 f"the checkpoint's config.json has {key}={want!r} but model._component_ builds a model "

@@ -1,6 +1,6 @@
 """Model builders torchtune 0.6.1 lacks, made of its own modules: ``decoder`` (the Llama layout of any size and
-feature set, what a folder's config.json is built with: finetune/model/from_hf_config.py), Qwen3 through it, and
-Mistral 7B v0.3.
+feature set, what a folder's config.json is built with: finetune/model/from_hf_config.py), Qwen3 and Qwen3-MoE
+through it (the MoE blocks: finetune/model/moe.py), and Mistral 7B v0.3.
 
 Name one in a config as ``model._component_: finetune.model.builders.qwen3_8b`` (or ``finetune.model.builders.qwen3`` with explicit
 sizes, as the tests do). The checkpoint component knows their Hugging Face format (``hf_format.FAMILIES``).
@@ -13,7 +13,7 @@ takes q/k norms but applies them after RoPE, which is another function (the per-
 with the rotation), so ``QKNormAttention`` reorders that one step and reuses everything else.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ from torchtune.modules import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+
+from finetune.model.moe import MoeDecoder, SparseMoe
 
 
 class QKNormAttention(MultiHeadAttention):
@@ -86,6 +88,13 @@ def decoder(
     qk_norm: bool = False,
     tie_word_embeddings: bool = False,
     attn_dropout: float = 0.0,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 0,
+    moe_intermediate_dim: int = 0,
+    norm_topk_prob: bool = False,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: Sequence[int] = (),
+    router_aux_loss_coef: float = 0.0,
 ) -> TransformerDecoder:
     """A decoder of the Llama layout (RMSNorm, SwiGLU MLP, grouped-query attention with RoPE) of any size.
 
@@ -94,7 +103,14 @@ def decoder(
     ``rope_scaling``: Llama 3.1's (``factor``, ``low_freq_factor``, ``high_freq_factor``,
     ``original_max_position_embeddings``). ``qkv_bias``: Qwen2's biases on q, k and v. ``qk_norm``: Qwen3's RMSNorm
     over each head's query and key before RoPE. ``head_dim`` is its own size (Qwen3 4B: 32 x 128 on 2560).
+
+    ``num_experts`` > 0: a mixture of experts (Qwen3-MoE, finetune/model/moe.py): layer ``i`` (from 0) is sparse,
+    ``num_experts`` experts of width ``moe_intermediate_dim`` with ``num_experts_per_tok`` per token, unless ``i`` is in
+    ``mlp_only_layers`` or ``i + 1`` is not a multiple of ``decoder_sparse_step`` (transformers' rule); the other
+    layers keep the dense MLP of ``intermediate_dim``. The model adds ``router_aux_loss_coef`` times its
+    load-balancing loss to the training loss.
     """
+    dense_layers = set(mlp_only_layers)
     if rotate_half:
         rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     elif rope_scaling:
@@ -111,7 +127,7 @@ def decoder(
         rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     attention = QKNormAttention if qk_norm else MultiHeadAttention
     layers = nn.ModuleList()
-    for _ in range(num_layers):
+    for i in range(num_layers):
         norms = (
             dict(q_norm=RMSNorm(dim=head_dim, eps=norm_eps), k_norm=RMSNorm(dim=head_dim, eps=norm_eps))
             if qk_norm
@@ -131,11 +147,14 @@ def decoder(
             attn_dropout=attn_dropout,
             **norms,
         )
-        mlp = FeedForward(
-            gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-            down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
-            up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-        )
+        if num_experts > 0 and i not in dense_layers and (i + 1) % decoder_sparse_step == 0:
+            mlp = SparseMoe(embed_dim, moe_intermediate_dim, num_experts, num_experts_per_tok, norm_topk_prob)
+        else:
+            mlp = FeedForward(
+                gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+                down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
+                up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+            )
         layers.append(
             TransformerSelfAttentionLayer(
                 attn=attn,
@@ -146,7 +165,7 @@ def decoder(
         )
     tok_embeddings = nn.Embedding(vocab_size, embed_dim)
     output = TiedLinear(tok_embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(
+    parts = dict(
         tok_embeddings=tok_embeddings,
         layers=layers,
         max_seq_len=max_seq_len,
@@ -155,6 +174,19 @@ def decoder(
         norm=RMSNorm(embed_dim, eps=norm_eps),
         output=output,
     )
+    if num_experts == 0:
+        return TransformerDecoder(**parts)
+    moe_fields = dict(
+        intermediate_size=intermediate_dim,
+        moe_intermediate_size=moe_intermediate_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=bool(norm_topk_prob),
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=sorted(dense_layers),
+        router_aux_loss_coef=float(router_aux_loss_coef),
+    )
+    return MoeDecoder(moe_fields=moe_fields, **parts)
 
 
 def qwen3(
@@ -242,6 +274,72 @@ def qwen3_8b() -> TransformerDecoder:
         num_kv_heads=8,
         embed_dim=4096,
         intermediate_dim=12288,
+        max_seq_len=40_960,
+        head_dim=128,
+    )
+
+
+def qwen3_moe(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    moe_intermediate_dim: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: Sequence[int] = (),
+    router_aux_loss_coef: float = 0.001,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """A Qwen3-MoE decoder of any size: Qwen3's attention (``qwen3``) with sparse MoE blocks (finetune/model/moe.py);
+    ``decoder`` documents the MoE keywords."""
+    return decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len,
+        head_dim=head_dim or embed_dim // num_heads,
+        norm_eps=norm_eps,
+        rope_base=rope_base,
+        rotate_half=True,
+        qk_norm=True,
+        tie_word_embeddings=tie_word_embeddings,
+        attn_dropout=attn_dropout,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_dim=moe_intermediate_dim,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=mlp_only_layers,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
+
+
+def qwen3_moe_30b_a3b() -> TransformerDecoder:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B/config.json): 48 sparse layers of 128 experts of width 768, 8 per token,
+    renormalised; 32 query heads of 128 in 4 key/value groups on a 2,048 residual; 30.5 B parameters, 3.3 B active."""
+    return qwen3_moe(
+        vocab_size=151_936,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        embed_dim=2048,
+        intermediate_dim=6144,
+        moe_intermediate_dim=768,
+        num_experts=128,
+        num_experts_per_tok=8,
         max_seq_len=40_960,
         head_dim=128,
     )

@@ -4,7 +4,7 @@ With ``checkpoint_dir`` set, the fine-tune recipes build the folder's model, wha
 (finetune/model/builders.py) takes
 every architecture field a supported family has (sizes, heads, key/value heads, ``head_dim`` on its own, vocabulary,
 tied embeddings, RoPE base and Llama 3.1's RoPE scaling, norm eps, q/k/v biases, q/k norms, max positions), and one
-function per family (``llama``, ``qwen2``, ``qwen3``, ``mistral``, named in hf_format.FAMILIES) reads those fields
+function per family (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``mistral``, named in hf_format.FAMILIES) reads those fields
 from config.json into ``decoder``'s keywords. A field the family's modules cannot honour (a sliding window, a RoPE
 scaling other than Llama 3.1's, Llama's optional biases, an activation other than SiLU) is a BadInput naming the
 field, its value and the fix, raised while the config is checked: before anything is tokenized or built.
@@ -167,6 +167,48 @@ def qwen3(cfg) -> Dict[str, Any]:
     return dict(_common(cfg, family="Qwen3"), rotate_half=True, qk_norm=True)
 
 
+def qwen3_moe(cfg) -> Dict[str, Any]:
+    """Qwen3-MoE: Qwen3's attention; sparse MoE blocks where transformers puts them (``mlp_only_layers``,
+    ``decoder_sparse_step``: honoured), with ``norm_topk_prob`` and the load-balancing loss at
+    ``router_aux_loss_coef``. (``output_router_logits``, an output switch of transformers' forward, is not read: the
+    recipes always train with the load-balancing loss; a folder that wants none sets router_aux_loss_coef 0.)"""
+    _no_llama_biases(cfg, "Qwen3-MoE")
+    _no_sliding_window(cfg, "qwen3_moe", "fine-tune a folder with use_sliding_window false (every released Qwen3-MoE)")
+    experts, per_token = int(cfg.num_experts), int(cfg.num_experts_per_tok)
+    if experts < 1:
+        raise refuse(
+            "num_experts", experts, "makes every layer dense", "fine-tune it as a dense Qwen3 folder (model_type qwen3)"
+        )
+    if not 1 <= per_token <= experts:
+        raise refuse(
+            "num_experts_per_tok",
+            per_token,
+            f"is not between 1 and num_experts={experts}",
+            "fix the folder's config.json (Qwen3-30B-A3B routes each token to 8 of 128)",
+        )
+    fields = {
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    }
+    lowest = {"moe_intermediate_size": 1, "decoder_sparse_step": 1, "router_aux_loss_coef": 0}
+    for key, value in fields.items():
+        if value < lowest[key]:
+            raise refuse(key, value, f"is below {lowest[key]}", "fix the folder's config.json")
+    return dict(
+        _common(cfg, family="Qwen3-MoE"),
+        rotate_half=True,
+        qk_norm=True,
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_dim=int(cfg.moe_intermediate_size),
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        decoder_sparse_step=int(cfg.decoder_sparse_step),
+        mlp_only_layers=sorted(int(i) for i in (cfg.mlp_only_layers or [])),
+        router_aux_loss_coef=float(cfg.router_aux_loss_coef),
+    )
+
+
 def mistral(cfg) -> Dict[str, Any]:
     """Mistral: Llama's layout with interleaved RoPE; no sliding window (v0.2 and v0.3 have none)."""
     _no_sliding_window(
@@ -194,6 +236,13 @@ KWARG_FIELDS = {
     "tie_word_embeddings": "tie_word_embeddings",
     "attn_dropout": "attention_dropout",
     "scale_factor": "rope_scaling.factor",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_dim": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers",
+    "router_aux_loss_coef": "router_aux_loss_coef",
 }
 
 
@@ -203,7 +252,7 @@ def check_model_keys(given: Dict[str, Any], built: Dict[str, Any]) -> None:
     for key, value in given.items():
         if key == "_component_":
             continue
-        if key not in KWARG_FIELDS:
+        if key not in KWARG_FIELDS or (key not in built and key != "scale_factor"):
             raise BadInput(
                 f"model.{key}={value!r} is not read when the model is built from checkpoint_dir's "
                 f"config.json; remove it (~model.{key})"
@@ -215,7 +264,13 @@ def check_model_keys(given: Dict[str, Any], built: Dict[str, Any]) -> None:
         same = (
             found is not None
             and value is not None
-            and (value == found if isinstance(found, bool) or isinstance(value, bool) else float(value) == float(found))
+            and (
+                list(value) == found
+                if isinstance(found, list)
+                else value == found
+                if isinstance(found, bool) or isinstance(value, bool)
+                else float(value) == float(found)
+            )
         )
         if not same and not (key == "intermediate_dim" and value is None):
             raise BadInput(

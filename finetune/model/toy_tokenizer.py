@@ -93,6 +93,8 @@ STAND_INS: Dict[str, StandIn] = {
     "llama3": StandIn(tuple(LLAMA3_SPECIALS), *_LLAMA3, "<|finetune_right_pad_id|>", TEMPLATES["llama3"]),
     "qwen2": StandIn(tuple(QWEN_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", TEMPLATES["qwen2"]),
     "qwen3": StandIn(tuple(QWEN_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", TEMPLATES["qwen3"]),
+    # (Qwen3-30B-A3B ships Qwen3's tokenizer and chat template)
+    "qwen3_moe": StandIn(tuple(QWEN_SPECIALS), None, "<|endoftext|>", "<|endoftext|>", TEMPLATES["qwen3"]),
     "mistral": StandIn(tuple(MISTRAL_SPECIALS), "<s>", "</s>", "</s>", TEMPLATES["mistral"]),
 }
 

@@ -35,13 +35,21 @@ def test_a_toy_folder_of_each_family(key, tmp_path):
     # toy sizes, the model's head ratio, every other field the model's (as transformers reads both)
     toy, source = from_hf_config.read_config(hf), from_hf_config.read_config(real)
     assert toy.num_hidden_layers == 2 and 64 <= toy.hidden_size <= 128 and toy.num_attention_heads >= 4
-    assert toy.hidden_size == toy.num_attention_heads * 16 and getattr(toy, "head_dim", 16) == 16
+    assert toy.hidden_size == toy.num_attention_heads * 16
+    # (a head_dim of its own where the model's is not its width's share: Qwen3-30B-A3B's 128 on 2048 / 32)
+    own = getattr(source, "head_dim", None) not in (None, source.hidden_size // source.num_attention_heads)
+    assert getattr(toy, "head_dim", 16) == (32 if own else 16)
     ratio = source.num_attention_heads // source.num_key_value_heads
     assert toy.num_attention_heads // toy.num_key_value_heads == ratio
     assert toy.intermediate_size / toy.hidden_size == pytest.approx(
         source.intermediate_size / source.hidden_size, rel=0.1
     )
     assert {k: getattr(toy, k) for k in ARCHITECTURE} == {k: getattr(source, k) for k in ARCHITECTURE}
+    if key == "qwen3_moe":  # 8 experts, 2 a token, their width's ratio to the model's kept, the rest the model's
+        assert (toy.num_experts, toy.num_experts_per_tok) == (8, 2)
+        assert toy.moe_intermediate_size / toy.hidden_size == source.moe_intermediate_size / source.hidden_size
+        moe_fields = ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
+        assert {k: getattr(toy, k) for k in moe_fields} == {k: getattr(source, k) for k in moe_fields}
     assert from_hf_config.rope_of(toy) == from_hf_config.rope_of(source)
     # the family's shipped config builds it from the folder: its builder takes the folder
     config = OmegaConf.load(REPO_ROOT / made["config"])

@@ -415,3 +415,60 @@ def test_betas_as_tensors_equal_betas_as_floats(cls, backend):
             opt.step()
         out.append(p.detach())
     assert torch.equal(*out)
+
+
+# -------------------------------------------------------------------------------------------------------
+# stacked experts: an expert that received no token
+# -------------------------------------------------------------------------------------------------------
+
+
+def _moments(opt, p) -> dict:
+    """fp32 ``exp_avg`` and ``exp_avg_sq`` of ``p``'s state, shaped as ``p``: torch's own, or what ours decode to."""
+    from optimizers import portable
+
+    if isinstance(opt, torch.optim.AdamW):
+        return {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+    state = opt.state_dict()
+    entry, group = state["state"][0], state["param_groups"][0]
+    decoded = portable.moments(entry, portable.saved_format(entry, group), p.numel())
+    return {k: v.reshape(p.shape) for k, v in decoded.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls", VARIANTS, ids=IDS)
+def test_a_zero_gradient_slice_decays_its_moments_and_moves(cls, backend):
+    """A mixture of experts holds its experts stacked, [E, rows, cols] (finetune/model/moe.py), so an expert that
+    received no token in a step has a zero slice in the gradient, not a missing gradient. torch's AdamW then decays
+    that slice's moments (m by beta1, v by beta2) and still moves it by the decayed momentum; every variant does the
+    same, with blocks of 128 or 256 elements that run across the experts' boundaries (960 elements each)
+    (docs/models.md, "Mixture of experts"). Bounds: the slice's update and moments against torch's within 1.5 x the
+    variant's TOL (one expert over two idle steps: its moments' quantization error, with no gradient to average it
+    out; 4-bit measures 0.35 for the update); the decay itself, as the ratio of the first moment's norms, within 5 %
+    (a variant that skipped the slice, reset its moments or kept them undecayed fails one of these)."""
+    shape, idle = (4, 24, 40), 1
+    grads = _grads([shape], 3)
+    for step in grads[1:]:  # expert 1 gets tokens at the first step only
+        step[0][idle].zero_()
+
+    def run(make):
+        (p,) = _params([shape])
+        opt, after = make([p]), []
+        for (g,) in grads:
+            p.grad = g.clone()
+            opt.step()
+            after.append((p.detach().clone(), _moments(opt, p)))
+        return after
+
+    ref = run(lambda ps: torch.optim.AdamW(ps, lr=0.05))
+    ours = run(lambda ps: cls(ps, lr=0.05, backend=backend, **_small(cls)))
+    bound = 1.5 * TOL[cls]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    moved, ref_moved = ours[2][0][idle] - ours[0][0][idle], ref[2][0][idle] - ref[0][0][idle]
+    assert rel(moved, ref_moved) < bound
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert rel(ours[2][1][key][idle], ref[2][1][key][idle]) < bound, key
+    decay = float(ours[2][1]["exp_avg"][idle].norm() / ours[0][1]["exp_avg"][idle].norm())
+    assert decay == pytest.approx(0.9**2, rel=0.05)

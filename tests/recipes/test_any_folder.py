@@ -202,3 +202,21 @@ def test_the_model_section_is_optional_with_a_folder(folders, tmp_path):
     cfg.tokenizer.path = str(folder / "tokenizer.json")
     with pytest.raises(BadInput, match=r"^model._component_ is not set; name a model builder"):
         read_settings(cfg)
+
+
+def test_the_distributed_recipe_refuses_a_mixture_of_experts(folders, tmp_path):
+    """Its loop has no load-balancing loss yet: a qwen3_moe folder is one line naming the recipe that trains it,
+    before anything is built."""
+    folder, _ = folders["qwen3_moe"]
+    cfg = OmegaConf.merge(
+        OmegaConf.load(REPO_ROOT / "configs/qwen3_moe/30B_A3B_full_80gb.yaml"),
+        OmegaConf.from_dotlist(
+            [f"checkpoint_dir={folder}", f"data_dir={DATA_DIR}", f"output_dir={tmp_path / 'out'}"]
+            + documented_cpu_overrides()
+            + ["optimizer_in_bwd=False", "enable_activation_checkpointing=False"]
+        ),
+    )
+    for key in ("stream_optimizer_states", "host_memory_limit_gib"):  # (one-device keys)
+        del cfg[key]
+    with pytest.raises(BadInput, match=r"^the distributed recipe does not train a mixture of experts \(qwen3_moe\)"):
+        read_settings(cfg, distributed=True)

@@ -160,6 +160,43 @@ def test_a_3b_12gb_config_trains_its_family_folder_with_the_states_in_host_memor
     assert len(run.losses) == 3 and all(m["host_copy_gb"] > 0 for m in run.metrics)
 
 
+def test_the_moe_config_streams_4bit_states_of_stacked_experts_and_resumes_exactly(tmp_path):
+    """Qwen3-MoE's 80 GB config on its toy folder as it runs on the GPU but for the device: bf16 weights (the 4-bit
+    AdamW rounds them stochastically), the update in backward, every state in host memory, every layer recomputed,
+    plus one layer's weights streamed (its stacked experts are its big tensors). It trains the losses of the same run
+    with everything resident, bit for bit, records the load-balancing loss beside the loss, and resumes exactly."""
+    from conftest import DATA_DIR
+    from finetune import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(folder, family="qwen3_moe", data_dir=DATA_DIR)
+    cpu = [o for o in toy_folder.CPU_OVERRIDES if not o.startswith(("optimizer.", "dtype=", "dataset.split"))]
+    common = [
+        f"checkpoint_dir={folder}",
+        *cpu,
+        "dtype=bf16",
+        "dataset.split=train[:60]",  # (3 steps of 2 rows of 128 tokens)
+        "max_steps_per_epoch=3",
+        "save_every_n_steps=2",
+        f"pack_cache_dir={tmp_path / 'cache'}",
+    ]
+
+    def run(name, *extra):
+        done = run_here(tmp_path / name, *common, *extra, config="configs/qwen3_moe/30B_A3B_full_80gb.yaml", fast=False)
+        assert done.ok, done.stderr[-3000:]
+        return done
+
+    resident = run("resident", "stream_optimizer_states=False")
+    streamed = run("streamed", "stream_layers=1")
+    assert "Optimizer: optimizers.AdamW4bit (in backward, one per parameter), states in host memory" in streamed.stderr
+    assert len(streamed.losses) == 3 and streamed.losses == resident.losses
+    assert all(m["weights_copy_gb"] > 0 for m in streamed.metrics)
+    assert [m["aux_loss"] for m in streamed.metrics] == [m["aux_loss"] for m in resident.metrics]
+    assert all(1.5 < m["aux_loss"] < 3 for m in streamed.metrics)  # (2 experts a token: 2 for an even routing)
+    resumed = run("resumed", "stream_layers=1", f"resume_from_checkpoint={streamed.output_dir / 'step_2'}")
+    assert resumed.losses == streamed.losses[2:]
+
+
 # The GPU half of a 16 GB config (bf16 weights, states and some layers' weights in pinned host memory, CudaLink's two
 # copy streams, a background save's GPU and host staging), on a toy folder wide enough that its layers' bf16 weights
 # stream (64 KiB and more), without compile and FP8 (their own tests cover them; here they would only add minutes).
@@ -222,6 +259,43 @@ def test_on_cuda_a_16gb_config_saves_resumes_and_its_folder_loads_in_transformer
     loaded = model.state_dict()
     assert saved.keys() <= loaded.keys()
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_moe_config_trains_saves_resumes_and_its_folder_loads_in_transformers(tmp_path):
+    """Qwen3-MoE's 80 GB config on CUDA, at toy size (bf16, the experts' grouped GEMM on compute capability 9.0+):
+    it trains with its load-balancing loss recorded, streams a layer's stacked experts as the resident run trains,
+    resumes from step_2/ with the uninterrupted losses, and transformers loads epoch_0/ with the recipe's weights bit
+    for bit (written per expert)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import DATA_DIR
+    from finetune import toy_folder
+
+    folder = tmp_path / "folder"
+    toy_folder.make_toy_folder(folder, family="qwen3_moe", data_dir=DATA_DIR)
+    config = "configs/qwen3_moe/30B_A3B_full_80gb.yaml"
+    common = [f"checkpoint_dir={folder}", *(o for o in GPU_16GB if o != "fp8=null")]
+    resident, streamed = [
+        run_here(tmp_path / f"layers_{n}", *common, f"stream_layers={n}", config=config, fast=False) for n in (0, 1)
+    ]
+    assert resident.ok and streamed.ok, (resident.stderr + streamed.stderr)[-3000:]
+    assert streamed.losses == resident.losses and len(streamed.losses) == 4
+    assert all(1.5 < m["aux_loss"] < 3 for m in streamed.metrics)  # (2 experts a token: 2 for an even routing)
+    resumed = run_here(
+        tmp_path / "resumed", *common, "stream_layers=1", f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
+        config=config, fast=False,
+    )  # fmt: skip
+    assert resumed.ok, resumed.stderr[-3000:]
+    assert resumed.losses == streamed.losses[2:]
+    saved = load_file(streamed.output_dir / "epoch_0" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in saved
+    model = AutoModelForCausalLM.from_pretrained(streamed.output_dir / "epoch_0", dtype=torch.bfloat16)
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj  # (transformers 5 stacks them in memory)
+    up = saved["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(gate_up[3, up.shape[0] :], up)
+    assert torch.equal(model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
 
 
 def test_a_machine_without_the_host_memory_is_refused_before_the_weights_load(tmp_path, monkeypatch):

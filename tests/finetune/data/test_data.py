@@ -23,7 +23,14 @@ from finetune.data import loading
 from finetune.data.packing import PackedSFTDataset
 from finetune.data.tokenizer import HFTokenizer
 
-FAMILIES = {"llama3": "llama3_1_8b", "qwen2": "qwen2_5_7b", "qwen3": "qwen3_8b", "mistral": "mistral_7b"}
+# (Qwen3-MoE ships Qwen3's tokenizer and chat template: its toy's stand-in is the family's own entry all the same)
+FAMILIES = {
+    "llama3": "llama3_1_8b",
+    "qwen2": "qwen2_5_7b",
+    "qwen3": "qwen3_8b",
+    "qwen3_moe": "qwen3_moe_30b",
+    "mistral": "mistral_7b",
+}
 CONVERSATION = [
     Message("user", "Name a colour.", masked=True),
     Message("assistant", "Blue."),
@@ -35,6 +42,7 @@ TRAINED = {
     "llama3": "Blue.<|eot_id|>Green, then red.<|eot_id|>",
     "qwen2": "Blue.<|im_end|> Green, then red.<|im_end|>",
     "qwen3": "Blue.<|im_end|> Green, then red.<|im_end|>",
+    "qwen3_moe": "Blue.<|im_end|> Green, then red.<|im_end|>",
     "mistral": " Blue.</s> Green, then red.</s>",
 }
 
@@ -64,6 +72,7 @@ def test_chat_template_trains_the_answers_and_their_end_of_turn(folders, family)
         "llama3": "<|start_header_id|>user<|end_header_id|>",
         "qwen2": "You are a helpful assistant.",
         "qwen3": "<think>\n\n</think>",
+        "qwen3_moe": "<think>\n\n</think>",
         "mistral": "[INST] Name a colour.[/INST]",
     }[family] in rendered
     # train_on_input: every message's text is trained
@@ -82,7 +91,13 @@ def test_plain_format_is_bos_prompt_response_eos(folders, family):
     assert (
         tok.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
         == answer
-        + {"llama3": "<|end_of_text|>", "qwen2": "<|endoftext|>", "qwen3": "<|endoftext|>", "mistral": "</s>"}[family]
+        + {
+            "llama3": "<|end_of_text|>",
+            "qwen2": "<|endoftext|>",
+            "qwen3": "<|endoftext|>",
+            "qwen3_moe": "<|endoftext|>",
+            "mistral": "</s>",
+        }[family]
     )
 
 

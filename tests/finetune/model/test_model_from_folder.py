@@ -139,6 +139,21 @@ def test_the_config_s_model_keys_must_say_what_config_json_says():
         hf_format.resolve_model(src, {"_component_": "torchtune.models.llama3_1.llama3_1_8b", "norm_eps": 1e-5})
 
 
+def test_the_moe_keys_must_say_what_config_json_says():
+    """A mixture of experts' keys beside checkpoint_dir (``model.num_experts=6``) are checked as the sizes are; a MoE
+    key given for a dense folder is refused as not read."""
+    src = source("qwen3_moe")
+    given = {"_component_": "finetune.model.qwen3_moe", "num_experts": 6, "mlp_only_layers": [1]}
+    family, built = hf_format.resolve_model(src, given)
+    assert family.name == "qwen3_moe" and built["moe_intermediate_dim"] == 24 and built["norm_topk_prob"] is False
+    with pytest.raises(BadInput, match=r"^model.num_experts=8 but checkpoint_dir's config.json has num_experts=6"):
+        hf_format.resolve_model(src, {**given, "num_experts": 8})
+    with pytest.raises(BadInput, match=r"model.mlp_only_layers=\[0\] but .* mlp_only_layers=\[1\]"):
+        hf_format.resolve_model(src, {**given, "mlp_only_layers": [0]})
+    with pytest.raises(BadInput, match=r"^model.num_experts=6 is not read when the model is built from"):
+        hf_format.resolve_model(source("qwen3"), {"_component_": "finetune.model.qwen3", "num_experts": 6})
+
+
 def test_a_builder_of_another_family_or_none_is_refused():
     with pytest.raises(BadInput, match=r"model_type='qwen2'.*torchtune\.models\.qwen2_5\.qwen2_5_7b_base"):
         hf_format.resolve_model(source("qwen2_5"), {"_component_": "torchtune.models.llama3_1.llama3_1_8b"})
@@ -172,6 +187,10 @@ def test_a_builder_of_another_family_or_none_is_refused():
         ("llama3_2", {"mlp_bias": True}, "mlp_bias=True"),
         ("qwen3", {"attention_bias": True}, "attention_bias=True"),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("qwen3_moe", {"num_experts": 0}, "num_experts=0"),
+        ("qwen3_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok=7"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+        ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),
     ],
 )
 def test_a_field_the_family_cannot_honour_is_one_line(key, fields, named):
