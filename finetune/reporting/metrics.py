@@ -297,7 +297,6 @@ class RunSummary:
         self.saved: List[Path] = []
         self.skipped = 0
         self.stop: Optional[str] = None  # the signal that stopped the run
-        self.nothing_left: Optional[str] = None  # a resume from the end of training
         self.numbers: Dict[str, Any] = {}  # summary_metrics, once written
         self.summary_path: Optional[Path] = None
         self.resume_from: Optional[Path] = None  # stopped without a checkpoint of its own: where to continue from
@@ -342,12 +341,7 @@ class RunSummary:
             return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
         seconds = time.perf_counter() - self.t_start
-        if self.nothing_left:
-            parts = [
-                f"Nothing trained: {self.nothing_left}, so there was nothing to train (raise epochs or "
-                f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."
-            ]
-        elif self.first is None:
+        if self.first is None:
             parts = [f"Stopped before the first step ({fmt(seconds)})."]
         else:
             (first_step, first_loss), (last_step, last_loss) = self.first, self.last
