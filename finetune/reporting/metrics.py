@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from tqdm import tqdm
 
-from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, SUMMARY_FILE, tag, update_summary
+from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, SUMMARY_FILE, read_json, tag, update_summary
 
 # The first steps of each process compile, autotune and warm the allocator: the summary's medians skip them, as
 # bench/compare.py does (--skip-steps 2).
@@ -328,11 +328,16 @@ class RunSummary:
     def finish(self, identity: Dict[str, Any], push=None) -> Dict[str, Any]:
         """The summary: ``summary_metrics`` of ``metrics.jsonl`` plus the run's identity, merged into
         ``summary.json`` beside it, after ``push`` (to the metric logger's summary; what it returns is added). Returns
-        it."""
+        it. Each resume logs to a new wandb run (wandb_run_id, as run.json names it): the runs before it stay named,
+        in ``wandb_earlier_run_ids``, oldest first."""
         self.numbers = summary_metrics(read_records(self.metrics_path))
         values = {**identity, **self.numbers}
         if push is not None:
             values.update(push(values))
+        before = read_json(self.metrics_path.with_name(SUMMARY_FILE)) or {}
+        earlier = list(before.get("wandb_earlier_run_ids") or [])
+        if values.get("wandb_run_id") and before.get("wandb_run_id") not in (None, values["wandb_run_id"], *earlier):
+            values["wandb_earlier_run_ids"] = earlier + [before["wandb_run_id"]]
         self.summary_path = update_summary(self.metrics_path.parent, values)
         return values
 
