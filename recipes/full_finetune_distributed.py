@@ -222,12 +222,14 @@ class FullFinetuneRecipeDistributed:
             except BadInput as e:
                 error = str(e)
             except (RuntimeError, KeyError) as e:  # a checkpoint of another size fails in the q/k permutation
-                error = str(hf_format.misfit_error(weights, " ".join(str(e).split())[:600]))
+                detail = " ".join(str(e).split())[:600]
+                error = str(hf_format.misfit_error(weights, detail, config_json=s.model.source_path))
             if error is None:
                 bad = sorted(set(sd) ^ set(meta_sd))
                 bad += [k for k in sd if k in meta_sd and tuple(sd[k].shape) != tuple(meta_sd[k].shape)]
                 if bad:
-                    error = str(hf_format.misfit_error(weights, f"keys or shapes differ: {', '.join(bad[:5])}"))
+                    detail = f"keys or shapes differ: {', '.join(bad[:5])}"
+                    error = str(hf_format.misfit_error(weights, detail, config_json=s.model.source_path))
             log.info(f"Loading weights from {weights}")
         self._ranks.agree(error)
         return sd

@@ -173,7 +173,14 @@ class FullFinetuneRecipeSingleDevice:
                 device=self._device,
             )
         if weights is not None:
-            hf_format.load_weights(model, weights, self._hf_config, self._family, assign=home.type == "meta")
+            hf_format.load_weights(
+                model,
+                weights,
+                self._hf_config,
+                self._family,
+                assign=home.type == "meta",
+                config_json=s.model.source_path,
+            )
             log.info(f"Loaded weights from {weights}")
 
         if s.memory.fp8 is not None:

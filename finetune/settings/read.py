@@ -465,7 +465,10 @@ def read_model(cfg: DictConfig, checkpoint_dir: Optional[Path]) -> ModelSettings
         hf_format.source_family(source_config)
         check_folder(checkpoint_dir, source_config, hf_weight_files(checkpoint_dir), FIX_WEIGHTS)
     section, family, note = resolve_model(cfg, checkpoint_dir, source_config)
-    return ModelSettings(section=section, family=family, note=note, source_config=source_config)
+    source_path = None if source_config is None else checkpoint_dir / "config.json"
+    return ModelSettings(
+        section=section, family=family, note=note, source_config=source_config, source_path=source_path
+    )
 
 
 def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optional[dict]):

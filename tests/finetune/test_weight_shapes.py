@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 import support
 from conftest import DATA_DIR, LLAMA2_TOKENIZER, REPO_ROOT, run_here
@@ -107,3 +108,18 @@ def test_the_recipe_refuses_before_the_data_is_built(llama, tmp_path):
     assert run.error.startswith(f"error: checkpoint_dir={folder}: config.json says num_hidden_layers=100000 but")
     assert time.monotonic() - started < 30
     assert not out.exists() and not cache.exists()
+
+
+def test_weights_lacking_a_tensor_blame_the_folder_not_the_model_section(llama, tmp_path):
+    """Sizes that agree, but a weight file without one tensor: the loader's refusal names the folder's config.json
+    (the model is the one it describes), not the config's model section, which plays no part with checkpoint_dir."""
+    folder = with_config(llama, tmp_path / "model")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    run = run_here(tmp_path / "out", *overrides(folder, tmp_path / "out"), config=CONFIG, fast=False)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.error.startswith(
+        f"error: the weights in {folder} do not fit the model {folder / 'config.json'} describes ("
+    )
+    assert "layers.1.mlp.w3.weight" in run.error and "model section" not in run.error
