@@ -30,7 +30,14 @@ from finetune.sections import (
     TrainingSettings,
     ValidationSettings,
 )
-from finetune.settings.checks import check_component_keys, check_config_keys, check_sentencepiece_file, flag, number
+from finetune.settings.checks import (
+    check_component_keys,
+    check_config_keys,
+    check_required_sections,
+    check_sentencepiece_file,
+    flag,
+    number,
+)
 from finetune.settings.hardware import read_fp8, read_packed_attention
 from finetune.settings.paths import checkpoint_folders, dataset_files, tokenizer_file
 from finetune.weight_shapes import SIZE_LIMITS, check_folder
@@ -126,6 +133,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     """Check the whole config (no side effects: nothing is built, written or seeded) and return the settings: each
     section read by its own reader, then the rules that join sections."""
     check_config_keys(cfg, DISTRIBUTED_CONFIG_KEYS if distributed else KNOWN_CONFIG_KEYS)
+    check_required_sections(cfg)
     check_component_keys(cfg)
     device, dtype_name = read_device(cfg)
     training = read_training(cfg, device)
@@ -479,11 +487,12 @@ def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optio
     section = cfg.get("model")
     given = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_dict(section) else {}
     if source is None:
-        if not given.get("_component_"):
+        if not given.get("_component_"):  # (a section removed with ~model, or one of sizes only)
             raise BadInput(
-                "model._component_ is not set; name a model builder (e.g. "
-                "model._component_=torchtune.models.llama2.llama2_7b), or set checkpoint_dir=DIR (a Hugging "
-                "Face model folder: its config.json describes the model)"
+                "model._component_ is not set, and without checkpoint_dir the model section is required; name a "
+                "model builder (e.g. model._component_=torchtune.models.llama2.llama2_7b; the config file's model "
+                "section, without ~model), or set checkpoint_dir=DIR (a Hugging Face model folder: its config.json "
+                "describes the model)"
             )
         return section, hf_format.family_of(given["_component_"]).name, None
     family, built = hf_format.resolve_model(source, given)

@@ -80,6 +80,10 @@ CASES = [
     ),
     ("override-with-two-equals", lambda t: ["seed=1=2"], ["the override 'seed=1=2' holds more than one '='"]),
     ("removing-an-absent-key", lambda t: ["~no_such_key"], ["~no_such_key removes a key the config does not have"]),
+    # a section torchtune will not remove (it has a _component_) is removed; the settings then say it is required
+    ("removing-a-required-section", lambda t: ["~tokenizer"], ["tokenizer is required: the run builds the tokenizer"]),
+    ("removing-the-model-section", lambda t: ["~model"], ["without checkpoint_dir the model section is required"]),
+    ("removing-a-component", lambda t: ["~loss._component_"], ["~loss._component_ would leave loss without its"]),
     ("unknown-flag", lambda t: ["--no-such-flag"], ["--no-such-flag is not a flag of the recipe"]),
 ]
 
