@@ -183,14 +183,20 @@ def refuse_one_device_features(training: TrainingSettings, memory: MemorySetting
 
 
 def read_output_dir(cfg: DictConfig) -> Path:
-    """``output_dir``: the run's folder, a non-empty path (null, empty or removed: one line, not a traceback)."""
+    """``output_dir``: the run's folder, a non-empty path (null, empty or removed: one line, not a traceback) where no
+    file stands (the folder, or one above it: the OS would say "File exists" or "Not a directory")."""
     value = OmegaConf.select(cfg, "output_dir", default=None)
     if not isinstance(value, (str, Path)) or not str(value).strip():
         raise BadInput(
             f"output_dir={'null' if value is None else repr(value)} names no folder for the run's checkpoints and "
             "metrics; set output_dir=outputs/<run name>"
         )
-    return Path(str(value)).expanduser()
+    path = Path(str(value)).expanduser()
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        what = "is a file" if file == path else f"lies below {file}, which is a file"
+        raise BadInput(f"output_dir={path} {what}, not a folder; set output_dir=DIR to a folder (made if missing)")
+    return path
 
 
 def check_overwrite_keeps_inputs(output_dir: Path, checkpoint: CheckpointSettings, datasets) -> None:
