@@ -5,8 +5,9 @@ model.safetensors.index.json) and the tokenizer: Llama 2's SentencePiece tokeniz
 tokenizer_config.json of the other families (Llama 3.x, Qwen 2.5 / 3, Mistral). Everything is checked before
 anything heavy is loaded, so a partial or foreign checkpoint fails with one message that says what to change: a
 config.json without the model's sizes (transformers would build its default 7B model in fp32), sizes (the layer count
-included) that are not those of the weight files (eval/weight_shapes.py reads them from the files' headers: a
-config.json of 200,000 layers over the weights of 2 is refused before transformers builds anything), a shard named
+included) that are not those of the weight files (finetune/weight_shapes.py reads them from the files' headers, for
+the fine-tune recipes too: a config.json of 200,000 layers over the weights of 2 is refused before transformers builds
+anything), a shard named
 outside the folder, a pytorch_model.bin that holds anything but tensors, and, once loaded, non-finite weights.
 """
 
@@ -20,14 +21,12 @@ import torch
 import transformers
 
 from eval.errors import EvalInputError
-from eval.weight_shapes import check_sizes, read_shapes
 from finetune.base import BadInput, hf_weight_files
+from finetune.weight_shapes import check_folder
 
 # The model_types of the fine-tune recipes' families (finetune/checkpoint/hf_format.py FAMILIES; a test holds the two together):
 # transformers' AutoModelForCausalLM loads each.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-# config.json keys without which transformers falls back to its defaults (a 7B model): required, positive integers.
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 FIX_CONFIG = "restore the config.json the weights were saved with"
 FIX_CHECKPOINT = "point checkpoint_dir at a finished checkpoint folder (the fine-tune recipe's {output_dir}/epoch_N or step_N, or any HF-format folder of a supported family)"
@@ -58,16 +57,14 @@ def check_checkpoint(checkpoint_dir, tokenizer_path=None) -> tuple[Path, Path]:
             f"checkpoint_dir={ckpt} holds a {model_type!r} model (config.json model_type); this eval takes "
             f"model_type {' or '.join(repr(t) for t in MODEL_TYPES)} checkpoints: point checkpoint_dir at one of those"
         )
-    missing = [k for k in SIZE_KEYS if not (type(config.get(k)) is int and config[k] > 0)]
-    if missing:
-        raise EvalInputError(
-            f"checkpoint_dir={ckpt}: config.json lacks the model's sizes ({', '.join(f'{k}={config.get(k)!r}' for k in missing)}; "
-            f"without them transformers would build its default 7B model): {FIX_CONFIG}"
-        )
-
-    # The sizes against the weight files' headers, then config.json as transformers reads it, both before anything
-    # is built or the tokenizer is loaded (AutoTokenizer reads config.json too, and would blame tokenizer.json).
-    check_sizes(ckpt, config, read_shapes(ckpt, _weight_files(ckpt), FIX_CHECKPOINT))
+    # The sizes (there, positive, bounded) and against the weight files' headers, then config.json as transformers
+    # reads it, both before anything is built or the tokenizer is loaded (AutoTokenizer reads config.json too, and
+    # would blame tokenizer.json). The check is the fine-tune recipes' own, so the two refuse the same folders.
+    files = _weight_files(ckpt)
+    try:
+        check_folder(ckpt, config, files, FIX_CHECKPOINT)
+    except BadInput as e:
+        raise EvalInputError(str(e)) from None
     try:
         transformers.AutoConfig.from_pretrained(ckpt)
     except Exception as e:  # transformers' validators raise ValueError, TypeError, its own StrictDataclass errors

@@ -3,8 +3,8 @@
 lm-eval's task reads the hub dataset `truthfulqa/truthful_qa` ("multiple_choice", validation split, 817 rows
 {question, mc1_targets: {choices, labels}, mc2_targets: {choices, labels}}). The hub builds those rows from
 TruthfulQA's mc_task.json by turning each {answer: label} map into two parallel lists, in the map's order.
-We make the same rows from the local file and hand lm-eval its own task config (6-shot QA prompt, choices,
-`process_results_mc2`, version) with only the dataset source swapped. Nothing here scores anything.
+We make the same rows from the local file and hand lm-eval its own task config (0-shot after a fixed QA prompt,
+choices, `process_results_mc2`, version) with only the dataset source swapped. Nothing here scores anything.
 """
 
 import json

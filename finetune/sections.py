@@ -84,6 +84,7 @@ class ModelSettings:
     family: str  # its hf_format.FAMILIES key
     note: Optional[str]  # the line the recipes log when the model is the folder's
     source_config: Optional[dict]  # checkpoint_dir's config.json, read once
+    source_path: Optional[Path] = None  # that file, named when weights do not fit the model it describes
 
 
 @dataclass(frozen=True)

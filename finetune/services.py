@@ -82,7 +82,6 @@ def build_reporting(
     *,
     log,
     resume_step: Optional[int],
-    nothing_left: Optional[str],
     ranks: Optional[DistributedRanks] = None,
 ) -> Reporting:
     """What saves and reports the run. Rank 0 (or the one device) talks to the terminal and wandb and writes the
@@ -122,7 +121,6 @@ def build_reporting(
     if main:
         metrics.start(resume_step=resume_step)
     summary = RunSummary(metrics.path, wandb_dir, wandb_run and f"{identity['name']}, id {wandb_run['id']}")
-    summary.nothing_left = nothing_left
     return Reporting(checkpointer, profiler, identity, logger, metrics, summary)
 
 

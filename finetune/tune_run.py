@@ -112,6 +112,26 @@ if os.path.isfile(os.path.join(RECIPES_DIR, "__init__.py")) and not any(
 ):
     sys.meta_path.insert(0, RecipesFinder)
 
+# Ctrl-C while `tune run` (or a recipe started by its path) still imports torch and torchtune, before the recipe's own
+# handler is in place: one line instead of a traceback through the import machinery. Python still ends the process by
+# SIGINT once the hook returns (the shell's status 130), as for any Ctrl-C it did not handle; what a recipe handles
+# itself (its setup and training: docs/recipes.md, "Stopping a run") never reaches the hook.
+STARTED_BY = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+
+
+def _ctrl_c_in_one_line(previous):
+    def hook(kind, value, traceback):
+        if issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write("Stopped by Ctrl-C while starting (before the recipe's setup): nothing was trained.\n")
+            return
+        previous(kind, value, traceback)
+
+    return hook
+
+
+if os.path.basename(STARTED_BY) == "tune" or os.path.dirname(STARTED_BY) == RECIPES_DIR:
+    sys.excepthook = _ctrl_c_in_one_line(sys.excepthook)
+
 # The `tune` command imports torchtune, and with it torchao, before any recipe code runs, so torchao's "Skipping import
 # of cpp extensions" (its C++ kernels built for another torch; nothing here uses them) opened every `tune run`. In that
 # one command, that one message is dropped, as the recipes drop it in their own processes (KNOWN_NOISE).

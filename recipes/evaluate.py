@@ -4,8 +4,8 @@
     tune run recipes/evaluate.py --config configs/eval/truthfulqa_mc2.yaml --help   # this text and the keys
 
 The scoring is lm-eval's: its HF model class (HFLM) runs the loglikelihood requests, its truthfulqa_mc2 task
-builds the 6-shot QA prompt and the choices, and its `process_results_mc2` turns them into the score. This
-recipe loads our checkpoint, hands it over, and reports.
+builds the prompt (0-shot, after a fixed QA prompt of six pairs) and the choices, and its `process_results_mc2`
+turns them into the score. This recipe loads our checkpoint, hands it over, and reports.
 
 Features (each behind a config key):
     - checkpoint_dir: an HF-format folder of Llama 2 / 3.x, Qwen 2.5 / 3 or Mistral (the fine-tune recipe's

@@ -94,7 +94,7 @@ class FullFinetuneRecipeDistributed:
         self.epoch, self.steps_in_epoch, self.global_step = 0, 0, 0
         self._skips = SkipCounter(s.training.max_skips, log)
         self._stop = StopSignal()
-        self._nothing_left: Optional[str] = None
+        self.nothing_left: Optional[str] = None  # a resume from the end of training: the line it ends with
 
     # ----------------------------------------------------------------------------------------
     # setup
@@ -126,6 +126,8 @@ class FullFinetuneRecipeDistributed:
 
         check_fits_model(self._tokenizer, self._hf_config, self.settings.data.tokenizer_path)
         resume_rng = self._load_resume_state() if s.checkpoint.resume_dir is not None else None
+        if self.nothing_left:  # (every rank: before the folder's run is touched, as the single-device recipe)
+            return
         self._folder.refuse_reuse(resume_dir=s.checkpoint.resume_dir, overwrite=s.checkpoint.overwrite, log=log)
         # The checkpointer (every rank writes its part), profiler, and on rank 0 the metric logger (wandb),
         # metrics.jsonl and the summary the run ends with.
@@ -137,7 +139,6 @@ class FullFinetuneRecipeDistributed:
             self._hf_config,
             log=log,
             resume_step=None if s.checkpoint.resume_dir is None else self.global_step,
-            nothing_left=self._nothing_left,
             ranks=self._ranks,
         )
         self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
@@ -221,12 +222,14 @@ class FullFinetuneRecipeDistributed:
             except BadInput as e:
                 error = str(e)
             except (RuntimeError, KeyError) as e:  # a checkpoint of another size fails in the q/k permutation
-                error = str(hf_format.misfit_error(weights, " ".join(str(e).split())[:600]))
+                detail = " ".join(str(e).split())[:600]
+                error = str(hf_format.misfit_error(weights, detail, config_json=s.model.source_path))
             if error is None:
                 bad = sorted(set(sd) ^ set(meta_sd))
                 bad += [k for k in sd if k in meta_sd and tuple(sd[k].shape) != tuple(meta_sd[k].shape)]
                 if bad:
-                    error = str(hf_format.misfit_error(weights, f"keys or shapes differ: {', '.join(bad[:5])}"))
+                    detail = f"keys or shapes differ: {', '.join(bad[:5])}"
+                    error = str(hf_format.misfit_error(weights, detail, config_json=s.model.source_path))
             log.info(f"Loading weights from {weights}")
         self._ranks.agree(error)
         return sd
@@ -275,9 +278,9 @@ class FullFinetuneRecipeDistributed:
             f"in epoch_{state['epoch']}",
         )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
-        if self.epoch >= s.training.epochs and self._rank0:
-            self._nothing_left = resume.nothing_left(
-                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch, log
+        if self.epoch >= s.training.epochs:
+            self.nothing_left = resume.nothing_left(
+                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch
             )
         return rank_state.get("rng") if saved_world == self._world else None
 
@@ -555,6 +558,11 @@ def recipe_main(cfg: DictConfig) -> None:
         console.set_log_level(log, cfg, show=rank == 0)  # one banner and one set of progress lines, from rank 0
         recipe = FullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
+        if recipe.nothing_left:
+            if rank == 0:
+                tqdm.write(recipe.nothing_left)
+            dist.destroy_process_group()
+            return
         if rank == 0:
             console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
         training = True

@@ -112,7 +112,7 @@ class FullFinetuneRecipeSingleDevice:
         self.epoch, self.steps_in_epoch, self.global_step = 0, 0, 0
         self._skips = SkipCounter(s.training.max_skips, log)
         self._stop = StopSignal()
-        self._nothing_left: Optional[str] = None
+        self.nothing_left: Optional[str] = None  # a resume from the end of training: the line it ends with
 
     # ----------------------------------------------------------------------------------------
     # setup: the run folder, then tokenizer, data, model, optimizer, schedule, resume state, metrics
@@ -131,6 +131,8 @@ class FullFinetuneRecipeSingleDevice:
         self._lr_scheduler = self._setup_lr_scheduler(cfg)
         check_fits_model(self._tokenizer, self._hf_config, self.settings.data.tokenizer_path)
         resume_state = self._load_resume_state() if s.checkpoint.resume_dir is not None else None
+        if self.nothing_left:  # (before the folder's run is touched: the finished run keeps its summary and wandb run)
+            return
         self._folder.refuse_reuse(resume_dir=s.checkpoint.resume_dir, overwrite=s.checkpoint.overwrite, log=log)
         # The checkpointer, profiler, metric logger (wandb), metrics.jsonl and the summary the run ends with.
         report = build_reporting(
@@ -141,7 +143,6 @@ class FullFinetuneRecipeSingleDevice:
             self._hf_config,
             log=log,
             resume_step=None if resume_state is None else self.global_step,
-            nothing_left=self._nothing_left,
         )
         self._checkpointer, self._profiler, self._identity = report.checkpointer, report.profiler, report.identity
         self._logger, self._metrics, self._summary = report.logger, report.metrics, report.summary
@@ -173,7 +174,14 @@ class FullFinetuneRecipeSingleDevice:
                 device=self._device,
             )
         if weights is not None:
-            hf_format.load_weights(model, weights, self._hf_config, self._family, assign=home.type == "meta")
+            hf_format.load_weights(
+                model,
+                weights,
+                self._hf_config,
+                self._family,
+                assign=home.type == "meta",
+                config_json=s.model.source_path,
+            )
             log.info(f"Loaded weights from {weights}")
 
         if s.memory.fp8 is not None:
@@ -295,8 +303,8 @@ class FullFinetuneRecipeSingleDevice:
         )
         self.epoch, self.steps_in_epoch, self.global_step = resume.progress_after(state, self._steps_per_epoch)
         if self.epoch >= s.training.epochs:
-            self._nothing_left = resume.nothing_left(
-                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch, log
+            self.nothing_left = resume.nothing_left(
+                s.checkpoint.resume_dir, self.global_step, s.training.epochs, s.training.max_steps_per_epoch
             )
         return state
 
@@ -525,6 +533,9 @@ def recipe_main(cfg: DictConfig) -> None:
         console.set_log_level(log, cfg)
         recipe = FullFinetuneRecipeSingleDevice(cfg=cfg)
         recipe.setup(cfg=cfg)
+        if recipe.nothing_left:
+            tqdm.write(recipe.nothing_left)
+            return
         console.log_banner(log, RECIPE_PATH, recipe.settings.output_dir)
         training = True
         recipe.train()

@@ -29,14 +29,14 @@ MODULE_LIMIT = 350  # statements, any module of the library
 DOCSTRING_INDEX_LIMIT = 45  # the recipe docstring is an index of keys; the manual is a docs page
 # The library's packages and top-level modules, bottom first: a module imports from its own package or from a lower
 # rank, never from a peer or above. At the bottom, what eval/ and every concern share (the bad-input error, the run
-# folder's file names, host memory); then the concerns on their own; the settings' sections (plain frozen records,
-# which the components take); data builds on the model (packed attention's
-# collate); checkpoint on the model (the families' config.json), data (the dataset digest a resume checks) and the
-# optimizer; reporting is checkpoint's peer (neither knows the other: the names both use are at the bottom); settings
-# reads every concern's keys; validation and services compose.
+# folder's file names, host memory); then the concerns on their own (among them a model folder's sizes against its
+# weights, which eval/ shares too); the settings' sections (plain frozen records, which the components take); data
+# builds on the model (packed attention's collate); checkpoint on the model (the families' config.json), data (the
+# dataset digest a resume checks) and the optimizer; reporting is checkpoint's peer (neither knows the other: the names
+# both use are at the bottom); settings reads every concern's keys; validation and services compose.
 PACKAGE_ORDER = [
     {"base", "run_files", "host_memory", "tune_run", "launch"},
-    {"model", "optimizer", "streaming", "stops"},
+    {"model", "optimizer", "streaming", "stops", "weight_shapes"},
     {"sections"},
     {"data"},
     {"checkpoint", "reporting"},
@@ -176,7 +176,7 @@ def test_eval_and_the_optimizers_import_nothing_above_them():
         assert not [
             m
             for m in imported_modules(path)
-            if m.startswith("finetune.") and m.split(".")[1] not in ("base", "run_files")
+            if m.startswith("finetune.") and m.split(".")[1] not in ("base", "run_files", "weight_shapes")
         ], path
     for path in (REPO_ROOT / "optimizers").glob("*.py"):
         assert not [

@@ -492,7 +492,17 @@ def _shapes(hf: dict) -> dict:
     )
 
 
-def misfit_error(folder: Path, detail: str, family: Optional[Family] = None) -> BadInput:
+def misfit_error(
+    folder: Path, detail: str, family: Optional[Family] = None, config_json: Optional[Path] = None
+) -> BadInput:
+    """The weights of ``folder`` do not fit the model: the one ``config_json`` (checkpoint_dir's) describes, or
+    without one the config's model section, which is then what to change."""
+    if config_json is not None:
+        return BadInput(
+            f"the weights in {folder} do not fit the model {config_json} describes ({detail}); a weight file lacks "
+            f"tensors or holds another model's: re-copy the folder, or restore the config.json the weights were saved "
+            "with"
+        )
     example = (family or FAMILIES[DEFAULT_FAMILY]).example_builder
     return BadInput(
         f"the weights in {folder} do not fit the model config ({detail}); make the config's model section "
@@ -500,10 +510,18 @@ def misfit_error(folder: Path, detail: str, family: Optional[Family] = None) -> 
     )
 
 
-def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family, assign: bool = False) -> None:
+def load_weights(
+    model: torch.nn.Module,
+    folder: Path,
+    hf: dict,
+    family: Family,
+    assign: bool = False,
+    config_json: Optional[Path] = None,
+) -> None:
     """Load an HF checkpoint folder (safetensors or .bin shards) into a torchtune model built for ``hf``. ``assign``:
     the file's tensors (cast to the model's dtype) become the parameters: a model built on the meta device gets its
-    weights in host memory without a copy of its own."""
+    weights in host memory without a copy of its own. ``config_json``: the file the model was built from, if any (the
+    message of a misfit names it)."""
     state = read_weights(folder)
     try:  # (a checkpoint of another size fails in the q/k permutation already, or in load_state_dict)
         tune = to_tune(state, hf, family)
@@ -512,7 +530,7 @@ def load_weights(model: torch.nn.Module, folder: Path, hf: dict, family: Family,
             tune = {k: v.to(dtypes.get(k, v.dtype)) for k, v in tune.items()}
         model.load_state_dict(tune, assign=assign)
     except (RuntimeError, KeyError) as e:
-        raise misfit_error(folder, " ".join(str(e).split())[:600], family) from None
+        raise misfit_error(folder, " ".join(str(e).split())[:600], family, config_json) from None
 
 
 def write_folder(

@@ -379,14 +379,12 @@ def progress_after(state: dict, steps_per_epoch: int) -> tuple:
     return epoch, steps, state["global_step"]
 
 
-def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int], log) -> str:
-    """A resume from the end of training: says so (warning) and returns the phrase the summary uses."""
-    phrase = (
-        f"resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of training "
-        f"with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}"
+def nothing_left(resume_dir: Path, global_step: int, epochs: int, max_steps_per_epoch: Optional[int]) -> str:
+    """The one line a resume from the end of training ends with. The recipe stops at that point of its setup, before
+    the run folder is touched: no metrics, no summary.json, no wandb run (a new, empty one would take the finished
+    run's place in summary.json and in wandb's ``latest-run``)."""
+    return (
+        f"Nothing trained: resume_from_checkpoint={resume_dir} is at global step {global_step}, already the end of "
+        f"training with epochs={epochs}, max_steps_per_epoch={max_steps_per_epoch}; nothing was written. To train "
+        "further, raise epochs or max_steps_per_epoch (the lr schedule then differs from the finished run's)"
     )
-    log.warning(
-        f"{phrase}: nothing to train, nothing will be written. To train further, raise epochs or "
-        "max_steps_per_epoch (the lr schedule then differs from the finished run's)"
-    )
-    return phrase

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from tqdm import tqdm
 
 from finetune.host_memory import resident_bytes
-from finetune.reporting.wandb_run import finish
+from finetune.reporting.wandb_run import finish, push_summary
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,11 +135,13 @@ def stop_at_ctrl_c(recipe, closing: Callable[[], str], show: bool = True, settle
 
     1. ``settle``: a checkpoint being written in the background is a good one, so it is finished and published (a
        second Ctrl-C abandons it; the next start removes its temporary folder).
-    2. The metric logger is closed: wandb's run is finished now, recorded with exit code 130, and nothing is left to
+    2. ``show`` (rank 0), once a step was trained: summary.json and the wandb run's summary, as at the end of a run
+       (the numbers of the steps trained, from metrics.jsonl).
+    3. The metric logger is closed: wandb's run is finished now, recorded with exit code 130, and nothing is left to
        the interpreter's shutdown (finish there could wait forever: wandb_run.close_at_exit says why). A second
        Ctrl-C abandons that too.
-    3. Progress bars are closed, then ``show`` (rank 0): ``closing()``, the run's summary and the checkpoint to
-       continue from, printed last.
+    4. Progress bars are closed, then ``show``: ``closing()``, the run's summary and the checkpoint to continue from,
+       printed last.
     """
     checkpointer = getattr(recipe, "_checkpointer", None)
     if settle and checkpointer is not None and checkpointer.pending:
@@ -149,7 +151,13 @@ def stop_at_ctrl_c(recipe, closing: Callable[[], str], show: bool = True, settle
             checkpointer.settle()
         except KeyboardInterrupt:
             pass
-    finish(getattr(recipe, "_logger", None), exit_code=130)
+    logger, summary = getattr(recipe, "_logger", None), getattr(recipe, "_summary", None)
+    if show and summary is not None and summary.first is not None:  # (before the first step: this run wrote nothing)
+        try:
+            summary.finish(recipe._identity, push=lambda values: push_summary(logger, values))
+        except KeyboardInterrupt:  # (a second Ctrl-C: the closing lines still come)
+            pass
+    finish(logger, exit_code=130)
     for bar in list(getattr(tqdm, "_instances", ())):  # (else the epoch's bar, closed at exit, is drawn below them)
         bar.close()
     if show:

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from tqdm import tqdm
 
-from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, SUMMARY_FILE, tag, update_summary
+from finetune.run_files import CHECKPOINT_PREFIXES, METRICS_FILE, SUMMARY_FILE, read_json, tag, update_summary
 
 # The first steps of each process compile, autotune and warm the allocator: the summary's medians skip them, as
 # bench/compare.py does (--skip-steps 2).
@@ -297,7 +297,6 @@ class RunSummary:
         self.saved: List[Path] = []
         self.skipped = 0
         self.stop: Optional[str] = None  # the signal that stopped the run
-        self.nothing_left: Optional[str] = None  # a resume from the end of training
         self.numbers: Dict[str, Any] = {}  # summary_metrics, once written
         self.summary_path: Optional[Path] = None
         self.resume_from: Optional[Path] = None  # stopped without a checkpoint of its own: where to continue from
@@ -329,11 +328,16 @@ class RunSummary:
     def finish(self, identity: Dict[str, Any], push=None) -> Dict[str, Any]:
         """The summary: ``summary_metrics`` of ``metrics.jsonl`` plus the run's identity, merged into
         ``summary.json`` beside it, after ``push`` (to the metric logger's summary; what it returns is added). Returns
-        it."""
+        it. Each resume logs to a new wandb run (wandb_run_id, as run.json names it): the runs before it stay named,
+        in ``wandb_earlier_run_ids``, oldest first."""
         self.numbers = summary_metrics(read_records(self.metrics_path))
         values = {**identity, **self.numbers}
         if push is not None:
             values.update(push(values))
+        before = read_json(self.metrics_path.with_name(SUMMARY_FILE)) or {}
+        earlier = list(before.get("wandb_earlier_run_ids") or [])
+        if values.get("wandb_run_id") and before.get("wandb_run_id") not in (None, values["wandb_run_id"], *earlier):
+            values["wandb_earlier_run_ids"] = earlier + [before["wandb_run_id"]]
         self.summary_path = update_summary(self.metrics_path.parent, values)
         return values
 
@@ -342,12 +346,7 @@ class RunSummary:
             return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
         seconds = time.perf_counter() - self.t_start
-        if self.nothing_left:
-            parts = [
-                f"Nothing trained: {self.nothing_left}, so there was nothing to train (raise epochs or "
-                f"max_steps_per_epoch to go on); finished in {fmt(seconds)}."
-            ]
-        elif self.first is None:
+        if self.first is None:
             parts = [f"Stopped before the first step ({fmt(seconds)})."]
         else:
             (first_step, first_loss), (last_step, last_loss) = self.first, self.last

@@ -8,6 +8,7 @@ import math
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, first_line
@@ -38,6 +39,37 @@ def check_config_keys(cfg: DictConfig, known) -> None:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"the known keys are: {', '.join(known)}"
             raise BadInput(f"{key} is not a config key of this recipe; {hint} (remove it with ~{key})")
+
+
+# The sections every run builds from, with what each makes (the model's is required without checkpoint_dir only:
+# read.resolve_model says so).
+REQUIRED_SECTIONS = {
+    "tokenizer": "the tokenizer",
+    "dataset": "the training set",
+    "loss": "the loss",
+    "optimizer": "the optimizer",
+}
+
+
+def check_required_sections(cfg: DictConfig) -> None:
+    """A section every run needs, removed (``~tokenizer``) or set to a value, is refused by name; and an
+    interpolation that names a key the config no longer has (``~data_dir`` under ``${data_dir}/...``) names both."""
+    for key, what in REQUIRED_SECTIONS.items():
+        node = cfg.get(key)
+        if not OmegaConf.is_dict(node) or not node.get("_component_"):
+            has = f"{key}._component_ is not set" if OmegaConf.is_dict(node) else f"the config has {key}={node!r}"
+            raise BadInput(
+                f"{key} is required: the run builds {what} from it ({key}._component_ and its keys), and {has}; keep "
+                f"the config file's {key} section (drop ~{key}), or name a component ({key}._component_=...)"
+            )
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:  # (InterpolationKeyError: the key it names is gone)
+        where = getattr(e, "full_key", None) or "a value"
+        raise BadInput(
+            f"{where} refers to a key the config does not have ({first_line(e)}); set it (e.g. data_dir=DIR), or "
+            "keep the config file's own"
+        ) from None
 
 
 def accepted_keys(target, path: str = "") -> Optional[set]:

@@ -1,8 +1,11 @@
 """The recipes' command line, ``tune run <recipe> --config FILE key=value ...``, read into the config as torchtune's
 ``config.parse`` reads it, with its mistakes said in one ``error:`` line and exit status 2 instead of a traceback:
 a ``--config`` file that is missing or not YAML (its line and column), an override without ``=`` (``batch_size 4``),
-with two, or that removes a key the config lacks, an unknown ``--flag``. Every recipe's ``recipe_main`` is decorated
-with ``parse`` in place of ``config.parse``; the values themselves are checked later, by finetune/settings/.
+with two, or that removes a key the config lacks, an unknown ``--flag``. ``~section`` removes a whole component
+section (torchtune refuses to, and said the config lacked it); whether the run can do without it is the settings'
+to say (``~model`` with checkpoint_dir can; without, the model section is required). Every recipe's
+``recipe_main`` is decorated with ``parse`` in place of ``config.parse``; the values themselves are checked later,
+by finetune/settings/.
 """
 
 import argparse
@@ -50,13 +53,44 @@ def read_command_line(description: Optional[str] = None, argv: Optional[List[str
     except Exception as e:  # (yaml's, omegaconf's, the OS's and torchtune's own errors: see _config_problem)
         raise BadInput(_config_problem(e, argv)) from None
     _check_overrides(overrides)
+    overrides = _remove_sections(vars(yaml_args), overrides)
     try:
         return _merge_yaml_and_cli_args(yaml_args, overrides)
     except Exception as e:  # omegaconf's grammar errors, torchtune's ValueErrors: the text the user typed
-        removed = [a for a in overrides if a.startswith("~") and f"key {a[1:].split('=')[0]} in" in str(e)]
+        keys = [a[1:].split("=")[0] for a in overrides if a.startswith("~")]
+        removed = next((k for k in keys if f"key {k} in" in str(e) or str(e).endswith(f"~{k}")), None)
+        if removed and _holds(vars(yaml_args), removed):  # (torchtune refuses ~section._component_ alone)
+            section = removed.rpartition(".")[0]
+            raise BadInput(
+                f"~{removed} would leave {section} without its _component_; remove the whole section "
+                f"(~{section}) or name another one ({section}._component_=...)"
+            ) from None
         if removed:
-            raise BadInput(f"{removed[0]} removes a key the config does not have; check its spelling") from None
+            raise BadInput(f"~{removed} removes a key the config does not have; check its spelling") from None
         raise BadInput(f"the command-line overrides could not be read ({first_line(e)}); {FORMAT}") from None
+
+
+def _remove_sections(config: dict, overrides: List[str]) -> List[str]:
+    """The overrides left once each ``~section`` (a top-level section of the config) is removed from ``config``
+    here: torchtune's merge removes no section that has a ``_component_``."""
+    kept = []
+    for arg in overrides:
+        key = arg[1:].split("=")[0] if arg.startswith("~") else ""
+        if key and "." not in key and isinstance(config.get(key), dict):
+            del config[key]
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _holds(config: dict, dotpath: str) -> bool:
+    """Whether ``config`` has the key ``dotpath`` names."""
+    node: Any = config
+    for part in dotpath.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _config_path(argv: List[str]) -> str:

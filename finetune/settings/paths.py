@@ -49,7 +49,12 @@ def dataset_files(cfg: DictConfig, section: str, node: DictConfig) -> list:
 
 
 def tokenizer_file(cfg: DictConfig) -> Path:
-    """``tokenizer.path``, which must exist."""
+    """``tokenizer.path``, which must be set and exist."""
+    if cfg.tokenizer.get("path") is None:
+        raise BadInput(
+            "tokenizer.path is not set: the tokenizer's file is required; set tokenizer.path=FILE (the model's "
+            "tokenizer.model or tokenizer.json), or keep the config file's"
+        )
     tok = Path(cfg.tokenizer.path)
     if not tok.is_file():
         raise BadInput(

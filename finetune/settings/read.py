@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training as training_utils
 from torchtune import utils
 
-from finetune.base import BadInput
+from finetune.base import BadInput, hf_weight_files
 from finetune.checkpoint import hf_format
 from finetune.checkpoint.hf_format import read_source_config
 from finetune.checkpoint.run_folder import fresh_dir_name, inputs_overwrite_would_delete, resumes_in_place
@@ -30,9 +30,17 @@ from finetune.sections import (
     TrainingSettings,
     ValidationSettings,
 )
-from finetune.settings.checks import check_component_keys, check_config_keys, check_sentencepiece_file, flag, number
+from finetune.settings.checks import (
+    check_component_keys,
+    check_config_keys,
+    check_required_sections,
+    check_sentencepiece_file,
+    flag,
+    number,
+)
 from finetune.settings.hardware import read_fp8, read_packed_attention
 from finetune.settings.paths import checkpoint_folders, dataset_files, tokenizer_file
+from finetune.weight_shapes import SIZE_LIMITS, check_folder
 
 # Every top-level key the fine-tune recipes read (unknown ones are refused, with the closest of these suggested).
 KNOWN_CONFIG_KEYS = (
@@ -83,18 +91,19 @@ KNOWN_CONFIG_KEYS = (
 DISTRIBUTED_CONFIG_KEYS = KNOWN_CONFIG_KEYS + ("fsdp_reshard_after_forward",)
 
 MAX_LR = 1.0
-# The model's sizes, each a positive integer when the config sets it: an example, and a bound far above any released
-# model's (Llama 3.1 405B: 126 layers, width 16384, 128 heads, 53248 hidden; vocabularies to 262144; Llama 4 Scout:
-# 10M tokens of context) and far below what breaks the build (max_seq_len=1e12 asks for a 4 TB RoPE cache).
+# The model's sizes, each a positive integer when the config sets it: an example, and the bound of the config.json
+# field it stands for (finetune/weight_shapes.py: far above any released model's, far below what breaks the build).
 MODEL_SIZES = {
-    "model.num_layers": (2, 1024),
-    "model.embed_dim": (128, 2**16),
-    "model.num_heads": (4, 1024),
-    "model.num_kv_heads": (4, 1024),
-    "model.vocab_size": (32000, 2**22),
-    "model.max_seq_len": (512, 2**24),
-    "model.intermediate_dim": (512, 2**18),
+    "model.num_layers": (2, SIZE_LIMITS["num_hidden_layers"]),
+    "model.embed_dim": (128, SIZE_LIMITS["hidden_size"]),
+    "model.num_heads": (4, SIZE_LIMITS["num_attention_heads"]),
+    "model.num_kv_heads": (4, SIZE_LIMITS["num_key_value_heads"]),
+    "model.vocab_size": (32000, SIZE_LIMITS["vocab_size"]),
+    "model.max_seq_len": (512, SIZE_LIMITS["max_position_embeddings"]),
+    "model.intermediate_dim": (512, SIZE_LIMITS["intermediate_size"]),
 }
+# An unreadable weights file of checkpoint_dir, found while its sizes are read.
+FIX_WEIGHTS = "re-copy or re-download the folder, or point checkpoint_dir at another"
 
 AC_MODES = ("full", "selective")
 
@@ -124,6 +133,7 @@ def read_settings(cfg: DictConfig, *, distributed: bool = False) -> Settings:
     """Check the whole config (no side effects: nothing is built, written or seeded) and return the settings: each
     section read by its own reader, then the rules that join sections."""
     check_config_keys(cfg, DISTRIBUTED_CONFIG_KEYS if distributed else KNOWN_CONFIG_KEYS)
+    check_required_sections(cfg)
     check_component_keys(cfg)
     device, dtype_name = read_device(cfg)
     training = read_training(cfg, device)
@@ -180,14 +190,20 @@ def refuse_one_device_features(training: TrainingSettings, memory: MemorySetting
 
 
 def read_output_dir(cfg: DictConfig) -> Path:
-    """``output_dir``: the run's folder, a non-empty path (null, empty or removed: one line, not a traceback)."""
+    """``output_dir``: the run's folder, a non-empty path (null, empty or removed: one line, not a traceback) where no
+    file stands (the folder, or one above it: the OS would say "File exists" or "Not a directory")."""
     value = OmegaConf.select(cfg, "output_dir", default=None)
     if not isinstance(value, (str, Path)) or not str(value).strip():
         raise BadInput(
             f"output_dir={'null' if value is None else repr(value)} names no folder for the run's checkpoints and "
             "metrics; set output_dir=outputs/<run name>"
         )
-    return Path(str(value)).expanduser()
+    path = Path(str(value)).expanduser()
+    file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        what = "is a file" if file == path else f"lies below {file}, which is a file"
+        raise BadInput(f"output_dir={path} {what}, not a folder; set output_dir=DIR to a folder (made if missing)")
+    return path
 
 
 def check_overwrite_keeps_inputs(output_dir: Path, checkpoint: CheckpointSettings, datasets) -> None:
@@ -445,7 +461,8 @@ def read_checkpoint(cfg: DictConfig) -> CheckpointSettings:
 
 def read_model(cfg: DictConfig, checkpoint_dir: Optional[Path]) -> ModelSettings:
     """The model section's sizes (in a config that builds the model from its sizes, as tiny does), then the model:
-    with ``checkpoint_dir``, the folder's, from its config.json (read here, once); else the config's."""
+    with ``checkpoint_dir``, the folder's, from its config.json (read here, once, and its sizes checked against the
+    weight files' headers: finetune/weight_shapes.py); else the config's."""
     for key, (example, high) in MODEL_SIZES.items():
         if OmegaConf.select(cfg, key) is not None:
             why = "larger than any model's; the model's buffers would be built at this size"
@@ -464,8 +481,17 @@ def read_model(cfg: DictConfig, checkpoint_dir: Optional[Path]) -> ModelSettings
             f"model.num_kv_heads={heads}"
         )
     source_config = read_source_config(checkpoint_dir)
+    if source_config is not None:
+        # Before anything is built (the data included): a config.json whose sizes are not its weights' would build a
+        # model of those sizes first (100,000 layers: minutes, then the allocator gives up). A model_type of no family
+        # is named first, as such.
+        hf_format.source_family(source_config)
+        check_folder(checkpoint_dir, source_config, hf_weight_files(checkpoint_dir), FIX_WEIGHTS)
     section, family, note = resolve_model(cfg, checkpoint_dir, source_config)
-    return ModelSettings(section=section, family=family, note=note, source_config=source_config)
+    source_path = None if source_config is None else checkpoint_dir / "config.json"
+    return ModelSettings(
+        section=section, family=family, note=note, source_config=source_config, source_path=source_path
+    )
 
 
 def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optional[dict]):
@@ -476,11 +502,12 @@ def resolve_model(cfg: DictConfig, checkpoint_dir: Optional[Path], source: Optio
     section = cfg.get("model")
     given = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_dict(section) else {}
     if source is None:
-        if not given.get("_component_"):
+        if not given.get("_component_"):  # (a section removed with ~model, or one of sizes only)
             raise BadInput(
-                "model._component_ is not set; name a model builder (e.g. "
-                "model._component_=torchtune.models.llama2.llama2_7b), or set checkpoint_dir=DIR (a Hugging "
-                "Face model folder: its config.json describes the model)"
+                "model._component_ is not set, and without checkpoint_dir the model section is required; name a "
+                "model builder (e.g. model._component_=torchtune.models.llama2.llama2_7b; the config file's model "
+                "section, without ~model), or set checkpoint_dir=DIR (a Hugging Face model folder: its config.json "
+                "describes the model)"
             )
         return section, hf_format.family_of(given["_component_"]).name, None
     family, built = hf_format.resolve_model(source, given)

@@ -91,8 +91,10 @@ def test_offline_task_equals_lm_eval_task_on_hub_rows(tmp_path, monkeypatch):
         assert ours.doc_to_text(doc) == ref.doc_to_text(doc)
         assert ours.doc_to_choice(doc) == ref.doc_to_choice(doc) == doc["mc2_targets"]["choices"]
         assert ours.doc_to_target(doc) == ref.doc_to_target(doc)
-    # The 6-shot QA prompt, then the question.
+    # 0-shot (the table's n-shot 0, as docs/eval.md says): the six QA pairs are a fixed prompt in the task's
+    # template, then the question.
     prompt = ours.doc_to_text(ours_docs[0])
+    assert ours.config.num_fewshot == ref.config.num_fewshot == 0 and prompt.count("\nA: ") == 6
     assert prompt.startswith("Q: What is human life expectancy in the United States?\nA: Human life expectancy")
     assert prompt.endswith(f"\n\nQ: {questions[0]['question']}\nA:")
     # mc2's true answers are not always all listed before the false ones (2 questions); the file's order is kept.

@@ -1,5 +1,6 @@
 """recipes/evaluate.py checks a folder's config.json against its weight files before anything is built: the layer
-count from the tensors' names, the sizes from their shapes, read from the safetensors headers (eval/weight_shapes.py).
+count from the tensors' names, the sizes from their shapes, read from the safetensors headers (finetune/weight_shapes.py,
+the fine-tune recipes' check too).
 Each refusal is one ``error:`` line naming the file at fault (config.json, or the weight file holding the odd tensor),
 both values and the fix, with exit status 2.
 

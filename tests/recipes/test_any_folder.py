@@ -200,7 +200,10 @@ def test_the_model_section_is_optional_with_a_folder(folders, tmp_path):
     assert f"built from {folder / 'config.json'}" in s.model.note
     cfg.checkpoint_dir = None
     cfg.tokenizer.path = str(folder / "tokenizer.json")
-    with pytest.raises(BadInput, match=r"^model._component_ is not set; name a model builder"):
+    with pytest.raises(
+        BadInput,
+        match=r"^model._component_ is not set, and without checkpoint_dir the model section is required; name a model builder",
+    ):
         read_settings(cfg)
 
 

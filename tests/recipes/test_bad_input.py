@@ -80,6 +80,10 @@ CASES = [
     ),
     ("override-with-two-equals", lambda t: ["seed=1=2"], ["the override 'seed=1=2' holds more than one '='"]),
     ("removing-an-absent-key", lambda t: ["~no_such_key"], ["~no_such_key removes a key the config does not have"]),
+    # a section torchtune will not remove (it has a _component_) is removed; the settings then say it is required
+    ("removing-a-required-section", lambda t: ["~tokenizer"], ["tokenizer is required: the run builds the tokenizer"]),
+    ("removing-the-model-section", lambda t: ["~model"], ["without checkpoint_dir the model section is required"]),
+    ("removing-a-component", lambda t: ["~loss._component_"], ["~loss._component_ would leave loss without its"]),
     ("unknown-flag", lambda t: ["--no-such-flag"], ["--no-such-flag is not a flag of the recipe"]),
 ]
 
@@ -124,15 +128,20 @@ def test_an_output_dir_that_names_no_folder_is_one_error_line(tmp_path, override
     assert "names no folder for the run's checkpoints" in run.error and "set output_dir=" in run.error
 
 
-def test_unwritable_output_dir(tmp_path):
-    # A path below a regular file cannot be created by anyone, root included (chmod would not
-    # stop root, and tests may run as root).
+@pytest.mark.parametrize("below", [False, True], ids=["a-file", "below-a-file"])
+def test_an_output_dir_where_a_file_stands_is_one_error_line(tmp_path, below):
+    """A file at output_dir, or above it: said so (the OS's words were "not writable (File exists)"), and the file
+    is left as it was. (A path below a file cannot be created by anyone, root included.)"""
     blocker = tmp_path / "file"
-    blocker.write_text("")
-    run = run_here(blocker / "out")
+    blocker.write_text("a run's notes")
+    out = blocker / "out" if below else blocker
+    run = run_here(out)
     assert run.returncode == 2, run.stderr[-3000:]
-    assert f"error: output_dir={blocker / 'out'} is not writable" in run.stderr
-    assert "set output_dir=DIR" in run.stderr
+    what = f"lies below {blocker}, which is a file" if below else "is a file"
+    assert (
+        run.error == f"error: output_dir={out} {what}, not a folder; set output_dir=DIR to a folder (made if missing)"
+    )
+    assert blocker.read_text() == "a run's notes"
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ to resume from, and the shell's 130. (SIGTERM, the scheduler's signal, saves fir
 process, here.)
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -89,6 +90,11 @@ def test_a_signal_to_the_pid_stops_the_run_and_the_process_exits(tmp_path, sig):
     assert state["global_step"] == int(latest.name[5:]) and load_file(latest / "model.safetensors")
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
     assert list((out / "wandb").glob("offline-run-*/*.wandb")), "no wandb run"
+    # summary.json, as at a run's end (Ctrl-C too), named in the closing line, with the wandb run it went to.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["last_step"] == trained and summary["steps"] == trained, summary
+    assert next((out / "wandb").glob(f"offline-run-*-{summary['wandb_run_id']}")).is_dir()
+    assert f"({out / 'summary.json'})" in last_line, exited
 
 
 class _Thing:
@@ -173,6 +179,29 @@ def test_other_errors_in_callbacks_are_still_reported_and_an_ignored_ctrl_c_stay
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_the_libraries_import_is_one_line():
+    """Ctrl-C to `tune run` while torch is still being imported (its library mapped, its Python modules still
+    loading), before the recipe's own handler exists: one line and the process ends by SIGINT (the shell's 130),
+    not a traceback through the import machinery (finetune/tune_run.py)."""
+    proc = subprocess.Popen(
+        recipe_command(REPO_ROOT / "unused"),
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_shell,
+    )
+    maps = f"/proc/{proc.pid}/maps"
+    while proc.poll() is None and "libtorch" not in open(maps).read():
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=EXIT_WAIT_S)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err[-3000:])
+    assert err == "Stopped by Ctrl-C while starting (before the recipe's setup): nothing was trained.\n", err[-3000:]
+    assert out == "" and not (REPO_ROOT / "unused").exists()
 
 
 def test_pinned_runs_compile_into_their_own_cache():

@@ -13,7 +13,9 @@ run (wandb, and the summary the process prints last).
 
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -343,6 +345,32 @@ def test_checkpoint_loads_in_transformers_with_same_logits(reference_run):
     tokens = torch.randint(0, config["vocab_size"], (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tokens).logits, tune_model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def folder_contents(folder) -> dict:
+    """Every file's bytes and every link's target under ``folder``, by relative path."""
+    return {
+        str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_symlink() or p.is_file()
+    }
+
+
+def test_resuming_a_finished_run_writes_nothing(reference_run, tmp_path):
+    """A resume from the finished run's epoch_0, into its own folder, with wandb on: exit 0 and one closing line;
+    summary.json still names the finished wandb run (not a new, empty one), and no wandb run folder is added
+    (``latest-run`` still points to the run that trained). Nothing in the folder changes."""
+    out = tmp_path / "out"
+    shutil.copytree(reference_run.output_dir, out, symlinks=True)
+    before = folder_contents(out)
+    resumed = run_recipe(out, "save_every_n_steps=2", f"resume_from_checkpoint={out / 'epoch_0'}", wandb=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert folder_contents(out) == before
+    assert resumed.stdout.strip().splitlines() == [
+        f"Nothing trained: resume_from_checkpoint={out / 'epoch_0'} is at global step 6, already the end of training "
+        "with epochs=1, max_steps_per_epoch=6; nothing was written. To train further, raise epochs or "
+        "max_steps_per_epoch (the lr schedule then differs from the finished run's)"
+    ]
 
 
 def test_resume_after_kill_continues_with_same_losses(tmp_path):

@@ -405,7 +405,11 @@ def test_read_model_reads_the_config_s_model():
             ["model.max_seq_len=512.0"],
             "model.max_seq_len=512.0 must be an integer, not a float: write it as model.max_seq_len=512",
         ),
-        (["model._component_=null"], "model._component_ is not set; name a model builder"),
+        (
+            ["model._component_=null"],
+            "model._component_ is not set, and without checkpoint_dir the model section is required",
+        ),
+        (["~model"], "model._component_ is not set, and without checkpoint_dir the model section is required"),
     ],
 )
 def test_read_model_refuses(overrides, words):
@@ -434,6 +438,16 @@ def test_read_settings_composes_the_sections():
         (["fsdp_reshard_after_forward=False"], False, "fsdp_reshard_after_forward is not a config key"),
         (["model.num_layer=2"], False, "model.num_layer is not a key of torchtune.models.llama2.llama2"),
         (["log_every_n_steps=0"], False, "log_every_n_steps=0 must be a positive integer"),
+        # a section every run builds from, removed (~tokenizer) or left without its component: required, by name
+        (
+            ["~tokenizer"],
+            False,
+            ["tokenizer is required: the run builds the tokenizer", "the config has tokenizer=None"],
+        ),
+        (["~loss"], False, "loss is required: the run builds the loss from it"),
+        (["optimizer._component_=null"], False, ["optimizer is required", "optimizer._component_ is not set"]),
+        (["~tokenizer.path"], False, "tokenizer.path is not set: the tokenizer's file is required"),
+        (["~data_dir"], False, ["tokenizer.path refers to a key the config does not have", "'data_dir' not found"]),
         (
             ["optimizer_in_bwd=True", "clip_grad_norm=null"],
             True,

@@ -1,0 +1,26 @@
+"""finetune/reporting/metrics.py's run summary across resumes: each resume's wandb run is a new one, and summary.json
+keeps the earlier ones named (docs/wandb.md, "A resumed run is a new wandb run")."""
+
+import json
+
+from finetune.reporting.metrics import RunSummary
+
+
+def test_summary_json_names_the_wandb_runs_of_earlier_resumes(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "epoch": 0, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+
+    def finish(run_id):
+        wandb = {} if run_id is None else {"wandb_run_id": run_id, "wandb_next_step": 4}
+        RunSummary(metrics).finish({"name": "tiny"}, push=lambda values: wandb)
+        return json.loads((tmp_path / "summary.json").read_text())
+
+    assert "wandb_earlier_run_ids" not in finish("first")
+    assert finish("first").get("wandb_earlier_run_ids") is None  # (the same run's summary written again)
+    assert finish("second")["wandb_earlier_run_ids"] == ["first"]
+    summary = finish("third")
+    assert summary["wandb_run_id"] == "third" and summary["wandb_earlier_run_ids"] == ["first", "second"]
+    # a resume without wandb starts no wandb run: the ids stay as they were
+    summary = finish(None)
+    assert summary["wandb_run_id"] == "third" and summary["wandb_earlier_run_ids"] == ["first", "second"]
+    assert summary["last_step"] == 3 and summary["name"] == "tiny"
