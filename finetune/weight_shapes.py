@@ -94,7 +94,27 @@ LLAMA = Layout(
         ("key/value", "num_key_value_heads", "layers.0.self_attn.k_proj.weight"),
     ),
 )
-LAYOUTS: Dict[str, Layout] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA}
+# config.json fields under another name in some folders: transformers 5 writes Qwen3-MoE's num_experts as
+# num_local_experts (the published folder says num_experts)
+ALIASES = {"num_experts": "num_local_experts"}
+# Qwen3-MoE: Qwen3's layers with a router (E experts) and per-expert MLPs of width M (moe_intermediate_size), as
+# transformers saves them; the dense MLP of an mlp_only layer is Llama's.
+QWEN3_MOE = Layout(
+    shapes={
+        **LLAMA.shapes,
+        "mlp.gate.weight": ("E", "H"),
+        "mlp.experts.N.gate_proj.weight": ("M", "H"),
+        "mlp.experts.N.up_proj.weight": ("M", "H"),
+        "mlp.experts.N.down_proj.weight": ("H", "M"),
+    },
+    reads=(
+        *LLAMA.reads,
+        ("num_experts", "layers.0.mlp.gate.weight", 0),
+        ("moe_intermediate_size", "layers.0.mlp.experts.0.gate_proj.weight", 0),
+    ),
+    heads=LLAMA.heads,
+)
+LAYOUTS: Dict[str, Layout] = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA, "qwen3_moe": QWEN3_MOE}
 
 
 def check_folder(ckpt: Path, config: dict, files: List[Path], fix: str) -> None:
@@ -187,11 +207,14 @@ def check_sizes(ckpt: Path, config: dict, shapes: Shapes) -> None:
         "Q": heads * head_dim,
         "KV": kv_heads * head_dim,
         "D": head_dim,
+        "E": config.get("num_experts") or config.get("num_local_experts") or 0,  # (a mixture of experts': QWEN3_MOE)
+        "M": config.get("moe_intermediate_size") or 0,
     }
 
     for field, suffix, dim in layout.reads:
+        field = field if field in config else ALIASES.get(field, field)  # (the spelling the folder uses)
         name = _find(shapes, suffix)
-        if name is not None and shapes[name][0][dim] != config[field]:
+        if name is not None and shapes[name][0][dim] != config.get(field):
             found = shapes[name][0][dim]
             raise BadInput(
                 f"checkpoint_dir={ckpt}: config.json says {field}={config[field]} but {_holds(shapes, name)}, so the "

@@ -15,7 +15,6 @@ the process, and a subprocess would spend most of its time importing torch and t
 
 import json
 import shlex
-import time
 from pathlib import Path
 
 import pytest
@@ -165,14 +164,12 @@ def test_a_folder_the_family_cannot_honour_is_refused_before_tokenizing(tmp_path
         f"pack_cache_dir={tmp_path / 'cache'}",
         *documented_cpu_overrides(),
     ]
-    # The check itself, timed alone (the recipe's start below runs it among the rest of its setup)
+    # The check itself, from the settings (the recipe's start below runs it before the data is built)
     cfg = OmegaConf.merge(
         OmegaConf.load(REPO_ROOT / "configs/qwen2_5/7B_full_80gb.yaml"), OmegaConf.from_dotlist(overrides)
     )
-    started = time.monotonic()
     with pytest.raises(BadInput, match="^checkpoint_dir's config.json has use_sliding_window=True"):
         read_settings(cfg)
-    assert time.monotonic() - started < 10
 
     run = run_here(tmp_path / "out", *overrides, config="configs/qwen2_5/7B_full_80gb.yaml", fast=False)
     assert run.returncode == 2, run.stderr[-3000:]
