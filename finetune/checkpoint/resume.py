@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, load_state_file
+from finetune.checkpoint import state_file
 from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
 from finetune.checkpoint.optimizer_state import convertible
 from finetune.data.packing import file_digest
@@ -202,12 +203,16 @@ def run_settings(
     return settings
 
 
-def read_state_file(path: Path, mmap: bool = False) -> dict:
-    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune.base)."""
-    fix = (
-        f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
-        f"with checkpoint_dir={path.parent} and no resume_from_checkpoint"
-    )
+def read_state_file(path: Path, mmap: bool = False, log=None) -> dict:
+    """A recipe_state*.pt file, checked against the checksum saved beside it (``state_file.verify``; a file without
+    one: a warning on ``log``) and loaded weights_only (tensors and plain values only: see finetune.base)."""
+    fix = state_file.resume_elsewhere(path.parent)
+    if not state_file.verify(path, fix) and log is not None:
+        log.warning(
+            f"{path} has no checksum beside it ({state_file.checksum_path(path).name}: a checkpoint written before "
+            "checksums, or copied without it): its zip records' CRCs were checked, which finds damaged bytes but "
+            "not an edit saved again with torch.save"
+        )
     state = load_state_file(path, mmap=mmap, fix=fix)
     if (
         not isinstance(state, dict)
@@ -292,7 +297,7 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
     """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (``run_settings``) by every MUST
     and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
     checkpoint did not record (one written before that row existed) is not compared."""
-    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
+    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap, log=log)
     saved, now = dict(state["config"]), dict(now)
     if saved.get("optimizer", now.get("optimizer")) == now.get("optimizer"):
         _check_state_format(state, now.get("optimizer"), Path(folder) / RECIPE_STATE_FILE)

@@ -208,6 +208,7 @@ def test_checkpoint_layout_and_full_weights(runs):
         "recipe_state.pt",
         "recipe_state_rank0.pt",
         "recipe_state_rank1.pt",
+        *(f"{name}.crc32" for name in ("recipe_state.pt", "recipe_state_rank0.pt", "recipe_state_rank1.pt")),
     }
     weights = load_file(run.output_dir / "epoch_0" / "model.safetensors")
     config = json.loads((run.output_dir / "epoch_0" / "config.json").read_text())
@@ -534,6 +535,7 @@ def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(
         "recipe_state.pt",
         "recipe_state_rank0.pt",
         "recipe_state_rank1.pt",
+        *(f"{name}.crc32" for name in ("recipe_state.pt", "recipe_state_rank0.pt", "recipe_state_rank1.pt")),
     }
     assert torch.load(out / steps[0] / "recipe_state.pt", weights_only=True)["global_step"] == n
     assert [m["step"] for m in read_metrics(out)] == list(range(1, n + 1))

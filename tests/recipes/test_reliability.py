@@ -77,6 +77,7 @@ def test_planted_pickle_in_recipe_state_is_refused_unrun(base, tmp_path, run):
     ckpt = copy_checkpoint(base, "step_2", tmp_path / "ckpt")
     marker = tmp_path / "PWNED"
     torch.save({"config": _Planted(marker), "optimizer": {}}, ckpt / "recipe_state.pt")
+    (ckpt / "recipe_state.pt.crc32").unlink()  # (else its checksum refuses it before any unpickling is tried)
     result = run(f"resume_from_checkpoint={ckpt}")
     assert result.returncode == 2
     assert not marker.exists()
@@ -315,6 +316,9 @@ def test_truncated_weights_and_garbage_state_are_one_line(base, tmp_path, run):
 
     ckpt = copy_checkpoint(base, "step_2", tmp_path / "b")
     (ckpt / "recipe_state.pt").write_bytes(b"garbage" * 100)
+    result = run(f"resume_from_checkpoint={ckpt}")
+    assert result.returncode == 2 and f"{ckpt / 'recipe_state.pt'} does not match the checksum" in result.error
+    (ckpt / "recipe_state.pt.crc32").unlink()  # (a checkpoint without one: torch.load says what the file is)
     result = run(f"resume_from_checkpoint={ckpt}")
     assert result.returncode == 2 and f"{ckpt / 'recipe_state.pt'} is unreadable" in result.error
 
