@@ -49,7 +49,7 @@ from tqdm import tqdm
 from finetune.base import BadInput, NonFiniteStop
 from finetune.checkpoint import hf_format, resume
 from finetune.checkpoint.async_save import Gather, Owned
-from finetune.checkpoint.checkpointer import rng_state, set_rng_state
+from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE, rng_state, set_rng_state
 from finetune.checkpoint.optimizer_state import gather_full, load_full, restore
 from finetune.checkpoint.run_folder import DistributedRanks, RunFolder
 from finetune.data.loading import skip_to
@@ -256,9 +256,16 @@ class FullFinetuneRecipeDistributed:
                 self._optimizer.load_state_dict(rank_state["optimizer"])
             else:  # (any rank count's, or one device's; another optimizer class's converted first)
                 full = restore(
-                    state, self._optimizers, self._model, now=s.training.optimizer.path, log=self._rank0 and log
+                    state,
+                    self._optimizers,
+                    self._model,
+                    now=s.training.optimizer.path,
+                    log=self._rank0 and log,
+                    source=s.checkpoint.resume_dir / RECIPE_STATE_FILE,
                 )
                 load_full(self._model, self._optimizer, full, self._device)
+        except BadInput as e:  # (a damaged state: restore's own line, the same on every rank)
+            error = str(e)
         except (ValueError, KeyError, RuntimeError) as e:
             error = (
                 f"the optimizer state in {s.checkpoint.resume_dir} does not fit this model and optimizer "

@@ -277,8 +277,11 @@ class FullFinetuneRecipeSingleDevice:
                     now=s.training.optimizer.path,
                     in_bwd=s.training.optimizer_in_bwd,
                     log=log,
+                    source=s.checkpoint.resume_dir / RECIPE_STATE_FILE,
                 )
             )
+        except BadInput:  # (a damaged state: restore's own line names the parameter and the fix)
+            raise
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(
                 f"the optimizer state in {s.checkpoint.resume_dir / RECIPE_STATE_FILE} does not fit this "
