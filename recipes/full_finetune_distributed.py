@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import config, modules, training, utils
 from tqdm import tqdm
 
-from finetune.base import BadInput, NonFiniteStop
+from finetune.base import BadInput, NonFiniteStop, diverged_fix
 from finetune.checkpoint import hf_format, resume
 from finetune.checkpoint.async_save import Gather, Owned
 from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE, rng_state, set_rng_state
@@ -274,7 +274,7 @@ class FullFinetuneRecipeDistributed:
         self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._skips.restore(state)
+        self._skips.restore(state, resumed_from=s.checkpoint.resume_dir)
         utils.log_rank_zero(
             log,
             f"Resuming from {s.checkpoint.resume_dir} on {self._world} ranks: global step "
@@ -496,7 +496,7 @@ class FullFinetuneRecipeDistributed:
         if bad.item():
             raise NonFiniteStop(
                 f"the weights at step {self.global_step} are not finite: refused to write {final}; "
-                "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+                f"{diverged_fix(self._skips.resumed_from)}"
             )
 
         def need_bytes() -> int:
@@ -507,6 +507,7 @@ class FullFinetuneRecipeDistributed:
         self._checkpointer.save(
             name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes, started=started
         )
+        self._skips.resumed_from = None  # (a checkpoint of this run's own now exists: a stop names no other)
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
         """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them

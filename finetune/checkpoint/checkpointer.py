@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from finetune.base import NonFiniteStop
+from finetune.base import NonFiniteStop, diverged_fix
 from finetune.checkpoint import async_save, hf_format, state_file
 from finetune.checkpoint.run_folder import RunFolder, ctrl_c_after, fsync_path
 from finetune.run_files import RUN_FILE
@@ -40,9 +40,12 @@ RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
 
 
-def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int) -> None:
+def check_finite_weights(
+    state: Dict[str, torch.Tensor], final: Path, step: int, resumed_from: Optional[Path] = None
+) -> None:
     """Refuse to write a checkpoint whose weights hold a NaN or inf: one reduction and one sync per device the
-    weights live on (a model with streamed layers holds some in host memory and the rest on the GPU)."""
+    weights live on (a model with streamed layers holds some in host memory and the rest on the GPU).
+    ``resumed_from``: the checkpoint the run resumed from, where it has written none since (``diverged_fix``)."""
     by_device: Dict[torch.device, List[str]] = {}
     for k, v in state.items():
         by_device.setdefault(v.device, []).append(k)
@@ -53,7 +56,7 @@ def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int)
     if bad:
         raise NonFiniteStop(
             f"the weights at step {step} are not finite ({', '.join(bad[:3])}): refused to write "
-            f"{final}; resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+            f"{final}; {diverged_fix(resumed_from)}"
         )
 
 

@@ -214,7 +214,7 @@ def read_state_file(path: Path, mmap: bool = False, log=None) -> dict:
             "checksums, or copied without it): its zip records' CRCs were checked, which finds damaged bytes but "
             "not an edit saved again with torch.save; the optimizer state's values are checked"
         )
-    state = load_state_file(path, mmap=mmap, fix=fix)
+    state = load_state_file(path, mmap=mmap, fix=fix, kind="a recipe state file")
     main = path.name == RECIPE_STATE_FILE
     if not isinstance(state, dict) or "optimizer" not in state or (main and "config" not in state):
         raise BadInput(f"{path} is not a recipe state file this recipe wrote; {fix}")

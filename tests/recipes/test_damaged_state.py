@@ -184,3 +184,18 @@ def test_an_undamaged_copy_resumes_exactly_and_one_without_its_checksum_says_so(
     run = resume(key, ckpt, tmp_path / "out-unverified")
     assert run.returncode == 0 and run.losses == saved[key].losses[2:], run.stderr[-3000:]
     assert f"{ckpt / 'recipe_state.pt'} has no checksum beside it (recipe_state.pt.crc32" in run.stderr
+
+
+def test_a_nan_the_checks_do_not_read_stops_the_run_naming_the_state_it_resumed_from(saved, tmp_path):
+    """A NaN code in the 8-bit first moment of a file without its checksum (a resume does not decode every code):
+    the weights go non-finite, and the refusal to save them names the resumed state besides the lr."""
+    ckpt = copy_step_2(saved["ours8"], tmp_path)
+    edited(lambda s: entry(s)["exp_avg"].view(-1)[:256].fill_(0x7F))(ckpt / "recipe_state.pt")  # (e4m3's NaN)
+    (ckpt / "recipe_state.pt.crc32").unlink()
+    run = resume("ours8", ckpt, tmp_path / "out")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert (
+        f"this run resumed from {ckpt} and has written no checkpoint since: if its optimizer state is damaged, "
+        "resume from an earlier checkpoint; if training diverged, resume from the last checkpoint with a lower "
+        "optimizer.lr or clip_grad_norm=1.0" in run.error
+    )

@@ -333,6 +333,7 @@ def test_checkpoint_of_another_size_and_pickled_bin_are_one_line(base, tmp_path,
     torch.save({"w": _Planted(marker)}, folder / "pytorch_model.bin")
     result = run(f"checkpoint_dir={folder}")
     assert result.returncode == 2 and str(folder / "pytorch_model.bin") in result.error
+    assert "which a weights file never does" in result.error  # (not "a recipe state file": it is the weights)
     assert not marker.exists()
 
 
@@ -641,3 +642,5 @@ def test_the_skip_limit_counts_across_a_resume(run, tmp_path, monkeypatch):
     )
     assert resumed.returncode == 2
     assert "3 steps in a row had a non-finite loss or gradient (last: step 4" in resumed.error
+    # (no checkpoint since the resume: the state it resumed from may be the cause, and the stop says so)
+    assert f"this run resumed from {out / 'step_3'} and has written no checkpoint since" in resumed.error
