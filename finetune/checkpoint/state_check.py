@@ -9,7 +9,7 @@ terms:
 
 - every parameter has its entry: a missing one would start that parameter's moments again from zero while the others
   go on. The recipes' models give every parameter a gradient at every step, so a state they saved has them all.
-- step counts are integers >= 0.
+- step counts are integers >= 0, and global_step is the step the saved lr schedule stands at.
 - the moments fit their parameter: torch's tensors its shape, ours the codes of its whole blocks with finite,
   non-negative block scales (``optimizers.portable.entry_problem``).
 - the param groups hold what the run was saved with: lr where the saved lr schedule stands (optimizer.lr without
@@ -116,7 +116,7 @@ def items(saved: Any, saved_bwd: bool, names: List[str], where: str, fix: str) -
 
 def _groups(one: Any, of: str, refuse: _Refusal) -> List[dict]:
     """A torch optimizer state dict's param groups, its structure checked: {"state": {index: entry},
-    "param_groups": [{"params": [index, ...], ...}, ...]}."""
+    "param_groups": [{"params": [index, ...], ...}, ...]} (an index: an int, or a parameter's name)."""
     if not isinstance(one, dict):
         raise refuse(f"holds a {type(one).__name__} as the optimizer state{of}, not an optimizer's state dict")
     for key, kind in (("state", dict), ("param_groups", list)):
@@ -126,8 +126,13 @@ def _groups(one: Any, of: str, refuse: _Refusal) -> List[dict]:
             )
     groups = one["param_groups"]
     for g in groups:
-        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
-            raise refuse(f"holds a param group{of} that is not a dict with a list of params")
+        # (a parameter is an index, or its name in the state torch.distributed.checkpoint gathers)
+        if (
+            not isinstance(g, dict)
+            or not isinstance(g.get("params"), list)
+            or {type(i) for i in g["params"]} - {int, str}
+        ):
+            raise refuse(f"holds a param group{of} that is not a dict with a list of parameter indices")
     return groups
 
 
@@ -174,10 +179,8 @@ def _tensors_problem(entry: dict, group: dict, p: torch.Tensor, kind: str) -> Op
         return portable.entry_problem(entry, group, p.numel())
     if kind != "torch":  # (torchao's and other classes' layouts: their own optimizer checks them)
         return None
-    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+    for key in ("exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if "max_exp_avg_sq" in entry else [])):
         t = entry.get(key)
-        if key not in entry and key == "max_exp_avg_sq":
-            continue
         if not isinstance(t, torch.Tensor) or t.shape != p.shape:
             return f"{key} is {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
     return None
