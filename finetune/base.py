@@ -8,7 +8,7 @@ import json
 import pickle
 import re
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -23,6 +23,19 @@ class BadInput(ValueError):
 
 class NonFiniteStop(BadInput):
     """Training cannot go on: too many non-finite steps in a row, or one that was already applied."""
+
+
+def diverged_fix(resumed_from: Optional[Path] = None) -> str:
+    """The way out of a NonFiniteStop. ``resumed_from``: the checkpoint this run resumed from, where it has written
+    none since; its optimizer state may then be the cause (a resume checks its checksum, structure and scales, not
+    every moment), and a lower lr would not help."""
+    fix = "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+    if resumed_from is None:
+        return fix
+    return (
+        f"this run resumed from {resumed_from} and has written no checkpoint since: if its optimizer state is "
+        f"damaged, resume from an earlier checkpoint; if training diverged, {fix}"
+    )
 
 
 def first_line(e: BaseException) -> str:
@@ -66,12 +79,13 @@ def hf_weight_files(folder: Path) -> List[Path]:
     return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
 
 
-def load_state_file(path: Path, *, mmap: bool = False, fix: str = "") -> Any:
+def load_state_file(path: Path, *, mmap: bool = False, fix: str = "", kind: str = "a weights file") -> Any:
     """torch.load with ``weights_only=True``: tensors and plain values (dicts, lists, tuples, str, numbers,
     torch dtypes; torchao's optimizer-state subclasses, which torchao allowlists itself) and nothing else.
 
     A pickle that names any other callable (``os.system`` in a planted file) is refused before it runs. Every
-    failure is one BadInput naming the file and ``fix``.
+    failure is one BadInput naming the file and ``fix``; ``kind``: what the file should be (a weights file, as
+    pytorch_model.bin is, or a recipe state file), for the refusal of a planted reference.
     """
     fix = fix or "point at a checkpoint folder this recipe wrote"
     try:
@@ -85,8 +99,7 @@ def load_state_file(path: Path, *, mmap: bool = False, fix: str = "") -> Any:
             ) from None
         what = f"a reference to {found.group(1)}"
         raise BadInput(
-            f"{path} holds {what}, which a recipe state file never does (it may be planted code): "
-            f"refused to load it; {fix}"
+            f"{path} holds {what}, which {kind} never does (it may be planted code): refused to load it; {fix}"
         ) from None
     except Exception as e:  # truncated zip, garbage, a folder: RuntimeError, EOFError, OSError, ValueError ...
         text = " ".join(str(e).split())[:200]

@@ -7,11 +7,12 @@ save, and ``launch.follow_launcher`` makes a rank whose launcher dies outright s
 
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 from tqdm import tqdm
 
-from finetune.base import BadInput, NonFiniteStop
+from finetune.base import BadInput, NonFiniteStop, diverged_fix
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -100,12 +101,16 @@ class SkipCounter:
     def __init__(self, max_in_a_row: int, log, skipped: int = 0):
         self.max_in_a_row, self.log = max_in_a_row, log
         self.skipped, self.in_a_row, self.empty_in_a_row = skipped, 0, 0
+        # The checkpoint the run resumed from while it has written none since (the recipe clears it at its first
+        # save): the stop then names it as a possible cause (finetune.base.diverged_fix)
+        self.resumed_from: Optional[Path] = None
 
     def state(self) -> Dict[str, int]:
         """What a checkpoint keeps (plain ints in recipe_state.pt)."""
         return {"skipped_steps": self.skipped, "skipped_in_a_row": self.in_a_row, "empty_in_a_row": self.empty_in_a_row}
 
-    def restore(self, state: Dict[str, Any]) -> None:
+    def restore(self, state: Dict[str, Any], resumed_from: Optional[Path] = None) -> None:
+        self.resumed_from = resumed_from
         self.skipped = int(state.get("skipped_steps", 0))
         self.in_a_row = int(state.get("skipped_in_a_row", 0))
         self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
@@ -144,6 +149,6 @@ class SkipCounter:
             )
         raise NonFiniteStop(
             f"{self.in_a_row} steps in a row had a non-finite loss or gradient (last: step {step}, loss {loss}, "
-            f"grad norm {grad_norm}): training diverged; resume from the last checkpoint with a lower optimizer.lr "
-            f"or clip_grad_norm=1.0 ({limit})"
+            f"grad norm {grad_norm}): {'training diverged; ' * (self.resumed_from is None)}"
+            f"{diverged_fix(self.resumed_from)} ({limit})"
         )

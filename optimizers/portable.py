@@ -12,7 +12,8 @@ fp32 fallback). The checkpoint component (``finetune/checkpoint/optimizer_state.
 this module is the package's public face for a saved state (the rest of the package is private).
 
 ``moments``/``encode`` turn an entry into fp32 moments and back, for resuming with another variant; ``saved_format``
-tells which format a saved entry is in.
+tells which format a saved entry is in, and ``entry_problem`` what makes one unusable (a resume checks every entry
+with it before any optimizer loads the state).
 
 Entries are dicts as in ``optimizer.state[p]``: ``exp_avg``/``exp_avg_sq`` (codes [nblk, block / elems_per_code]),
 ``exp_avg_scale``/``exp_avg_sq_scale`` ([nblk], scaled formats), ``error`` ([nblk, block], with ``compensate``),
@@ -37,6 +38,46 @@ def saved_format(entry: dict, group: dict) -> StateFormat:
     if "exp_avg_scale" in entry:
         return format_named(group["state_format"])
     return FORMAT_FP32 if entry["exp_avg"].dtype == torch.float32 else FORMAT_BF16
+
+
+def entry_problem(entry: dict, group: dict, numel: int) -> Optional[str]:
+    """What makes a saved entry of a tensor of ``numel`` elements unusable, in a phrase, or None: its moments must be
+    the codes of the tensor's whole blocks in its format (``saved_format``), with one finite, non-negative scale per
+    block (a block's largest magnitude; 0 for a block of zeros). Shapes and scales only: a pass over the scales is
+    1/block of the state, while a pass over every code would cost a resume seconds per GB (damaged codes are the
+    checkpoint's checksum's to find)."""
+    for key, _ in MOMENTS:
+        if not isinstance(entry.get(key), torch.Tensor):
+            return f"{key} is {type(entry.get(key)).__name__}, not a tensor"
+    try:
+        fmt = saved_format(entry, group)
+    except KeyError:
+        return f"state_format={group.get('state_format')!r} is not a state format of this version of optimizers"
+    B, nblk = fmt.block_size, _blocks(numel, fmt.block_size)
+    shape = (nblk, B // fmt.elems_per_code)
+    for key, _ in MOMENTS:
+        codes = entry[key]
+        if tuple(codes.shape) != shape or codes.dtype != fmt.code_dtype:
+            return (
+                f"{key} is {tuple(codes.shape)} {codes.dtype}, where {numel} elements in {fmt.name} blocks of {B} "
+                f"take {shape} {fmt.code_dtype}"
+            )
+        if not fmt.scaled:
+            continue
+        scale = entry.get(key + "_scale")
+        if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (nblk,) or not scale.is_floating_point():
+            what = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+            return f"{key}_scale is {what}, where {nblk} blocks take ({nblk},) floats"
+        bad = (~(torch.isfinite(scale) & (scale >= 0))).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            return (
+                f"{key}_scale[{i}] is {float(scale[i])}, where a block's scale is its largest magnitude (finite, >= 0)"
+            )
+    error = entry.get("error")
+    if error is not None and (not isinstance(error, torch.Tensor) or tuple(error.shape) != (nblk, B)):
+        return f"error is {getattr(error, 'shape', type(error).__name__)}, where {nblk} blocks take {(nblk, B)}"
+    return None
 
 
 def _blocks(n: int, block: int) -> int:

@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor
 from torchtune import config, modules, training, utils
 from tqdm import tqdm
 
-from finetune.base import BadInput, NonFiniteStop
+from finetune.base import BadInput, NonFiniteStop, diverged_fix
 from finetune.checkpoint import hf_format, resume
 from finetune.checkpoint.async_save import Gather, Owned
-from finetune.checkpoint.checkpointer import rng_state, set_rng_state
+from finetune.checkpoint.checkpointer import RECIPE_STATE_FILE, rng_state, set_rng_state
 from finetune.checkpoint.optimizer_state import gather_full, load_full, restore
 from finetune.checkpoint.run_folder import DistributedRanks, RunFolder
 from finetune.data.loading import skip_to
@@ -259,9 +259,16 @@ class FullFinetuneRecipeDistributed:
                 self._optimizer.load_state_dict(rank_state["optimizer"])
             else:  # (any rank count's, or one device's; another optimizer class's converted first)
                 full = restore(
-                    state, self._optimizers, self._model, now=s.training.optimizer.path, log=self._rank0 and log
+                    state,
+                    self._optimizers,
+                    self._model,
+                    now=s.training.optimizer.path,
+                    log=self._rank0 and log,
+                    source=s.checkpoint.resume_dir / RECIPE_STATE_FILE,
                 )
                 load_full(self._model, self._optimizer, full, self._device)
+        except BadInput as e:  # (a damaged state: restore's own line, the same on every rank)
+            error = str(e)
         except (ValueError, KeyError, RuntimeError) as e:
             error = (
                 f"the optimizer state in {s.checkpoint.resume_dir} does not fit this model and optimizer "
@@ -270,7 +277,7 @@ class FullFinetuneRecipeDistributed:
         self._ranks.agree_any(error)
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._skips.restore(state)
+        self._skips.restore(state, resumed_from=s.checkpoint.resume_dir)
         utils.log_rank_zero(
             log,
             f"Resuming from {s.checkpoint.resume_dir} on {self._world} ranks: global step "
@@ -492,7 +499,7 @@ class FullFinetuneRecipeDistributed:
         if bad.item():
             raise NonFiniteStop(
                 f"the weights at step {self.global_step} are not finite: refused to write {final}; "
-                "resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+                f"{diverged_fix(self._skips.resumed_from)}"
             )
 
         def need_bytes() -> int:
@@ -503,6 +510,7 @@ class FullFinetuneRecipeDistributed:
         self._checkpointer.save(
             name, **self._checkpoint_parts(epoch, steps_in_epoch), need_bytes=need_bytes, started=started
         )
+        self._skips.resumed_from = None  # (a checkpoint of this run's own now exists: a stop names no other)
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int, gather_optimizer: bool = True) -> Dict[str, Any]:
         """What a checkpoint holds. The full weights are gathered from the shards as the checkpoint takes them

@@ -286,8 +286,11 @@ class FullFinetuneRecipeSingleDevice:
                     now=s.training.optimizer.path,
                     in_bwd=s.training.optimizer_in_bwd,
                     log=log,
+                    source=s.checkpoint.resume_dir / RECIPE_STATE_FILE,
                 )
             )
+        except BadInput:  # (a damaged state: restore's own line names the parameter and the fix)
+            raise
         except (ValueError, KeyError, RuntimeError) as e:
             raise BadInput(
                 f"the optimizer state in {s.checkpoint.resume_dir / RECIPE_STATE_FILE} does not fit this "
@@ -295,7 +298,7 @@ class FullFinetuneRecipeSingleDevice:
             ) from None
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._skips.restore(state)
+        self._skips.restore(state, resumed_from=s.checkpoint.resume_dir)
         log.info(
             f"Resuming from {s.checkpoint.resume_dir}: global step {state['global_step']}, "
             f"step {state['steps_in_epoch']} "
@@ -486,10 +489,11 @@ class FullFinetuneRecipeSingleDevice:
         async_checkpoint, a copy of them is taken now and written while training goes on."""
         started, parts = time.perf_counter(), self._checkpoint_parts(epoch, steps_in_epoch)
         model_sd = parts["weights"]
-        check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step)
+        check_finite_weights(model_sd, self.settings.output_dir / name, self.global_step, self._skips.resumed_from)
         self._checkpointer.save(
             name, **parts, started=started, need_bytes=lambda: console.checkpoint_bytes(model_sd, self._optimizers)
         )
+        self._skips.resumed_from = None  # (a checkpoint of this run's own now exists: a stop names no other)
 
     def _checkpoint_parts(self, epoch: int, steps_in_epoch: int) -> Dict[str, Any]:
         """What a checkpoint holds, as live references: the weights and the recipe state."""

@@ -443,8 +443,8 @@ def write_safetensors(
         os.fsync(f.fileno())
 
 
-def pinned_torch_save(obj: Any, path: Path) -> None:
-    """torch.save, with any GPU storage copied out through pinned memory (torch's own option, thread-local here):
+def pinned_torch_save(obj: Any, path: Any) -> None:
+    """torch.save (into a path or a file object), with any GPU storage copied out through pinned memory (torch's own option, thread-local here):
     pageable device-to-host copies run at a fraction of the speed and hold the GIL on older torch versions."""
     try:
         from torch.utils.serialization import config

@@ -3,7 +3,8 @@ one).
 
 A checkpoint is a Hugging Face model folder (``finetune/checkpoint/hf_format.py``: config.json, model.safetensors, the tokenizer) plus
 the resume state: ``recipe_state.pt`` (progress, optimizer state, lr schedule, RNG, the run's settings) and, from the
-distributed recipe, one ``recipe_state_rank{r}.pt`` per rank; with a wandb logger, ``run.json`` names the run that
+distributed recipe, one ``recipe_state_rank{r}.pt`` per rank, each with its checksum beside it (``{name}.crc32``:
+``finetune/checkpoint/state_file.py``, computed as the file is written); with a wandb logger, ``run.json`` names the run that
 wrote it (``Checkpointer.run_info``). It is published whole or not at all through the run
 folder (``finetune/checkpoint/run_folder.py``: temporary folder, fsync, atomic rename, ``.old-*`` recovery, one-line full-disk errors).
 
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from finetune.base import NonFiniteStop
-from finetune.checkpoint import async_save, hf_format
+from finetune.base import NonFiniteStop, diverged_fix
+from finetune.checkpoint import async_save, hf_format, state_file
 from finetune.checkpoint.run_folder import RunFolder, ctrl_c_after, fsync_path
 from finetune.run_files import RUN_FILE
 
@@ -39,9 +40,12 @@ RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
 
 
-def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int) -> None:
+def check_finite_weights(
+    state: Dict[str, torch.Tensor], final: Path, step: int, resumed_from: Optional[Path] = None
+) -> None:
     """Refuse to write a checkpoint whose weights hold a NaN or inf: one reduction and one sync per device the
-    weights live on (a model with streamed layers holds some in host memory and the rest on the GPU)."""
+    weights live on (a model with streamed layers holds some in host memory and the rest on the GPU).
+    ``resumed_from``: the checkpoint the run resumed from, where it has written none since (``diverged_fix``)."""
     by_device: Dict[torch.device, List[str]] = {}
     for k, v in state.items():
         by_device.setdefault(v.device, []).append(k)
@@ -52,7 +56,7 @@ def check_finite_weights(state: Dict[str, torch.Tensor], final: Path, step: int)
     if bad:
         raise NonFiniteStop(
             f"the weights at step {step} are not finite ({', '.join(bad[:3])}): refused to write "
-            f"{final}; resume from the last checkpoint with a lower optimizer.lr or clip_grad_norm=1.0"
+            f"{final}; {diverged_fix(resumed_from)}"
         )
 
 
@@ -185,7 +189,7 @@ class Checkpointer:
         """This rank's files of ``parts`` (a part that is None is not written), on the calling thread."""
         ranks = self.folder.ranks
         if parts["rank_state"] is not None:
-            torch.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
+            state_file.save(parts["rank_state"], tmp / RANK_STATE_FILE.format(rank=ranks.rank))
         if ranks.main:
             if parts["weights"] is not None:
                 weights = parts["weights"]
@@ -193,7 +197,7 @@ class Checkpointer:
                     tmp, weights, self.hf, self.family, self.tokenizer_path, self._bounce_for(weights)
                 )
             if parts["recipe_state"] is not None:
-                torch.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
+                state_file.save(parts["recipe_state"], tmp / RECIPE_STATE_FILE)
                 write_run_file(tmp, self.run_info, parts["recipe_state"])
 
     def _save_now(self, name: str, parts: dict, need_bytes: Callable[[], int], started: float) -> None:
@@ -321,17 +325,17 @@ class Checkpointer:
         own = RANK_STATE_FILE.format(rank=ranks.rank)
         with self._writer_stream(ready):
             if snap["rank_state"] is not None:
-                async_save.pinned_torch_save(snap["rank_state"], tmp / own)
+                state_file.save(snap["rank_state"], tmp / own, async_save.pinned_torch_save)
             weights = snap["weights"] if ranks.main else None
             if weights is not None:  # (None: written before training went on, ``_start``'s ``now``)
                 hf_format.write_folder(
                     tmp, weights, self.hf, self.family, self.tokenizer_path, self._bounce_for(weights)
                 )
             if ranks.main and snap["recipe_state"] is not None:
-                async_save.pinned_torch_save(snap["recipe_state"], tmp / RECIPE_STATE_FILE)
+                state_file.save(snap["recipe_state"], tmp / RECIPE_STATE_FILE, async_save.pinned_torch_save)
                 write_run_file(tmp, self.run_info, snap["recipe_state"])
         for f in tmp.iterdir():  # the flush to disk happens here, not on the training thread
-            if f.name == own or (ranks.main and not f.name.startswith("recipe_state_rank")):
+            if f.name.startswith(own) or (ranks.main and not f.name.startswith("recipe_state_rank")):  # (+ .crc32)
                 fsync_path(f)
 
     def _bounce_for(self, weights: Dict[str, Any]) -> Optional[torch.Tensor]:

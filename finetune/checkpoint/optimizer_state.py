@@ -23,12 +23,14 @@ optimizer's, whose lr torchtune's wrapper copies to the others after each step),
 """
 
 import math
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from finetune.base import BadInput
+from finetune.checkpoint import state_check, state_file
 from optimizers import portable
 
 # Optimizers whose state we can read as AdamW moments (exp_avg, exp_avg_sq and a step count) and, as a target, write.
@@ -225,11 +227,21 @@ def _split(one: dict, names: List[str]) -> Dict[str, dict]:
     return out
 
 
-def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, in_bwd: bool = False, log=None) -> Any:
+def restore(
+    state: dict,
+    optimizers: list,
+    model: torch.nn.Module,
+    *,
+    now: str,
+    in_bwd: bool = False,
+    log=None,
+    source: Optional[Path] = None,
+) -> Any:
     """``state["optimizer"]`` as the live optimizer(s) load it: as saved when the class and the layout are the ones
     that saved it, else re-keyed to this run's layout and/or converted to its class (one warning line saying what
     changed). ``optimizers``: the recipe's list (one, or with ``in_bwd`` (optimizer_in_bwd=True) one per parameter,
-    in ``model.parameters()`` order)."""
+    in ``model.parameters()`` order). Its values are checked first (``state_check``: a BadInput naming ``source``,
+    the file it was read from, and the parameter), whichever recipe loads it."""
     saved_path = state.get("config", {}).get("optimizer") or now
     saved = state["optimizer"]
     if saved is None:
@@ -238,6 +250,17 @@ def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, 
     names = [n for n, _ in model.named_parameters()]
     if saved_bwd:
         saved = _by_name(saved, names)
+    _check(
+        state,
+        saved,
+        saved_bwd,
+        names,
+        optimizers,
+        model,
+        same_class=saved_path == now,
+        kind=_kind(saved_path),
+        source=source,
+    )
     other_class, other_layout = saved_path != now, saved_bwd != in_bwd
     if not other_class and not other_layout:
         return saved
@@ -261,6 +284,21 @@ def restore(state: dict, optimizers: list, model: torch.nn.Module, *, now: str, 
     if log:  # (None or False: a rank that does not log)
         log.warning(_what_changed(saved_path, now, saved_bwd, in_bwd, count, optimizers[0], dropped))
     return out
+
+
+def _check(
+    state: dict, saved: Any, saved_bwd: bool, names: List[str], optimizers: list, model, *, source, **how
+) -> None:
+    """``state_check.check`` of the saved state, laid out per parameter, against this run's param groups."""
+    where = "the saved optimizer state" if source is None else f"the optimizer state in {source}"
+    fix = "resume from another checkpoint" if source is None else state_file.resume_elsewhere(Path(source).parent)
+    per_parameter = state_check.items(saved, saved_bwd, names, where, fix)
+    if per_parameter is None:
+        return
+    live = [g for opt in optimizers for g in getattr(opt, "param_groups", ()) for _ in g["params"]]
+    if len(live) != len(names):  # (an optimizer that hides its groups: only the saved values are checked)
+        live = [{}] * len(names)
+    state_check.check(per_parameter, list(model.parameters()), live, state, where=where, fix=fix, **how)
 
 
 def _what_changed(saved_path: str, now: str, saved_bwd: bool, in_bwd: bool, count: int, optimizer, dropped) -> str:

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
 from finetune.base import BadInput, load_state_file
+from finetune.checkpoint import state_file
 from finetune.checkpoint.checkpointer import RANK_STATE_FILE, RECIPE_STATE_FILE
 from finetune.checkpoint.optimizer_state import convertible
 from finetune.data.packing import file_digest
@@ -202,20 +203,48 @@ def run_settings(
     return settings
 
 
-def read_state_file(path: Path, mmap: bool = False) -> dict:
-    """A recipe_state*.pt file, loaded weights_only (tensors and plain values only: see finetune.base)."""
-    fix = (
-        f"resume from another checkpoint (an earlier step_N or epoch_E), or start a new run from its weights "
-        f"with checkpoint_dir={path.parent} and no resume_from_checkpoint"
-    )
-    state = load_state_file(path, mmap=mmap, fix=fix)
-    if (
-        not isinstance(state, dict)
-        or "optimizer" not in state
-        or (path.name == RECIPE_STATE_FILE and "config" not in state)
-    ):
+def read_state_file(path: Path, mmap: bool = False, log=None) -> dict:
+    """A recipe_state*.pt file, checked against the checksum saved beside it (``state_file.verify``; a file without
+    one: a warning on ``log``), loaded weights_only (tensors and plain values only: see finetune.base), and its
+    structure and progress counters checked: every failure one BadInput naming the file and the fix."""
+    fix = state_file.resume_elsewhere(path.parent)
+    if not state_file.verify(path, fix) and log is not None:
+        log.warning(
+            f"{path} has no checksum beside it ({state_file.checksum_path(path).name}: a checkpoint written before "
+            "checksums, or copied without it): its zip records' CRCs were checked, which finds damaged bytes but "
+            "not an edit saved again with torch.save; the optimizer state's values are checked"
+        )
+    state = load_state_file(path, mmap=mmap, fix=fix, kind="a recipe state file")
+    main = path.name == RECIPE_STATE_FILE
+    if not isinstance(state, dict) or "optimizer" not in state or (main and "config" not in state):
         raise BadInput(f"{path} is not a recipe state file this recipe wrote; {fix}")
+    expected = {"optimizer": (dict,) if main else (dict, type(None))}
+    if main:
+        expected.update(config=(dict,), lr_scheduler=(dict, type(None)))
+    for key, kinds in expected.items():
+        if key in state and not isinstance(state[key], kinds):
+            raise BadInput(
+                f"{path} holds {key}={_shown(state[key])}, where a recipe state file holds a {kinds[0].__name__}, so "
+                f"it was damaged or edited after it was written; {fix}"
+            )
+    for key in _COUNTERS if main else ():
+        value = state.get(key, 0 if key in _COUNTED_LATER else None)
+        if type(value) is not int or value < 0:  # (exactly int: a bool or a float is not a count)
+            raise BadInput(
+                f"{path} holds {key}={_shown(value)}, where a checkpoint records a count of steps (an integer >= 0), "
+                f"so it was damaged or edited after it was written; {fix}"
+            )
     return state
+
+
+# The progress a recipe state records, as counts; the skip counters were added later (an older file lacks them)
+_COUNTED_LATER = ("skipped_steps", "skipped_in_a_row", "empty_in_a_row")
+_COUNTERS = ("epoch", "steps_in_epoch", "global_step", *_COUNTED_LATER)
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: a container by its type (its contents could be a whole state)."""
+    return repr(value) if isinstance(value, (int, float, str, type(None))) else f"<a {type(value).__name__}>"
 
 
 def read_rank_state(folder: Path, ranks, *, required: bool) -> dict:
@@ -292,7 +321,7 @@ def read_resume(folder: Path, *, now: Dict[str, Any], mmap: bool = False, log=No
     """``{folder}/recipe_state.pt``, checked against this run's settings ``now`` (``run_settings``) by every MUST
     and WARN row of RESUME_TABLE: a MUST difference is a BadInput naming the key, a WARN one a warning. A setting the
     checkpoint did not record (one written before that row existed) is not compared."""
-    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap)
+    state = read_state_file(Path(folder) / RECIPE_STATE_FILE, mmap=mmap, log=log)
     saved, now = dict(state["config"]), dict(now)
     if saved.get("optimizer", now.get("optimizer")) == now.get("optimizer"):
         _check_state_format(state, now.get("optimizer"), Path(folder) / RECIPE_STATE_FILE)

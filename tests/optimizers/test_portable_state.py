@@ -108,3 +108,21 @@ def test_a_saved_entry_names_its_format(variant):
     group = sd["param_groups"][0]
     for i, p in enumerate((big, tiny)):
         assert portable.saved_format(sd["state"][i], group) is opt.param_format(p)
+
+
+@pytest.mark.parametrize("variant", list(optimizers.VARIANTS.values()), ids=lambda v: v.key)
+def test_entry_problem_names_what_no_saved_entry_of_the_format_can_hold(variant):
+    full, fmt = stepped_state(variant.cls)
+    group = {"state_format": variant.cls.FORMAT.name}
+    assert portable.entry_problem(full, group, NUMEL) is None
+    blocks = -(-NUMEL // fmt.block_size)
+    short = dict(full, exp_avg=full["exp_avg"][:-1])
+    assert portable.entry_problem(short, group, NUMEL).startswith(f"exp_avg is ({blocks - 1}, ")
+    assert portable.entry_problem(full, group, NUMEL + fmt.block_size).startswith("exp_avg is ")  # (another tensor's)
+    if fmt.scaled:
+        scale = full["exp_avg_sq_scale"].clone()
+        scale[1] = -scale[1] - 1
+        assert portable.entry_problem(dict(full, exp_avg_sq_scale=scale), group, NUMEL).startswith(
+            "exp_avg_sq_scale[1] is -"
+        )
+        assert "is not a state format" in portable.entry_problem(full, {"state_format": "9bit"}, NUMEL)

@@ -34,6 +34,7 @@ through recipes/launch.py (a launcher process, two ranks, a save made 3 s slow).
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from conftest import (
     read_metrics,
     recipe_env,
     run_distributed,
+    run_here,
     run_in_one_process,
 )
 from conftest import DISTRIBUTED_RECIPE as RECIPE
@@ -208,6 +210,7 @@ def test_checkpoint_layout_and_full_weights(runs):
         "recipe_state.pt",
         "recipe_state_rank0.pt",
         "recipe_state_rank1.pt",
+        *(f"{name}.crc32" for name in ("recipe_state.pt", "recipe_state_rank0.pt", "recipe_state_rank1.pt")),
     }
     weights = load_file(run.output_dir / "epoch_0" / "model.safetensors")
     config = json.loads((run.output_dir / "epoch_0" / "config.json").read_text())
@@ -266,6 +269,31 @@ def test_quantized_state_resumes_on_another_rank_count(runs, tmp_path):
     assert run.ok, run.stderr[-3000:]
     assert [m["step"] for m in run.metrics] == [4, 5, 6] and run.metrics[0]["world_size"] == 1
     assert run.losses == pytest.approx(full.losses[3:], rel=RTOL_QUANT)
+
+
+def test_a_damaged_state_is_refused_on_two_ranks_as_in_one_process(runs, tmp_path):
+    """Each rank takes its shard out of the whole saved state (``load_full``), which would pad a codes tensor one
+    block short with zeros; the distributed resume runs the checks the single-device one runs (restore:
+    finetune/checkpoint/state_check.py), so both stop with the same line before any step. The file's checksum is
+    removed, as an older checkpoint has none: that refuses any damage first (tests/recipes/test_damaged_state.py)."""
+    ckpt = tmp_path / "step_3"
+    shutil.copytree(runs("optimizers.AdamW8bit").output_dir / "step_3", ckpt)
+    state = torch.load(ckpt / "recipe_state.pt", weights_only=True)
+    entry = state["optimizer"]["state"][0]
+    for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+        entry[key] = entry[key][:-1].clone()
+    torch.save(state, ckpt / "recipe_state.pt")
+    (ckpt / "recipe_state.pt.crc32").unlink()
+    resume = ["optimizer=optimizers.AdamW8bit", f"resume_from_checkpoint={ckpt}"]
+    two = run_distributed(tmp_path / "two", *resume)
+    one = run_here(tmp_path / "one", *resume, "batch_size=4")  # (the single-device recipe: the same 4 samples a step)
+    assert two.returncode == one.returncode == 2 and not two.metrics and "Traceback" not in two.stderr
+    assert two.error == one.error
+    assert two.error.startswith(
+        f"error: the optimizer state in {ckpt / 'recipe_state.pt'} does not fit parameter tok_embeddings.weight "
+        "(32000, 64): exp_avg is (7999, 256) torch.uint8, where 2048000 elements in 8bit.v3 blocks of 256 take "
+        "(8000, 256) torch.uint8"
+    ), two.error
 
 
 @pytest.fixture(scope="module")
@@ -534,6 +562,7 @@ def test_a_stop_signal_to_the_launcher_saves_exits_0_and_leaves_nothing_running(
         "recipe_state.pt",
         "recipe_state_rank0.pt",
         "recipe_state_rank1.pt",
+        *(f"{name}.crc32" for name in ("recipe_state.pt", "recipe_state_rank0.pt", "recipe_state_rank1.pt")),
     }
     assert torch.load(out / steps[0] / "recipe_state.pt", weights_only=True)["global_step"] == n
     assert [m["step"] for m in read_metrics(out)] == list(range(1, n + 1))

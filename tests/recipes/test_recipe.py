@@ -275,8 +275,9 @@ def test_reference_run_metrics_and_checkpoints(reference_run):
             "model.safetensors",
             "tokenizer.model",
             "recipe_state.pt",
+            "recipe_state.pt.crc32",
             "run.json",
-        }  # (run.json: the wandb run that wrote it, for the eval)
+        }  # (run.json: the wandb run that wrote it, for the eval; .crc32: the state file's checksum)
     assert "step 6 | epoch 0 | loss" in reference_run.stdout
 
 

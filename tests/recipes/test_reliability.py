@@ -77,6 +77,7 @@ def test_planted_pickle_in_recipe_state_is_refused_unrun(base, tmp_path, run):
     ckpt = copy_checkpoint(base, "step_2", tmp_path / "ckpt")
     marker = tmp_path / "PWNED"
     torch.save({"config": _Planted(marker), "optimizer": {}}, ckpt / "recipe_state.pt")
+    (ckpt / "recipe_state.pt.crc32").unlink()  # (else its checksum refuses it before any unpickling is tried)
     result = run(f"resume_from_checkpoint={ckpt}")
     assert result.returncode == 2
     assert not marker.exists()
@@ -316,6 +317,9 @@ def test_truncated_weights_and_garbage_state_are_one_line(base, tmp_path, run):
     ckpt = copy_checkpoint(base, "step_2", tmp_path / "b")
     (ckpt / "recipe_state.pt").write_bytes(b"garbage" * 100)
     result = run(f"resume_from_checkpoint={ckpt}")
+    assert result.returncode == 2 and f"{ckpt / 'recipe_state.pt'} does not match the checksum" in result.error
+    (ckpt / "recipe_state.pt.crc32").unlink()  # (a checkpoint without one: torch.load says what the file is)
+    result = run(f"resume_from_checkpoint={ckpt}")
     assert result.returncode == 2 and f"{ckpt / 'recipe_state.pt'} is unreadable" in result.error
 
 
@@ -329,6 +333,7 @@ def test_checkpoint_of_another_size_and_pickled_bin_are_one_line(base, tmp_path,
     torch.save({"w": _Planted(marker)}, folder / "pytorch_model.bin")
     result = run(f"checkpoint_dir={folder}")
     assert result.returncode == 2 and str(folder / "pytorch_model.bin") in result.error
+    assert "which a weights file never does" in result.error  # (not "a recipe state file": it is the weights)
     assert not marker.exists()
 
 
@@ -637,3 +642,5 @@ def test_the_skip_limit_counts_across_a_resume(run, tmp_path, monkeypatch):
     )
     assert resumed.returncode == 2
     assert "3 steps in a row had a non-finite loss or gradient (last: step 4" in resumed.error
+    # (no checkpoint since the resume: the state it resumed from may be the cause, and the stop says so)
+    assert f"this run resumed from {out / 'step_3'} and has written no checkpoint since" in resumed.error

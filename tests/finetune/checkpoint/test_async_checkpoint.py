@@ -32,7 +32,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import HANG_GUARD_S, REPO_ROOT, read_metrics, recipe_command, recipe_env, run_here
 
-FILES = {"config.json", "generation_config.json", "model.safetensors", "recipe_state.pt", "tokenizer.model"}
+FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "recipe_state.pt",
+    "recipe_state.pt.crc32",  # (its checksum: finetune/checkpoint/state_file.py)
+    "tokenizer.model",
+}
 
 FAULTS = '''
 import os, time
