@@ -36,7 +36,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     fp8                              tensorwise / rowwise: FP8 matmuls (FP8 GPU + compile); null = bf16
     packed_attention                 flex (default) or varlen: packed rows' attention (FlashAttention, CUDA)
     enable_activation_offloading     saved activations to CPU memory (GPU only; default False)
-    device_memory_limit_gib, host_memory_limit_gib   cap GPU memory / the host memory a background save fills
+    device_memory_limit_gib, host_memory_limit_gib   cap GPU memory / host memory (a save's copy, compile workers)
     pack_cache_dir                   cache of tokenized samples (packing, tokenizer.json); off = none
     save_every_n_steps               also write step_N/ every N steps; null = epoch_E/ only
     log_every_n_steps                a metrics line on the terminal every N steps (every step is recorded)
@@ -75,6 +75,7 @@ from finetune.checkpoint.run_folder import RunFolder
 from finetune.data.loading import skip_to
 from finetune.data.packing import count_trained_tokens
 from finetune.data.tokenizer import check_fits_model
+from finetune.host_memory import end_compile_workers
 from finetune.model import moe
 from finetune.model.attention import use_varlen_attention
 from finetune.model.prepare import (
@@ -455,6 +456,11 @@ class FullFinetuneRecipeSingleDevice:
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 # (val_loss: eval mode, no grad; a stop signal ends the pass, and the checkpoint below follows)
                 record.update(self._val.after_step(self.global_step, step_in_epoch, stop=lambda: self._stop.received))
+                if s.memory.compile and s.checkpoint.host_limit_gib is not None and end_compile_workers():
+                    log.info(  # (idle between compiles; a later compile starts them again)
+                        "host_memory_limit_gib is set: torch.compile's worker processes ended once this step's "
+                        "graphs were compiled (about 1 GB of host memory on a 16-core machine)"
+                    )
                 self._metrics.write(record)
                 self._profiler.step(self.global_step)
                 running_loss, running_aux = 0.0, None

@@ -1,9 +1,12 @@
 """finetune/host_memory.py: a storage seen as its bytes, and the host memory a run may still take."""
 
+import os
+import time
 from pathlib import Path
 
 import torch
 
+from conftest import HANG_GUARD_S
 from finetune import host_memory
 
 
@@ -25,3 +28,44 @@ def test_available_host_bytes_keeps_the_reserve_back():
     reserve = max(host_memory.HOST_RESERVE_MIN, int(host_memory.HOST_RESERVE_FRACTION * info["MemTotal"]))
     # MemAvailable moves between the two reads: within 256 MiB of the figure read here
     assert abs(free - (info["MemAvailable"] - reserve)) < 2**28
+
+
+def _compile_workers() -> list:
+    """The processes below this one whose command line names inductor's compile worker."""
+    children = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append((int(proc.name), (proc / "cmdline").read_bytes()))
+        except (OSError, ValueError):
+            continue
+    found, todo = [], [os.getpid()]
+    while todo:
+        for pid, cmdline in children.get(todo.pop(), []):
+            todo.append(pid)
+            if b"compile_worker" in cmdline:
+                found.append(pid)
+    return found
+
+
+def test_the_compile_workers_end_and_a_later_compile_starts_them_again(monkeypatch):
+    """torch.compile's worker pool (one process per core, kept for the run) ends on request: a run under
+    host_memory_limit_gib gives their memory back at a step boundary; a later compile starts a new pool."""
+    from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 2)
+    host_memory.end_compile_workers()  # (a clean start: no pool left by another test in this process)
+    pool = async_compile.AsyncCompile.process_pool()
+    pool.submit(abs, -1).result()  # (the pool's processes exist once a job has run)
+    assert _compile_workers()
+    assert host_memory.end_compile_workers() == 1
+    deadline = time.monotonic() + HANG_GUARD_S
+    while _compile_workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _compile_workers()
+    assert host_memory.end_compile_workers() == 0  # (nothing left to end)
+    again = async_compile.AsyncCompile.process_pool()  # a later compile: a new pool
+    assert again is not pool and again.submit(abs, -2).result() == 2
+    assert host_memory.end_compile_workers() == 1
