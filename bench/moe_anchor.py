@@ -7,7 +7,7 @@ at full depth, in one call.
 
 The rows, each a fresh process stopped once its last step is logged (bench/_runner.py), on a random-valued folder of
 the model's real config.json written tensor by tensor on the GPU (``python -m finetune.toy_folder --sizes full
---stream-shards``: 61 GB at full depth, ~1.3 GB a layer), with ``num_hidden_layers`` set to the row's depth:
+--stream-shards``: 61 GB at full depth, 1.25 GB a layer), with ``num_hidden_layers`` set to the row's depth:
 
 - ``anchor``: transformers' ``Qwen3MoeForCausalLM`` (its default experts path, grouped GEMM on sm90) trained with
   torch's fused AdamW in bf16 (its states take the weights' dtype: 8 bytes a parameter with the gradients, which is
