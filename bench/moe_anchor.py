@@ -9,9 +9,10 @@ The rows, each a fresh process stopped once its last step is logged (bench/_runn
 the model's real config.json written tensor by tensor on the GPU (``python -m finetune.toy_folder --sizes full
 --stream-shards``: 61 GB at full depth, 1.25 GB a layer), with ``num_hidden_layers`` set to the row's depth:
 
-- ``anchor``: transformers' ``Qwen3MoeForCausalLM`` (its default experts path, grouped GEMM on sm90) trained with
-  torch's fused AdamW in bf16 (its states take the weights' dtype: 8 bytes a parameter with the gradients, which is
-  what fits 80 GB at a reduced depth), gradient checkpointing on, the load-balancing loss on
+- ``anchor``: transformers' ``Qwen3MoeForCausalLM`` as installed (transformers 5's default experts path is grouped
+  GEMM, ``experts_path`` in the record; transformers 4 loops over the experts; the result's ``versions`` say which
+  ran) trained with torch's fused AdamW in bf16 (its states take the weights' dtype: 8 bytes a parameter with the
+  gradients, which is what fits 80 GB at a reduced depth), gradient checkpointing on, the load-balancing loss on
   (``output_router_logits``, as ours always trains), on ``--batch-size`` rows of ``--seq-len`` tokens of Alpaca,
   tokenized with the folder's tokenizer and concatenated: the same records and tokens a step as our packed rows (ours
   packs best-fit and masks attention at the documents' ends; at 512 tokens that is a small share of a step);
@@ -178,7 +179,9 @@ def anchor_run(args) -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     folder, out = Path(args.anchor_run), Path(args.anchor_out)
     torch.manual_seed(42)
-    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+    # (loaded on the host, then moved and cast: transformers 4's from_pretrained takes torch_dtype, 5's dtype, and
+    # device_map needs accelerate, which the GPU image may lack; an 8-layer folder is 11 GB of host memory)
+    model = Qwen3MoeForCausalLM.from_pretrained(folder).to(device=device, dtype=dtype)
     model.config.output_router_logits, model.config.use_cache = True, False
     model.gradient_checkpointing_enable()
     model.train()
