@@ -411,9 +411,16 @@ def stream_model(
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     except Exception as e:  # transformers' own validation of the fields, as save_model reports it
         text = " ".join(str(e).split())[:300]
-        raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text})") from None
+        raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text}); fix --set") from None
     shapes = hf_layout({"model_type": config.model_type, **hf})
     index = {name: i for i, name in enumerate(shapes)}
+    total = sum(math.prod(s) * 2 for s in shapes.values())
+    free = shutil.disk_usage(folder).free
+    if free < total:  # (refused before the first byte: a disk filled at shard 12 of 13 costs minutes and the disk)
+        raise BadInput(
+            f"the folder needs {total / 1e9:.1f} GB and {folder} has {free / 1e9:.1f} GB free; free some, or name "
+            "--out on a larger disk (or fewer layers: --set num_hidden_layers=N)"
+        )
     shards = shard_plan(shapes, int(shard_gb * 1e9))
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
@@ -430,7 +437,6 @@ def stream_model(
         write_safetensors(Path(folder) / file, tensors, convert, hf_format.WEIGHTS_METADATA)
     if len(files) > 1:
         weight_map = {n: f for names, f in zip(shards, files) for n in names}
-        total = sum(math.prod(s) * 2 for s in shapes.values())
         index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
     config.architectures = [hf_format.source_family(hf).architecture]
@@ -557,13 +563,13 @@ def make_toy_folder(
         if sizes == "full":
             hf["vocab_size"] = vocab  # (the model's embedding size; the stand-in's ids are its first)
         hf.update(fields or {})
-        try:
-            if stream:
-                written, parameters = stream_model(out, hf, seed=seed, device=device, shard_gb=shard_gb)
-            else:
+        if stream:  # (its refusals name their own fix: the fields, or the disk)
+            written, parameters = stream_model(out, hf, seed=seed, device=device, shard_gb=shard_gb)
+        else:
+            try:
                 written, parameters = save_model(out, hf, seed=seed)
-        except BadInput as e:
-            raise BadInput(f"{e}; fix --set") from None
+            except BadInput as e:
+                raise BadInput(f"{e}; fix --set") from None
         check_family(written)
     except BaseException:
         shutil.rmtree(out)  # (no half-written folder: the next try starts clean)

@@ -232,3 +232,15 @@ def test_the_streamed_writer_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
     assert len(plan) == 13 and max(sizes) <= 5e9 and sum(sizes) == 2 * 30_532_122_624
     assert max(torch.Size(s).numel() for s in full.values()) == 151936 * 2048
     assert list(full)[0] == "model.embed_tokens.weight" and list(full)[-2:] == ["model.norm.weight", "lm_head.weight"]
+
+
+def test_a_streamed_folder_larger_than_the_free_disk_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    free = toy_folder.shutil.disk_usage(tmp_path)._replace(free=10**9)
+    monkeypatch.setattr(toy_folder.shutil, "disk_usage", lambda path: free)
+    argv = ["--family", "qwen3_moe", "--sizes", "full", "--stream-shards", "--device", "cpu"]
+    with pytest.raises(SystemExit) as exit_:
+        toy_folder.main([*argv, "--out", str(tmp_path / "full"), "--data-dir", str(DATA_DIR)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the folder needs 61.1 GB and ") and err.endswith("--set num_hidden_layers=N)\n")
+    assert not (tmp_path / "full").exists()
