@@ -45,7 +45,7 @@ EVAL_RECIPE = "recipes/evaluate.py"
 # What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
 # (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
 # mostly have 32 GB of RAM, of which the system and a desktop keep some.
-GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400}
+GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "80gb": 81_559}  # (80 GB: an H100's 81,559 MiB, the whole card)
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
@@ -229,14 +229,30 @@ def check_config(config: str, args) -> dict:
     return row
 
 
+# transformers 5 holds a mixture of experts' per-expert tensors of the file stacked (``mlp.experts.gate_up_proj``
+# [E, 2I, H], gate first; ``mlp.experts.down_proj`` [E, H, I]): a file's expert tensor is compared with its slice.
+_HELD = """
+def held(m, k):
+    e = re.match(r'(.*[.]mlp[.]experts)[.](\\d+)[.](gate|up|down)_proj[.]weight$', k)
+    if k in m or not e or e.group(1) + '.down_proj' not in m:
+        return m.get(k)
+    base, j, part = e.group(1), int(e.group(2)), e.group(3)
+    if part == 'down':
+        return m[base + '.down_proj'][j]
+    both = m[base + '.gate_up_proj'][j]
+    return both[: both.shape[0] // 2] if part == 'gate' else both[both.shape[0] // 2 :]
+"""
+
+
 def transformers_loads(folder: Path) -> bool:
     """In a process of its own (its memory is not the run's): transformers loads the folder, and every tensor the
     file holds equals the model's, bit for bit."""
     code = (
-        "import sys, torch; from safetensors.torch import load_file; from transformers import AutoModelForCausalLM\n"
-        "f = sys.argv[1]; m = AutoModelForCausalLM.from_pretrained(f, dtype='auto').state_dict()\n"
+        "import re, sys, torch; from safetensors.torch import load_file; from transformers import AutoModelForCausalLM\n"
+        + _HELD
+        + "f = sys.argv[1]; m = AutoModelForCausalLM.from_pretrained(f, dtype='auto').state_dict()\n"
         "s = load_file(f + '/model.safetensors')\n"
-        "bad = [k for k in s if k not in m or not torch.equal(m[k], s[k])]\n"
+        "bad = [k for k in s if held(m, k) is None or not torch.equal(held(m, k), s[k])]\n"
         "print('mismatch', bad[:5]) if bad else print('equal', len(s)); sys.exit(1 if bad else 0)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True)

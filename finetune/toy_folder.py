@@ -21,6 +21,13 @@ holds it: a model's folder downloaded without its weights will do). The tokenize
   ``tokenizer.chat_template=False`` and ``True`` run;
 - with ``--config``, the model's own tokenizer files when they sit beside its config.json (and its vocabulary size).
 
+A model too large to build whole (Qwen3-30B-A3B: 61 GB in bf16, 122 GB as transformers builds it) is written tensor
+by tensor instead, at its own sizes, on the GPU when there is one (``stream_model``; host memory holds a tensor, not
+the model):
+
+    python -m finetune.toy_folder --family qwen3_moe --sizes full --stream-shards --out /tmp/qwen3-30b-a3b
+    python -m finetune.toy_folder --family qwen3_moe --sizes full --stream-shards --set num_hidden_layers=8 ...
+
 It then prints the command that fine-tunes the folder with the family's shipped 80 GB config and ``CPU_OVERRIDES``
 (docs/models.md, "Try a family on the CPU in a minute"). A config.json the family's recipe cannot honour (a sliding
 window, another RoPE scaling) is refused here, with the recipe's own message.
@@ -32,6 +39,8 @@ the fixed ``TINY_SIZES``) and the benchmarks' full-size checkpoints (bench/model
 import argparse
 import copy
 import json
+import math
+import re
 import shlex
 import shutil
 import sys
@@ -326,6 +335,116 @@ def save_toy(
     return save_model(folder, {**hf, **ids}, **model)[0]
 
 
+# -- a folder too large to build whole ------------------------------------------------------------------------------
+# Qwen3-30B-A3B is 61 GB in bf16; transformers' from_config builds it in fp32 first (122 GB, more than the GPU
+# machine's 125 GiB of host memory once anything else runs). So its random folder is written without a model: the
+# names and shapes come from our family's model built on the meta device and converted by the checkpoint writer's
+# own names (hf_format.to_hf: per-expert ``mlp.experts.{j}.gate_proj`` as transformers saves them), and the values
+# are drawn one tensor at a time (on the GPU when there is one) straight into safetensors shards. Host memory holds
+# the tensor being written and the one before it, never a shard.
+SHARD_GB = 5.0  # transformers' default shard size: 13 shards for the 30B folder
+STREAM_STD = 0.02  # normal(0, 0.02), transformers' initializer_range; norms are ones
+
+
+def hf_layout(hf: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+    """The tensors of the HF folder for config.json ``hf``, name -> shape, in the order a folder holds them
+    (embeddings, layer by layer, the final norm and the output layer)."""
+    import torch
+
+    from finetune.model.from_hf_config import decoder
+
+    family, section = hf_format.resolve_model(hf, None)
+    section.pop("_component_")
+    with torch.device("meta"):  # (no memory: 30.5B parameters are only shapes here)
+        state = decoder(**section).state_dict()
+    shapes = {name: tuple(t.shape) for name, t in hf_format.to_hf(state, hf, family).items()}
+
+    def position(name):
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer:
+            return (int(layer.group(1)), name)
+        return (-1 if "embed_tokens" in name else (1 << 31) if name.startswith("lm_head") else 1 << 30, name)
+
+    return dict(sorted(shapes.items(), key=lambda kv: position(kv[0])))
+
+
+def shard_plan(shapes: Dict[str, Tuple[int, ...]], shard_bytes: int, element_size: int = 2) -> List[List[str]]:
+    """``shapes``' names cut in order into shards of at most ``shard_bytes`` (a larger tensor has a shard alone)."""
+    shards: List[List[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * element_size
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def draw(name: str, shape: Tuple[int, ...], index: int, seed: int, device: str):
+    """One tensor's random values in bf16: ones for a norm's scale, else normal * STREAM_STD from a generator seeded
+    by (``seed``, ``index``), so a tensor's values do not depend on the shard it lands in."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+    values = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return values.mul_(STREAM_STD).to(torch.bfloat16)
+
+
+def stream_model(
+    folder: Path, hf: Dict[str, Any], *, seed: int = 0, device: str = "cpu", shard_gb: float = SHARD_GB
+) -> Tuple[Dict[str, Any], int]:
+    """A random bf16 model for config.json's fields ``hf`` written into ``folder`` tensor by tensor (see above):
+    ``model-0000i-of-0000n.safetensors`` shards of at most ``shard_gb`` GB and their index (one shard: a lone
+    model.safetensors, as transformers writes it), and config.json by transformers' config class. Returns (the
+    config.json written, the parameters)."""
+    import torch
+    from transformers import AutoConfig
+
+    from finetune.checkpoint.async_save import write_safetensors
+
+    fields = copy.deepcopy(hf)
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except Exception as e:  # transformers' own validation of the fields, as save_model reports it
+        text = " ".join(str(e).split())[:300]
+        raise BadInput(f"transformers refuses this config.json ({type(e).__name__}: {text}); fix --set") from None
+    shapes = hf_layout({"model_type": config.model_type, **hf})
+    index = {name: i for i, name in enumerate(shapes)}
+    total = sum(math.prod(s) * 2 for s in shapes.values())
+    free = shutil.disk_usage(folder).free
+    if free < total:  # (refused before the first byte: a disk filled at shard 12 of 13 costs minutes and the disk)
+        raise BadInput(
+            f"the folder needs {total / 1e9:.1f} GB and {folder} has {free / 1e9:.1f} GB free; free some, or name "
+            "--out on a larger disk (or fewer layers: --set num_hidden_layers=N)"
+        )
+    shards = shard_plan(shapes, int(shard_gb * 1e9))
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+
+    def convert(part):
+        # write_safetensors plans the file from meta tensors, then asks for each tensor's bytes with the placeholder
+        # it was given: only then are values drawn.
+        return {n: v if v.is_meta else draw(n, v.shape, index[n], seed, device) for n, v in part.items()}
+
+    placeholder = torch.zeros((), dtype=torch.bfloat16)
+    for names, file in zip(shards, files):
+        tensors = {n: placeholder.expand(shapes[n]) for n in names}  # (shapes only: no memory)
+        write_safetensors(Path(folder) / file, tensors, convert, hf_format.WEIGHTS_METADATA)
+    if len(files) > 1:
+        weight_map = {n: f for names, f in zip(shards, files) for n in names}
+        index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
+    config.architectures = [hf_format.source_family(hf).architecture]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    return json.loads((Path(folder) / "config.json").read_text()), sum(math.prod(s) for s in shapes.values())
+
+
 # -- the tests' and the benchmark's tiny models -----------------------------------------------------------------------
 # tests/support.py's toys and bench/model_families.py --toy: every family at the same sizes (2 layers of width 64, 4
 # query heads of 16 in 2 key/value groups, a 1,024-token vocabulary, positions up to 16,384), the rest of the model's
@@ -407,17 +526,33 @@ def make_toy_folder(
     fields: Optional[Dict[str, Any]] = None,
     data_dir: Path = Path("../shared/data"),
     seed: int = 0,
+    sizes: str = "toy",
+    stream: bool = False,
+    device: str = "cpu",
+    shard_gb: float = SHARD_GB,
 ) -> Dict[str, Any]:
     """Write the toy folder of ``family`` (a configs/ folder name) or of ``config`` (a config.json or its folder)
     into ``out``, with ``fields`` changed in its config.json; transformers' initialisation, seeded. Returns a summary
-    (``config_json``: what was written, ``family``, ``config``: the shipped config that trains it, ``tokenizer``)."""
+    (``config_json``: what was written, ``family``, ``config``: the shipped config that trains it, ``tokenizer``).
+
+    ``sizes="full"`` keeps the model's own sizes (the stand-in tokenizer's tokens are the vocabulary's first ids);
+    ``stream``: bf16 values written tensor by tensor by stream_model (on ``device``, in shards of ``shard_gb`` GB),
+    which a full-size model needs: transformers' model of it would be built whole, in fp32."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # (save_pretrained's bar, for one small file)
     if (family is None) == (config is None):
         raise BadInput("give one of --family NAME or --config PATH (a config.json)")
+    if sizes not in ("toy", "full"):
+        raise BadInput(f"--sizes {sizes!r} is not toy or full; use --sizes toy (2 layers) or full (the model's own)")
+    if sizes == "full" and not stream:
+        raise BadInput(
+            "--sizes full builds transformers' model whole in fp32 (Qwen3-30B-A3B: 122 GB); add --stream-shards, "
+            "which writes it tensor by tensor in bf16"
+        )
     source, source_dir = read_source(family, config)
-    hf = shrink(source)
+    hf = shrink(source) if sizes == "toy" else {k: v for k, v in source.items() if k not in _NOT_ARCHITECTURE}
+    vocab = hf["vocab_size"]
     hf_family = check_family({**hf, **(fields or {})}).name  # (before any file is written)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -425,11 +560,16 @@ def make_toy_folder(
     out.mkdir(parents=True, exist_ok=True)
     try:
         tokenizer = write_tokenizer(out, hf_family, hf, source_dir, Path(data_dir))
+        if sizes == "full":
+            hf["vocab_size"] = vocab  # (the model's embedding size; the stand-in's ids are its first)
         hf.update(fields or {})
-        try:
-            written, parameters = save_model(out, hf, seed=seed)
-        except BadInput as e:
-            raise BadInput(f"{e}; fix --set") from None
+        if stream:  # (its refusals name their own fix: the fields, or the disk)
+            written, parameters = stream_model(out, hf, seed=seed, device=device, shard_gb=shard_gb)
+        else:
+            try:
+                written, parameters = save_model(out, hf, seed=seed)
+            except BadInput as e:
+                raise BadInput(f"{e}; fix --set") from None
         check_family(written)
     except BaseException:
         shutil.rmtree(out)  # (no half-written folder: the next try starts clean)
@@ -441,6 +581,12 @@ def make_toy_folder(
         tokenizer=tokenizer,
         parameters=parameters,
     )
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def train_command(config: str, folder: Path, data_dir: Optional[Path] = None) -> List[str]:
@@ -467,6 +613,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--data-dir", default=None, help="holds alpaca/ and llama2_tokenizer/ (default: ../shared/data, the configs')"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sizes", default="toy", help="toy (2 layers, a small width) or full (the model's own; needs --stream-shards)"
+    )
+    parser.add_argument(
+        "--stream-shards",
+        action="store_true",
+        help="bf16 normal(0, 0.02) values written tensor by tensor into safetensors shards, never the whole model in "
+        "memory (a 30B folder: 61 GB)",
+    )
+    parser.add_argument("--device", default=None, help="where the values are drawn (default: cuda if there is one)")
+    parser.add_argument("--shard-gb", type=float, default=SHARD_GB, help="the largest shard, GB (--stream-shards)")
     args = parser.parse_args(argv)
     data_dir = Path(args.data_dir) if args.data_dir else Path("../shared/data")
     try:
@@ -477,6 +634,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             fields=parse_sets(args.set),
             data_dir=data_dir,
             seed=args.seed,
+            sizes=args.sizes,
+            stream=args.stream_shards,
+            device=args.device or _default_device(),
+            shard_gb=args.shard_gb,
         )
     except BadInput as e:
         sys.stderr.write(f"error: {e}\n")

@@ -7,13 +7,16 @@ what it prints is the docs' command for the folder; a field the family cannot co
 nothing written. That the printed command trains every family's folder: tests/recipes/test_any_folder.py.
 """
 
+import gc
 import json
 import shlex
+import weakref
 
 import pytest
 import torch
 import transformers
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from conftest import DATA_DIR, REPO_ROOT
 from finetune import toy_folder
@@ -114,6 +117,8 @@ def test_fields_and_a_config_json_of_your_own(tmp_path):
         (["--family", "llama3_1", "--set", 'rope_scaling={"rope_type": "linear", "factor": 2.0}'], "rope_scaling="),
         (["--family", "qwen3", "--set", "rope_theta"], "--set 'rope_theta' is not key=value"),
         (["--config", "/nonexistent/config.json"], "--config /nonexistent/config.json: cannot read"),
+        (["--family", "qwen3_moe", "--sizes", "full"], "--sizes full builds transformers' model whole"),
+        (["--family", "qwen3_moe", "--sizes", "huge", "--stream-shards"], "--sizes 'huge' is not toy or full"),
     ],
 )
 def test_what_cannot_be_trained_is_one_error_line_and_nothing_written(args, named, tmp_path, capsys):
@@ -150,3 +155,92 @@ def test_the_command_line_prints_the_docs_command(tmp_path, capsys):
         "tokenizer.json",
         "chat_template.jinja",
     }
+
+
+# -- a folder too large to build whole: written tensor by tensor --------------------------------------------------------
+
+SHARD_GB = 0.0005  # (500 kB: the toy MoE's 1.4 MB of bf16 in three shards, so the index and the cuts are exercised)
+
+
+def test_a_streamed_folder_loads_in_transformers_and_in_our_loader(tmp_path):
+    """The streamed folder is the family's, as transformers saves it: Qwen3MoeForCausalLM loads it with no missing,
+    unexpected or mismatched tensor and holds every tensor of the shards as written; our recipe's loader reads the
+    same tensors (per-expert names stacked) into the model config.json describes."""
+    out = tmp_path / "moe"
+    made = toy_folder.make_toy_folder(out, family="qwen3_moe", data_dir=DATA_DIR, stream=True, shard_gb=SHARD_GB)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert (
+        shards
+        == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+        == sorted(set(index["weight_map"].values()))
+    )
+    written = {}
+    for shard in shards:
+        written.update(load_file(str(out / shard)))
+    assert set(written) == set(index["weight_map"]) and {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in written.values())
+    hf = made["config_json"]
+    assert hf["architectures"] == ["Qwen3MoeForCausalLM"] and hf["hidden_act"] == "silu" and not hf["attention_bias"]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in written  # (per expert, as the hub's folders)
+    assert torch.equal(written["model.norm.weight"], torch.ones(hf["hidden_size"], dtype=torch.bfloat16))
+    assert written["lm_head.weight"].float().std().item() == pytest.approx(toy_folder.STREAM_STD, rel=0.05)
+
+    model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    theirs = model.state_dict()
+    experts = "model.layers.1.mlp.experts"  # (transformers 5 holds them stacked: gate and up in one, gate first)
+    gate = theirs[f"{experts}.gate_up_proj"][7][: hf["moe_intermediate_size"]]
+    assert torch.equal(gate, written[f"{experts}.7.gate_proj.weight"])
+    assert torch.equal(theirs[f"{experts}.down_proj"][7], written[f"{experts}.7.down_proj.weight"])
+    assert torch.equal(theirs["model.embed_tokens.weight"], written["model.embed_tokens.weight"])
+
+    family, section = hf_format.resolve_model(hf, None)
+    section.pop("_component_")
+    ours = from_hf_config.decoder(**section).to(torch.bfloat16)
+    hf_format.load_weights(ours, out, hf, family)  # (strict: a missing or extra tensor raises)
+    back = hf_format.to_hf(ours.state_dict(), hf, family)
+    assert set(back) == set(written) and all(torch.equal(back[k], written[k]) for k in written)
+
+
+def test_the_streamed_writer_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """Host memory stays near one tensor, not one shard or the model: when a tensor's values are drawn, at most the
+    one written before it is still alive; the shards are cut at their size; and Qwen3-30B-A3B's own layout (from the
+    meta device: no memory) is 30.5B parameters in thirteen 5 GB shards, no tensor larger than its embedding."""
+    alive, most = [], []
+    real_draw = toy_folder.draw
+
+    def watched(*args, **kwargs):
+        gc.collect()
+        most.append(sum(ref() is not None for ref in alive))
+        tensor = real_draw(*args, **kwargs)
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(toy_folder, "draw", watched)
+    hf = {**toy_folder.shrink({"model_type": "qwen3_moe", **toy_folder.MODELS["qwen3_moe"]["hf"]}), "vocab_size": 1024}
+    toy_folder.stream_model(tmp_path, hf, shard_gb=SHARD_GB)
+    shapes = toy_folder.hf_layout(hf)
+    assert len(most) == len(shapes) and max(most) <= 1
+    for shard in tmp_path.glob("*.safetensors"):
+        assert sum(t.numel() * 2 for t in load_file(str(shard)).values()) <= SHARD_GB * 1e9
+
+    full = toy_folder.hf_layout({"model_type": "qwen3_moe", **toy_folder.MODELS["qwen3_moe"]["hf"]})
+    assert sum(torch.Size(s).numel() for s in full.values()) == 30_532_122_624
+    plan = toy_folder.shard_plan(full, int(toy_folder.SHARD_GB * 1e9))
+    sizes = [sum(torch.Size(full[n]).numel() * 2 for n in names) for names in plan]
+    assert len(plan) == 13 and max(sizes) <= 5e9 and sum(sizes) == 2 * 30_532_122_624
+    assert max(torch.Size(s).numel() for s in full.values()) == 151936 * 2048
+    assert list(full)[0] == "model.embed_tokens.weight" and list(full)[-2:] == ["model.norm.weight", "lm_head.weight"]
+
+
+def test_a_streamed_folder_larger_than_the_free_disk_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    free = toy_folder.shutil.disk_usage(tmp_path)._replace(free=10**9)
+    monkeypatch.setattr(toy_folder.shutil, "disk_usage", lambda path: free)
+    argv = ["--family", "qwen3_moe", "--sizes", "full", "--stream-shards", "--device", "cpu"]
+    with pytest.raises(SystemExit) as exit_:
+        toy_folder.main([*argv, "--out", str(tmp_path / "full"), "--data-dir", str(DATA_DIR)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the folder needs 61.1 GB and ") and err.endswith("--set num_hidden_layers=N)\n")
+    assert not (tmp_path / "full").exists()

@@ -1,0 +1,69 @@
+"""bench/moe_anchor.py: its CPU toy mode end to end (the streamed folders, transformers' anchor row, our config at the
+anchor's depth and at full depth, the JSON with vs_anchor and the footprints), the flags it refuses, and the active
+parameter count its MFU uses."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import DATA_DIR, REPO_ROOT, recipe_env
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import moe_anchor
+from finetune import toy_folder
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """main() runs in the test; each row is still a fresh process, with recipe_env's environment and one thread."""
+    env = recipe_env(OMP_NUM_THREADS="1")
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_toy_mode_runs_the_anchor_and_ours_at_both_depths(tmp_path, one_thread):
+    out, work = tmp_path / "anchor.json", tmp_path / "work"
+    moe_anchor.main(["--toy", "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"])
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python bench/moe_anchor.py --toy") and doc["hardware"] and doc["date"]
+    rows = {r["name"]: r for r in doc["records"]}
+    assert list(rows) == ["anchor", "ours_depth", "ours_full"], rows
+    for r in rows.values():
+        assert not r.get("error") and r["tok_s"] > 0 and len(r["losses"]) == 3, r
+        assert r["host_gb_peak"] is not None and r["gpu_mib_peak"] == 0  # (sampled; no GPU here)
+        # the same tokens a step, give or take the packing's padding (2 rows of 128 tokens)
+        assert all(200 <= t <= 256 for t in r["tokens_per_step"]), r["tokens_per_step"]
+    anchor, ours, full = rows["anchor"], rows["ours_depth"], rows["ours_full"]
+    assert (anchor["depth"], ours["depth"], full["depth"]) == (1, 1, 2)
+    assert anchor["experts_path"] and "--anchor-run" in anchor["command"] and anchor["config"] is None
+    assert "configs/qwen3_moe/30B_A3B_full_80gb.yaml" in ours["command"] and "folder_1_layers" in ours["command"]
+    assert "folder_2_layers" in full["command"]
+    assert ours["vs_anchor"] == pytest.approx(ours["tok_s"] / anchor["tok_s"], rel=1e-2) and "vs_anchor" not in full
+    assert not list(work.glob("folder_*"))  # (each deleted after its last row: the device disk holds one)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--depth", "49"], "--depth 49 is not between 1 and 48 layers"),
+        (["--rows", "ours,anchor"], "unknown rows ['ours']"),
+        (["--steps", "4"], "--skip-steps 4 leaves none of --steps 4"),
+    ],
+)
+def test_bad_flags_are_one_error_line(argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        moe_anchor.parse_args(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_the_mfu_counts_the_active_parameters():
+    """Qwen3-30B-A3B's 3.3B parameters a token (8 of 128 experts, attention, router, embedding and output layer)."""
+    hf = toy_folder.MODELS["qwen3_moe"]["hf"]
+    assert 3.3e9 < moe_anchor.active_params(hf) < 3.4e9
+    # a layer: attention 18.9M, 8 experts of 3 x 2048 x 768 (37.7M), the router 0.26M, two norms
+    per_layer = (moe_anchor.active_params(hf) - moe_anchor.active_params({**hf, "num_hidden_layers": 8})) / 40
+    assert per_layer == 2048 * (4096 * 2 + 512 * 2 + 8 * 3 * 768 + 128 + 2) + 2 * 128
