@@ -455,7 +455,13 @@ class FullFinetuneRecipeSingleDevice:
                 pbar.update(1)
                 pbar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
                 # (val_loss: eval mode, no grad; a stop signal ends the pass, and the checkpoint below follows)
-                record.update(self._val.after_step(self.global_step, step_in_epoch, stop=lambda: self._stop.received))
+                try:
+                    record.update(
+                        self._val.after_step(self.global_step, step_in_epoch, stop=lambda: self._stop.received)
+                    )
+                except KeyboardInterrupt:  # (Ctrl-C mid-pass: the step trained, so its record stays, pass cut short)
+                    self._metrics.write({**record, "val_stopped": True})
+                    raise
                 if s.memory.compile and s.checkpoint.host_limit_gib is not None and end_compile_workers():
                     log.info(  # (idle between compiles; a later compile starts them again)
                         "host_memory_limit_gib is set: torch.compile's worker processes ended once this step's "

@@ -246,6 +246,31 @@ def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_pat
     assert "Stopped by SIGTERM after step 2" in run.stderr + run.stdout
 
 
+def test_ctrl_c_during_validation_keeps_the_trained_steps_record(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of a validation pass stops the run at once (exit 130, as anywhere), and the step it
+    follows, trained, keeps its record in metrics.jsonl (val_stopped, no val_loss): before, that record was lost."""
+    import os
+    import signal
+
+    from finetune import validation
+
+    seen, count = [], validation.count_trained_tokens
+
+    def count_and_interrupt(labels, ignore_index):
+        seen.append(1)
+        if len(seen) == 2:  # (the second validation batch: the Ctrl-C comes mid-pass)
+            os.kill(os.getpid(), signal.SIGINT)
+        return count(labels, ignore_index)
+
+    monkeypatch.setattr(validation, "count_trained_tokens", count_and_interrupt)
+    big = tmp_path / "val.json"
+    big.write_text(json.dumps(json.loads((DATA_DIR / "alpaca" / "alpaca_data.json").read_text())[-50:]))
+    run = run_here(tmp_path / "out", f"dataset_val.data_files={big}", "run_val_every_n_steps=2", "batch_size_val=1")
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert run.metrics[-1].get("val_stopped") is True and "val_loss" not in run.metrics[-1]
+
+
 @pytest.mark.parametrize("damage", ["utf8", "json"])
 def test_an_unreadable_validation_file_is_named_by_its_own_key(tmp_path, val_file, damage):
     """A byte that is not UTF-8, or a line that is not JSON, in the validation file: the error names
