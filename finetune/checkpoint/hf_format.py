@@ -159,6 +159,7 @@ class Family:
 
 # torchtune's builders have no sliding-window attention: the families that can have one say so in config.json.
 _LLAMA_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+_QWEN3_FIXED = {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}  # (and its MoE)
 
 FAMILIES: Dict[str, Family] = {
     "llama2": Family(
@@ -203,7 +204,7 @@ FAMILIES: Dict[str, Family] = {
         model_type="qwen3",
         architecture="Qwen3ForCausalLM",
         example_builder="finetune.model.qwen3_8b",
-        fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+        fixed=_QWEN3_FIXED,
         hf_to_tune=_rename(_QWEN3_FROM_HF),
         tune_to_hf=_rename(_inverse(_QWEN3_FROM_HF)),
         from_config=from_hf_config.qwen3,
@@ -215,7 +216,7 @@ FAMILIES: Dict[str, Family] = {
         model_type="qwen3_moe",
         architecture="Qwen3MoeForCausalLM",
         example_builder="finetune.model.qwen3_moe_30b_a3b",
-        fixed={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+        fixed=_QWEN3_FIXED,
         hf_to_tune=_moe_hf_to_tune,
         tune_to_hf=_moe_tune_to_hf,
         from_config=from_hf_config.qwen3_moe,

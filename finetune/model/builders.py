@@ -13,7 +13,7 @@ takes q/k norms but applies them after RoPE, which is another function (the per-
 with the rotation), so ``QKNormAttention`` reorders that one step and reuses everything else.
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -205,7 +205,7 @@ def qwen3(
 ) -> TransformerDecoder:
     """A Qwen3 decoder of any size (``head_dim`` defaults to embed_dim // num_heads): ``decoder`` with Qwen's
     rotate-half RoPE, no q/k/v biases and the q/k norms."""
-    return decoder(
+    return _qwen3_decoder(
         vocab_size=vocab_size,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -213,13 +213,24 @@ def qwen3(
         embed_dim=embed_dim,
         intermediate_dim=intermediate_dim,
         max_seq_len=max_seq_len,
-        head_dim=head_dim or embed_dim // num_heads,
+        head_dim=head_dim,
         norm_eps=norm_eps,
         rope_base=rope_base,
-        rotate_half=True,
-        qk_norm=True,
         tie_word_embeddings=tie_word_embeddings,
         attn_dropout=attn_dropout,
+    )
+
+
+def _qwen3_decoder(*, embed_dim: int, num_heads: int, head_dim: Optional[int], **fields: Any) -> TransformerDecoder:
+    """What makes a decoder Qwen3's, dense or mixture of experts: Qwen's rotate-half RoPE, the q/k norms, no q/k/v
+    biases, and head_dim embed_dim // num_heads unless config.json gives its own."""
+    return decoder(
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        head_dim=head_dim or embed_dim // num_heads,
+        rotate_half=True,
+        qk_norm=True,
+        **fields,
     )
 
 
@@ -302,7 +313,7 @@ def qwen3_moe(
 ) -> TransformerDecoder:
     """A Qwen3-MoE decoder of any size: Qwen3's attention (``qwen3``) with sparse MoE blocks (finetune/model/moe.py);
     ``decoder`` documents the MoE keywords."""
-    return decoder(
+    return _qwen3_decoder(
         vocab_size=vocab_size,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -310,11 +321,9 @@ def qwen3_moe(
         embed_dim=embed_dim,
         intermediate_dim=intermediate_dim,
         max_seq_len=max_seq_len,
-        head_dim=head_dim or embed_dim // num_heads,
+        head_dim=head_dim,
         norm_eps=norm_eps,
         rope_base=rope_base,
-        rotate_half=True,
-        qk_norm=True,
         tie_word_embeddings=tie_word_embeddings,
         attn_dropout=attn_dropout,
         num_experts=num_experts,
