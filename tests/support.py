@@ -119,6 +119,30 @@ def write_tokenizer(folder: Path, toy: Toy, bpe) -> Dict[str, Optional[int]]:
     return toy_tokenizer.write_tokenizer(folder, bpe, toy.stand_in, template_file=False)
 
 
+def tokenizer_folder(path: Path, bpe, jinja=None, config_template=None, split_regex=None) -> Path:
+    """Qwen2.5's stand-in tokenizer files, for the tokenizer tests: ``jinja`` in chat_template.jinja, or
+    ``config_template`` as tokenizer_config.json's chat_template, and optionally ``split_regex`` as tokenizer.json's
+    pre-tokenizer (a template or regex under test)."""
+    write_tokenizer(path, __getattr__("TOYS")["qwen2_5_7b"], bpe)  # (TOYS: made on first use, above)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if config_template is not None:
+        config["chat_template"] = config_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    if split_regex is not None:
+        tok = json.loads((path / "tokenizer.json").read_text())
+        tok["pre_tokenizer"] = {
+            "type": "Split",
+            "pattern": {"Regex": split_regex},
+            "behavior": "Isolated",
+            "invert": False,
+        }
+        (path / "tokenizer.json").write_text(json.dumps(tok))
+    return path / "tokenizer.json"
+
+
 # -- the toy checkpoint ---------------------------------------------------------------------------------------------
 
 

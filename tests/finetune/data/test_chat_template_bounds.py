@@ -32,29 +32,6 @@ def short_bound(monkeypatch):
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
 
 
-def folder(path: Path, bpe, jinja=None, config_template=None, split_regex=None) -> Path:
-    """Qwen2.5's stand-in tokenizer files with ``jinja`` in chat_template.jinja, or ``config_template`` as
-    tokenizer_config.json's chat_template, and optionally ``split_regex`` as tokenizer.json's pre-tokenizer."""
-    support.write_tokenizer(path, support.TOYS["qwen2_5_7b"], bpe)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    if config_template is not None:
-        config["chat_template"] = config_template
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    if jinja is not None:
-        (path / "chat_template.jinja").write_text(jinja)
-    if split_regex is not None:
-        tok = json.loads((path / "tokenizer.json").read_text())
-        tok["pre_tokenizer"] = {
-            "type": "Split",
-            "pattern": {"Regex": split_regex},
-            "behavior": "Isolated",
-            "invert": False,
-        }
-        (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path / "tokenizer.json"
-
-
 def refused(path: Path, *words: str, chat_template: bool = True, messages=None) -> str:
     """The one-line BadInput that building the tokenizer (and, with ``messages``, tokenizing them) raises."""
     with pytest.raises(BadInput) as e:
@@ -67,10 +44,14 @@ def refused(path: Path, *words: str, chat_template: bool = True, messages=None) 
 
 
 def test_a_template_that_never_ends_is_stopped_at_setup_and_per_sample(bpe, tmp_path):
-    refused(folder(tmp_path / "setup", bpe, NESTED_LOOP), "chat_template.jinja ran past 0.5 s", "published template")
+    refused(
+        support.tokenizer_folder(tmp_path / "setup", bpe, NESTED_LOOP),
+        "chat_template.jinja ran past 0.5 s",
+        "published template",
+    )
     # A template that hangs only on longer conversations passes the setup check and is stopped on the sample.
     only_long = "{% if messages|length > 2 %}" + NESTED_LOOP + "{% endif %}{{ messages[0]['content'] }}"
-    tok = HFTokenizer(str(folder(tmp_path / "sample", bpe, only_long)), chat_template=True)
+    tok = HFTokenizer(str(support.tokenizer_folder(tmp_path / "sample", bpe, only_long)), chat_template=True)
     assert tok.tokenize_messages(CONVERSATION)[0]
     longer = [*CONVERSATION, Message("user", "Another?", masked=True), Message("assistant", "Red.")]
     with pytest.raises(BadInput, match=r"chat_template.jinja ran past 0.5 s on one conversation"):
@@ -95,7 +76,9 @@ def test_a_template_that_never_ends_is_stopped_at_setup_and_per_sample(bpe, tmp_
 )
 def test_a_huge_value_is_refused_before_it_is_built(bpe, tmp_path, payload, words):
     """In tokenizer_config.json's chat_template, as older folders have it: the message names that file."""
-    refused(folder(tmp_path, bpe, config_template=payload), "tokenizer_config.json builds too much", words)
+    refused(
+        support.tokenizer_folder(tmp_path, bpe, config_template=payload), "tokenizer_config.json builds too much", words
+    )
 
 
 @pytest.mark.parametrize(
@@ -110,19 +93,26 @@ def test_a_huge_value_is_refused_before_it_is_built(bpe, tmp_path, payload, word
 )
 def test_loading_another_template_is_refused(bpe, tmp_path, payload, kind):
     (tmp_path / "other.jinja").write_text("{{ 1 }}")  # (even where the file exists beside it)
-    refused(folder(tmp_path, bpe, payload), f"chat_template.jinja loads another template ({kind} on line 1)")
+    refused(
+        support.tokenizer_folder(tmp_path, bpe, payload),
+        f"chat_template.jinja loads another template ({kind} on line 1)",
+    )
 
 
 def test_a_recursive_macro_is_one_error(bpe, tmp_path):
     payload = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
-    refused(folder(tmp_path, bpe, payload), "chat_template.jinja recurses without end")
+    refused(support.tokenizer_folder(tmp_path, bpe, payload), "chat_template.jinja recurses without end")
 
 
 def test_a_backtracking_pre_tokenizer_regex_is_one_error(bpe, tmp_path):
     """The Rust library panics (a BaseException); at setup on the probe text, and on a sample's text where only
     the data sets it off."""
-    refused(folder(tmp_path / "setup", bpe, split_regex=r"([a-z]+)+$"), "tokenizer.json", "Split regex backtracks")
-    tok = HFTokenizer(str(folder(tmp_path / "sample", bpe, split_regex=r"(x+)+y")))
+    refused(
+        support.tokenizer_folder(tmp_path / "setup", bpe, split_regex=r"([a-z]+)+$"),
+        "tokenizer.json",
+        "Split regex backtracks",
+    )
+    tok = HFTokenizer(str(support.tokenizer_folder(tmp_path / "sample", bpe, split_regex=r"(x+)+y")))
     with pytest.raises(BadInput, match=r"tokenizer.json failed to tokenize .*re-copy tokenizer.json"):
         tok.tokenize_messages([Message("user", "x" * 60 + "!", masked=True), Message("assistant", "Blue.")])
 
@@ -139,7 +129,7 @@ def test_a_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(bpe, tmp_
     A record that far past tokenizer.max_seq_len, rendered or plain: refused before tokenizing (the run's setup check
     names the record: tests/finetune/data/test_records_checked_at_setup.py). Before, each was tokenized whole (seconds
     and hundreds of MB here, minutes and gigabytes at the template bound) to keep its first 64 tokens."""
-    path = folder(tmp_path, bpe, PIECES if where == "template" else support.TEMPLATES["qwen2"])
+    path = support.tokenizer_folder(tmp_path, bpe, PIECES if where == "template" else support.TEMPLATES["qwen2"])
     long = [Message("user", LONG_TEXT, masked=True), Message("assistant", "Blue.")]
     with pytest.raises(BadInput) as e:
         tok = HFTokenizer(str(path), max_seq_len=64, chat_template=where != "plain-record")
@@ -152,7 +142,7 @@ def test_a_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(bpe, tmp_
     }[where]
     assert expected in text and "tokenizer.max_seq_len=64" in text and "\n" not in text, text
     # A record past max_seq_len but within the bound is cut to it, as before
-    tok = HFTokenizer(str(folder(tmp_path / "good", bpe, support.TEMPLATES["qwen2"])), max_seq_len=64)
+    tok = HFTokenizer(str(support.tokenizer_folder(tmp_path / "good", bpe, support.TEMPLATES["qwen2"])), max_seq_len=64)
     assert len(tok.tokenize_messages([Message("user", "word " * 100, masked=True), Message("assistant", "x")])[0]) == 64
 
 
@@ -170,7 +160,11 @@ def test_a_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(bpe, tmp_
 )
 def test_the_sandbox_still_refuses_code(bpe, tmp_path, payload):
     mark = tmp_path / "mark"
-    refused(folder(tmp_path, bpe, payload.replace("MARK", str(mark))), "chat_template.jinja", "sandbox forbids")
+    refused(
+        support.tokenizer_folder(tmp_path, bpe, payload.replace("MARK", str(mark))),
+        "chat_template.jinja",
+        "sandbox forbids",
+    )
     assert not mark.exists()
 
 
@@ -179,9 +173,9 @@ def test_the_recipe_prints_one_error_line(bpe, tmp_path, capfd, fault):
     """Through the recipe in this process: its Python-level output in the run, and what reaches the process's own
     stderr (file descriptor 2, where a Rust panic's report would go) through capfd."""
     if fault == "hang":
-        path = folder(tmp_path / "folder", bpe, NESTED_LOOP)
+        path = support.tokenizer_folder(tmp_path / "folder", bpe, NESTED_LOOP)
     else:
-        path = folder(tmp_path / "folder", bpe, support.TEMPLATES["qwen2"], split_regex=r"([a-z]+)+$")
+        path = support.tokenizer_folder(tmp_path / "folder", bpe, support.TEMPLATES["qwen2"], split_regex=r"([a-z]+)+$")
     chats = tmp_path / "chats.jsonl"
     chats.write_text(
         json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n"

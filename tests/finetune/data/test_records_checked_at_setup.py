@@ -44,22 +44,6 @@ def bpe():
     return support.train_bpe(support.alpaca_texts(DATA_DIR, 300), support.TOY_BPE_SIZE)
 
 
-def tokenizer_folder(path, bpe, fault):
-    support.write_tokenizer(path, support.TOYS["qwen2_5_7b"], bpe)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": NO_SYSTEM}))
-    if fault == "regex":
-        tok = json.loads((path / "tokenizer.json").read_text())
-        tok["pre_tokenizer"] = {
-            "type": "Split",
-            "pattern": {"Regex": BACKTRACKS},
-            "behavior": "Isolated",
-            "invert": False,
-        }
-        (path / "tokenizer.json").write_text(json.dumps(tok))
-    return path / "tokenizer.json"
-
-
 def chats(path, bad=None):
     path.write_text("".join(json.dumps(chat(i, bad if i == BAD_LINE else None)) + "\n" for i in range(1, RECORDS + 1)))
     return path
@@ -78,7 +62,9 @@ def test_a_refused_record_stops_the_run_before_the_first_step(bpe, tmp_path, fau
     """A system message the template refuses, a text the regex cannot split, a conversation too long to tokenize
     (tests/finetune/data/test_chat_template_bounds.py), in the training set (unpacked) or the validation set: one
     error line naming the record's line, nothing trained, nothing written."""
-    path = tokenizer_folder(tmp_path / "tokenizer", bpe, "regex" if fault == "regex" else None)
+    path = support.tokenizer_folder(
+        tmp_path / "tokenizer", bpe, config_template=NO_SYSTEM, split_regex=BACKTRACKS if fault == "regex" else None
+    )
     bad = chats(tmp_path / "bad.jsonl", "template" if fault == "validation" else fault)
     good = chats(tmp_path / "good.jsonl")
     train, val = (good, bad) if fault == "validation" else (bad, None)
@@ -104,7 +90,7 @@ def test_a_refused_record_stops_the_run_before_the_first_step(bpe, tmp_path, fau
 
 def test_unpacked_samples_come_from_the_cache_as_the_dataset_makes_them(bpe, tmp_path):
     """The samples the loader reads are the dataset's own, tokenized once: the second build loads them."""
-    path = tokenizer_folder(tmp_path / "tokenizer", bpe, None)
+    path = support.tokenizer_folder(tmp_path / "tokenizer", bpe, config_template=NO_SYSTEM)
     tok = HFTokenizer(str(path), chat_template=True)
     section = {
         "_component_": "torchtune.datasets.chat_dataset",
