@@ -103,16 +103,7 @@ def build_reporting(
     profiler = Profiler(
         cfg.get("profiler"), output_dir=s.output_dir, device=s.device, **({} if ranks is None else {"rank": ranks.rank})
     )
-    identity = run_identity(
-        cfg,
-        optimizer=s.training.optimizer.path,
-        device=s.device,
-        memory_limit_gib=s.memory.memory_limit_gib,
-        packed=s.data.packed,
-        compiled=s.memory.compile,
-        in_backward=s.training.optimizer_in_bwd,
-        **({} if ranks is None else {"world": ranks.world}),
-    )
+    identity = identity_of(cfg, s, ranks)
     logger, wandb_dir = metric_logger(cfg, log, identity) if main else (None, None)
     wandb_run = wandb_run_info(logger)
     if wandb_run is not None:  # each checkpoint names its wandb run (run.json, rank 0 writes it), for the eval
@@ -122,6 +113,21 @@ def build_reporting(
         metrics.start(resume_step=resume_step)
     summary = RunSummary(metrics.path, wandb_dir, wandb_run and f"{identity['name']}, id {wandb_run['id']}")
     return Reporting(checkpointer, profiler, identity, logger, metrics, summary)
+
+
+def identity_of(cfg: DictConfig, s: Settings, ranks: Optional[DistributedRanks] = None) -> dict:
+    """The run's name, group and tags for the metric logger and run.json (wandb_run.run_identity), from what the
+    settings say is on: the optimizer, the device and its cap, packing, compile, the step in backward, the ranks."""
+    return run_identity(
+        cfg,
+        optimizer=s.training.optimizer.path,
+        device=s.device,
+        memory_limit_gib=s.memory.memory_limit_gib,
+        packed=s.data.packed,
+        compiled=s.memory.compile,
+        in_backward=s.training.optimizer_in_bwd,
+        **({} if ranks is None else {"world": ranks.world}),
+    )
 
 
 def report_out_of_memory(

@@ -214,7 +214,8 @@ def test_a_checkpoint_without_a_run_id_still_evaluates(runs, tmp_path):
 
 
 def test_metric_logger_name_group_tags_override_the_defaults():
-    from finetune.reporting.wandb_run import run_identity, variant_label
+    from finetune.reporting.wandb_run import variant_label
+    from finetune.services import identity_of
     from finetune.settings import read_settings
 
     cfg = OmegaConf.merge(
@@ -229,21 +230,13 @@ def test_metric_logger_name_group_tags_override_the_defaults():
             ]
         ),
     )
-    s = read_settings(cfg)  # (what build_reporting passes: the optimizer, the device and cap, and what is on)
-    run = dict(
-        optimizer=s.training.optimizer.path,
-        device=s.device,
-        memory_limit_gib=s.memory.memory_limit_gib,
-        packed=s.data.packed,
-        compiled=s.memory.compile,
-        in_backward=s.training.optimizer_in_bwd,
-    )
+    s = read_settings(cfg)  # (build_reporting's identity: the optimizer, the device and cap, and what is on)
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, **run)
+        identity = identity_of(cfg, s)
     assert (identity["name"], identity["group"], identity["tags"]) == ("mine", "7B_full_24gb", ["a", "b"])
     cfg.metric_logger.pop("tags")
     with mock.patch.object(sys, "argv", [RECIPE, "--config", "configs/llama2/7B_full_24gb.yaml"]):
-        identity = run_identity(cfg, **run)
+        identity = identity_of(cfg, s)
     assert identity["tags"] == ["24gb", "torch.AdamW", "packed", "compiled"]
     assert [
         variant_label(p)
