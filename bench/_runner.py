@@ -1,5 +1,6 @@
 """What the end-to-end benchmarks share beyond bench/_harness.py: a row measured as a recipe run of a few steps, the
-results file that keeps what was measured after every row, and the pool that deals jobs to the GPUs.
+results file that keeps what was measured after every row, the footprint a run leaves on the card and the host (what
+bench/configs_check.py and bench/moe_anchor.py sample), and the pool that deals jobs to the GPUs.
 
 bench/e2e.py (Llama2-7B's rows, one after another) and bench/model_families.py (a job of rows per family, one worker
 per GPU) measure a row the same way: a fresh recipe process, stopped once its last step is logged; the median
@@ -10,13 +11,16 @@ tokens/s of the steps after the warm-up, the peak memory, the losses, every step
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import _harness as harness
+from finetune import host_memory
 
 PEAK_FLOPS = 989e12  # dense bf16, H100/H200 SXM
 # torchtune's stock recipe as both benchmarks run it: packed rows, compiled, batches of 16, no gradient clipping, the
@@ -80,6 +84,87 @@ def figures(records: List[dict], steady: List[dict], parameters: float) -> dict:
         losses=[round(r["loss"], 5) for r in records],
         tok_s_per_step=[round(r["tokens_per_second"], 1) for r in records],
     )
+
+
+# -- the footprint -----------------------------------------------------------------------------------------------------
+
+
+class Footprint:
+    """Samples, every ``every`` seconds while a run lives: MemAvailable's drop from its value at the start (bytes),
+    the GPU memory nvidia-smi lists for the run's processes (MiB), and the proportional set size of torch.compile's
+    worker processes (GB: part of the host drop, which a machine with fewer cores pays less of)."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB, compile workers GB)
+        self._stop = threading.Event()
+        self._base = self._available()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _available() -> int:
+        info = host_memory.meminfo()
+        if info is None or "MemAvailable" not in info:
+            raise RuntimeError("no MemAvailable in /proc/meminfo")
+        return info["MemAvailable"]
+
+    @staticmethod
+    def _gpu_mib() -> int:
+        """The GPU memory of every compute process (the run and its children; nothing else runs on the machine)."""
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            ).stdout
+        except FileNotFoundError:  # (no NVIDIA driver: a CPU trial of this script)
+            return 0
+        return sum(int(line.split(",")[1]) for line in out.splitlines() if line.strip())
+
+    @staticmethod
+    def _compile_workers_gb() -> float:
+        """Inductor compiles in a pool of subprocesses (``torch/_inductor/compile_worker``), one per core by default,
+        kept for the whole run: their memory, each page shared between them counted once (Pss)."""
+        total = 0
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and b"compile_worker" in (proc / "cmdline").read_bytes():
+                    rollup = (proc / "smaps_rollup").read_text()
+                    total += int(re.search(r"^Pss:\s+(\d+) kB", rollup, re.M).group(1)) * 1024
+            except (OSError, AttributeError):  # (gone meanwhile, or not ours to read)
+                continue
+        return round(total / 1e9, 2)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic() - self._start
+            taken = (self._base - self._available()) / 1e9
+            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb()))
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self, spans: List[tuple]) -> dict:
+        """Peak host GB and GPU MiB over the whole run and inside ``spans`` ((start, end) seconds: the saves)."""
+
+        def within(t):
+            return any(a <= t <= b for a, b in spans)
+
+        def peak(rows, i):
+            return round(max((r[i] for r in rows), default=0.0), 2)
+
+        saving = [s for s in self.samples if within(s[0])]
+        training = [s for s in self.samples if not within(s[0])]
+        return {
+            "host_gb_peak": peak(self.samples, 1),
+            "host_gb_peak_training": peak(training, 1),
+            "host_gb_peak_saving": peak(saving, 1) if saving else None,
+            "gpu_mib_peak": int(peak(self.samples, 2)),
+            "compile_workers_gb_peak": peak(self.samples, 3),
+        }
 
 
 # -- the results file -----------------------------------------------------------------------------------------------

@@ -32,13 +32,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import _harness as harness
-from finetune import host_memory
+import _runner as runner
 
 RECIPE = "recipes/full_finetune_single_device.py"
 EVAL_RECIPE = "recipes/evaluate.py"
@@ -56,84 +54,6 @@ def card_class(config: str) -> Optional[str]:
     return next((c for c in ("16gb", "12gb", "24gb", "32gb", "80gb") if f"_{c}" in config), None)
 
 
-class Footprint:
-    """Samples, every ``every`` seconds while a run lives: MemAvailable's drop from its value at the start (bytes),
-    the GPU memory nvidia-smi lists for the run's processes (MiB), and the proportional set size of torch.compile's
-    worker processes (GB: part of the host drop, which a machine with fewer cores pays less of)."""
-
-    def __init__(self, every: float = 0.5):
-        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB, compile workers GB)
-        self._stop, self._pids = threading.Event(), set()
-        self._base = self._available()
-        self._start = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _available() -> int:
-        info = host_memory.meminfo()
-        if info is None or "MemAvailable" not in info:
-            raise RuntimeError("no MemAvailable in /proc/meminfo")
-        return info["MemAvailable"]
-
-    @staticmethod
-    def _gpu_mib() -> int:
-        """The GPU memory of every compute process (the run and its children; nothing else runs on the machine)."""
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-            ).stdout
-        except FileNotFoundError:  # (no NVIDIA driver: a CPU trial of this script)
-            return 0
-        return sum(int(line.split(",")[1]) for line in out.splitlines() if line.strip())
-
-    @staticmethod
-    def _compile_workers_gb() -> float:
-        """Inductor compiles in a pool of subprocesses (``torch/_inductor/compile_worker``), one per core by default,
-        kept for the whole run: their memory, each page shared between them counted once (Pss)."""
-        total = 0
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and b"compile_worker" in (proc / "cmdline").read_bytes():
-                    rollup = (proc / "smaps_rollup").read_text()
-                    total += int(re.search(r"^Pss:\s+(\d+) kB", rollup, re.M).group(1)) * 1024
-            except (OSError, AttributeError):  # (gone meanwhile, or not ours to read)
-                continue
-        return round(total / 1e9, 2)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            t = time.monotonic() - self._start
-            taken = (self._base - self._available()) / 1e9
-            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb()))
-            self._stop.wait(self.every)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def peaks(self, spans: List[tuple]) -> dict:
-        """Peak host GB and GPU MiB over the whole run and inside ``spans`` ((start, end) seconds: the saves)."""
-
-        def within(t):
-            return any(a <= t <= b for a, b in spans)
-
-        def peak(rows, i):
-            return round(max((r[i] for r in rows), default=0.0), 2)
-
-        saving = [s for s in self.samples if within(s[0])]
-        training = [s for s in self.samples if not within(s[0])]
-        return {
-            "host_gb_peak": peak(self.samples, 1),
-            "host_gb_peak_training": peak(training, 1),
-            "host_gb_peak_saving": peak(saving, 1) if saving else None,
-            "gpu_mib_peak": int(peak(self.samples, 2)),
-            "compile_workers_gb_peak": peak(self.samples, 3),
-        }
-
-
 def recipe_run(config: str, out: Path, args, extra: List[str], log: Path):
     """One recipe run with the footprint sampled; the save spans from its output ("Saved checkpoint" lines mark their
     ends; a save starts at the step before)."""
@@ -142,7 +62,7 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path):
     cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={args.save_every}", "log_every_n_steps=1"]
     cmd += ["metric_logger=null", *args.set, *extra]
     lines: List[tuple] = []
-    fp = Footprint()
+    fp = runner.Footprint()
     result = harness.run(cmd, log, timeout=args.timeout, on_line=lambda line, t: lines.append((t, line)))
     fp.stop()
     metrics = harness.read_metrics(out)

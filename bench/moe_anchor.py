@@ -21,7 +21,7 @@ the model's real config.json written tensor by tensor on the GPU (``python -m fi
 
 Per row: ``tok_s`` (median trained tokens/s of the steps after ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``
 (torch's allocator), ``gpu_mib_peak`` (nvidia-smi, the CUDA context included) and ``host_gb_peak`` (MemAvailable's
-drop), sampled by bench/configs_check.py's Footprint; ``vs_anchor``: over the anchor row of the same depth. The
+drop), sampled by bench/_runner.py's Footprint; ``vs_anchor``: over the anchor row of the same depth. The
 folders go after their rows (the device disk holds one 61 GB folder; ``--keep-folders`` keeps them).
 
 ``--toy``: 2-layer width-128 folders on the CPU, depth 1 for the anchor, fp32, 3 steps: a check of the machinery
@@ -40,7 +40,6 @@ from typing import List, Optional
 
 import _harness as harness
 import _runner as runner
-from configs_check import Footprint
 
 ROWS = ("anchor", "ours_depth", "ours_full")
 CONFIG = "qwen3_moe/30B_A3B_full_80gb"
@@ -105,7 +104,7 @@ def run_row(row: str, args) -> dict:
     out = Path(args.work_dir) / "runs" / row
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    footprint = Footprint()
+    footprint = runner.Footprint()
     run, records, error = runner.measure(
         row_command(row, folder, out, args), out, "ours", steps=args.steps, timeout=args.timeout, env={}
     )
