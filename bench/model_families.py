@@ -25,7 +25,8 @@ on an 8-GPU host run side by side; on one GPU they run one after another):
    config for the family at the flags that fit 80 GB (``STOCK_ROWS``); and with ``--loss-rows``, the smaller-class
    config with each loss (``finetune.model.LinearCrossEntropyLoss`` impl cce / liger / torch, and torchtune's
    ``CEWithChunkedOutputLoss``), uncapped, on a GPU of their own;
-3. the checkpoint is deleted before the worker's next family (a 7-8B one is 15-16 GB; the device disk is 64 GB).
+3. the checkpoint is deleted before the worker's next family (a 7-8B one is 15-16 GB; the device disk is 64 GB),
+   unless ``--keep-checkpoints`` (bench/configs_check.py then checks the configs on it, the stock row its anchor).
 
 The JSON (``--out``; rewritten after every row) opens with the command, hardware, versions, date and commit
 (bench/_harness.py); per row: ``family``, ``config``, ``memory_class``, ``device_memory_limit_gib``, ``kind`` (ours /
@@ -394,7 +395,8 @@ def worker(gpu: Optional[int], jobs: List[Job], bpe_file: Path, args, results: r
                 results.records.append(record)
                 finish(results.records)
                 results.write()
-        shutil.rmtree(ck, ignore_errors=True)  # (the device disk holds about four 7-8B checkpoints)
+        if not args.keep_checkpoints:
+            shutil.rmtree(ck, ignore_errors=True)  # (the device disk holds about four 7-8B checkpoints)
 
 
 def finish(records: List[dict]) -> None:
@@ -483,6 +485,12 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--work-dir", default="/tmp/model_families", help="checkpoints, runs, pack cache")
     ap.add_argument("--out", default=harness.scratch("model_families_e2e.json"), help="the JSON written")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows that this run does not re-measure")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each family's checkpoint (--work-dir/checkpoints/<family>), e.g. for bench/configs_check.py "
+        "beside its stock row",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",

@@ -87,8 +87,9 @@ def test_profile_records_the_last_steps_and_leaves_them_out_of_the_median(tmp_pa
     out, work = tmp_path / "families.json", tmp_path / "work"
     argv = ["--toy", "--profile", "--families", "llama3_2_3b", "--rows", "ours", "--only", "ours_24gb"]
     argv += ["--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
-    mf.main(argv)
+    mf.main([*argv, "--keep-checkpoints"])
     (r,) = json.loads(out.read_text())["records"]
+    assert (work / "checkpoints" / "llama3_2_3b" / "config.json").is_file()  # (kept for bench/configs_check.py)
     assert not r.get("error") and "profiler.enabled=True" in r["command"], r
     # Toy mode: 6 steps, the first skipped, the last 3 profiled (one warming the profiler up, two recorded).
     assert len(r["tok_s_per_step"]) == 6 and r["profiled_steps"] == [4, 5, 6] and r["profile"]["steps"] == [5, 6]
