@@ -12,7 +12,9 @@ overridden (plus the overrides of --set):
 3. transformers' AutoModelForCausalLM loads the first run's ``epoch_0/``: every tensor of the file, as loaded, equals
    the file's;
 4. ``recipes/evaluate.py`` scores that folder on truthfulqa_mc2 with ``limit=`` (a score in [0, 1]; the weights are
-   random values, so the score says only that the folder evaluates);
+   random values, so the score says only that the folder evaluates). Steps 2-4 run side by side (the eval after the
+   resume where the two would not fit the GPU together): they read what the first run wrote, nothing of each
+   other's, and a row costs the device the longest of them rather than their sum;
 5. the footprints of the first run: tokens/s (median of the steps after --skip-steps), the GPU memory nvidia-smi
    reports for the process (the CUDA context included: what a card must hold, not the allocator's reserved bytes),
    and the host memory it took, as the drop of MemAvailable from just before the run (what a desktop must have
@@ -32,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -45,6 +48,7 @@ EVAL_RECIPE = "recipes/evaluate.py"
 # mostly have 32 GB of RAM, of which the system and a desktop keep some.
 GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "80gb": 81_559}  # (80 GB: an H100's 81,559 MiB, the whole card)
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
+EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
@@ -94,6 +98,7 @@ def check_config(config: str, args) -> dict:
     losses = [m["loss"] for m in metrics]
     steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
     row["tok_s"] = round(statistics.median(steady)) if steady else None
+    row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]  # (a save slows the steps beside it)
     row["losses"] = losses
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
@@ -107,9 +112,28 @@ def check_config(config: str, args) -> dict:
     other = f"async_checkpoint={not background}"
     again_dir = Path(args.resume_dir or work) / (config.replace("/", "_") + "_resumed")
     shutil.rmtree(again_dir, ignore_errors=True)
-    second, resumed, _ = recipe_run(
-        config, again_dir, args, [other, f"resume_from_checkpoint={work / 'run' / step}"], work / "resumed.log"
-    )
+    epoch_dir = work / "run" / "epoch_0"
+    epoch = epoch_dir / "model.safetensors"
+
+    def resume():
+        extra = [other, f"resume_from_checkpoint={work / 'run' / step}"]
+        return recipe_run(config, again_dir, args, extra, work / "resumed.log")
+
+    def evaluation():
+        return evaluate(epoch_dir, args, work / "eval.log") if epoch.is_file() else None
+
+    # The resume, transformers' load and the eval read what the first run wrote and nothing of each other's: they
+    # run side by side (the first run's footprints are measured already; the resume's are not recorded). The eval
+    # waits for the resume where both would not fit the GPU together (an 80 GB config).
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        resumed_f = pool.submit(resume)
+        loads_f = pool.submit(lambda: transformers_loads(epoch_dir) if epoch.is_file() else False)
+        beside = eval_fits_beside(row["class"], args.folders[config.split("/")[0]])
+        eval_f = pool.submit(evaluation) if beside else None
+        second, resumed, _ = resumed_f.result()
+        row["eval"] = eval_f.result() if eval_f else evaluation()
+        checks["transformers_loads"] = loads_f.result()
+    row["eval_beside_resume"] = beside
     # The first resumed step's loss is the restored weights' forward: equal, bit for bit. Later steps follow the
     # uninterrupted run as closely as that run follows itself: FlashAttention's backward (packed_attention=varlen)
     # sums in an order that varies from run to run, so two uninterrupted 7B runs differ from their third step
@@ -122,14 +146,11 @@ def check_config(config: str, args) -> dict:
     checks["resumed_within_repeatability"] = (
         len(again_losses) == len(expected) and row["resumed_max_rel_diff"] <= RESUME_RTOL
     )
-    epoch = work / "run" / "epoch_0" / "model.safetensors"
     again = again_dir / "epoch_0" / "model.safetensors"
     checks["resumed_saved"] = again.is_file()
     row["resumed_weights_equal"] = again.is_file() and epoch.is_file() and again.read_bytes() == epoch.read_bytes()
     if second.error():
         row["resume_error"] = second.error()
-    checks["transformers_loads"] = transformers_loads(work / "run" / "epoch_0") if epoch.is_file() else False
-    row["eval"] = evaluate(work / "run" / "epoch_0", args, work / "eval.log") if epoch.is_file() else None
     checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
     cls = row["class"]
     row["limits"] = {"gpu_mib": GPU_LIMIT_MIB.get(cls), "host_gb": HOST_LIMIT_GB.get(cls)}
@@ -164,6 +185,21 @@ def held(m, k):
 """
 
 
+def eval_fits_beside(cls: Optional[str], folder: str) -> bool:
+    """Whether the eval (the folder's weights in fp32, as it scores, and a few GiB of work) fits the GPU beside a run of the class
+    (its cap): on the CPU, or with no GPU to ask, it does."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True
+        ).stdout.split()
+    except FileNotFoundError:
+        return True
+    if not out:
+        return True
+    fp32_gib = 2 * sum(f.stat().st_size for f in Path(folder).glob("*.safetensors")) / 2**30  # (the eval: dtype fp32)
+    return harness.CLASS_GIB.get(cls or "80gb", 78) + fp32_gib + EVAL_WORK_GIB <= int(out[0]) / 1024
+
+
 def transformers_loads(folder: Path) -> bool:
     """In a process of its own (its memory is not the run's): transformers loads the folder, and every tensor the
     file holds equals the model's, bit for bit."""
@@ -184,6 +220,7 @@ def transformers_loads(folder: Path) -> bool:
 def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
     cmd = [sys.executable, EVAL_RECIPE, "--config", "configs/eval/truthfulqa_mc2.yaml", f"checkpoint_dir={folder}"]
     cmd += [f"data_dir={args.data_dir}", f"limit={args.eval_limit}", "training_run=False", f"output_dir={log.parent}"]
+    cmd += args.eval_set
     result = harness.run(cmd, log, timeout=args.timeout)
     if result.error():
         return {"error": result.error()}
@@ -224,7 +261,8 @@ def parse_args(argv: List[str]):
     ap.add_argument("--skip-steps", type=int, default=2, help="steps left out of the tokens/s median")
     ap.add_argument("--eval-limit", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--set", action="append", default=[], help="an override for every run (key=value)")
+    ap.add_argument("--set", action="append", default=[], help="an override for every training run (key=value)")
+    ap.add_argument("--eval-set", action="append", default=[], help="an override for every eval (key=value)")
     ap.add_argument(
         "--anchor",
         action="append",

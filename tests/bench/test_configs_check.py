@@ -1,6 +1,7 @@
 """bench/configs_check.py's anchor: the stock low-memory row of a results file from the same device call gives each
 config of its family a ratio, and a file without that family's measured row is refused before anything runs; its
-transformers check holds a mixture of experts' per-expert tensors to the slices transformers stacks them into."""
+transformers check holds a mixture of experts' per-expert tensors to the slices transformers stacks them into; and the
+whole check of one config on a toy folder, on the CPU."""
 
 import json
 import re
@@ -61,3 +62,22 @@ def test_transformers_loads_a_mixture_of_experts_folder_expert_by_expert(tmp_pat
     assert torch.equal(scope["held"](held, f"{experts}.up_proj.weight"), gate_up[1, 2:])
     assert torch.equal(scope["held"](held, f"{experts}.down_proj.weight"), down[1])
     assert scope["held"]({"lm_head.weight": down}, "model.layers.0.mlp.experts.1.up_proj.weight") is None
+
+
+def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
+    """The whole check on the CPU, as on the GPU with a toy's sizes: a run that saves at step 2 and at its end, the
+    resume from step_2/ in the other save mode beside transformers' load and the eval, and a passing row."""
+    folder = tmp_path / "toy"
+    toy_folder.make_toy_folder(folder, family="llama3_2", data_dir=DATA_DIR)
+    out = tmp_path / "check.json"
+    cpu = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
+    argv = ["--configs", "llama3_2/3B_full_24gb", "--checkpoint", f"llama3_2={folder}", "--data-dir", str(DATA_DIR)]
+    argv += ["--work-dir", str(tmp_path / "work"), "--steps", "3", "--save-every", "2", "--skip-steps", "1"]
+    argv += ["--eval-limit", "2", "--eval-set", "batch_size=2", "--out", str(out), "--allow-dirty", "--timeout", "600"]
+    argv += [a for o in [*cpu, "dataset.split=train[:200]"] for a in ("--set", o)]
+    configs_check.main(argv)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["passed"], row.get("error") or row.get("resume_error") or row["checks"]
+    assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
+    assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
+    assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
