@@ -598,7 +598,7 @@ def recipe_main(cfg: DictConfig) -> None:
         out = recipe.settings.output_dir if recipe is not None else None
         closing = lambda: interrupted(getattr(recipe, "_summary", None), out)  # noqa: E731
         console.stop_at_ctrl_c(recipe, closing, show=rank == 0, settle=False)
-        sys.exit(130)
+        console.exit_at_ctrl_c(recipe)
     finally:
         if recipe is not None:
             recipe.release()

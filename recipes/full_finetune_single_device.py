@@ -573,7 +573,7 @@ def recipe_main(cfg: DictConfig) -> None:
         # resume from, last (console.stop_at_ctrl_c), and the shell's exit status for SIGINT.
         out = recipe.settings.output_dir if recipe is not None else None
         console.stop_at_ctrl_c(recipe, lambda: interrupted(getattr(recipe, "_summary", None), out))
-        sys.exit(130)
+        console.exit_at_ctrl_c(recipe)
     finally:
         if recipe is not None:
             recipe.release()

@@ -462,11 +462,17 @@ def pinned_torch_save(obj: Any, path: Any) -> None:
 
 class Job:
     """``fn()`` on a thread of its own: when it ran, and how it failed. A daemon thread: a process that dies (or is
-    interrupted) does not wait for it; its temporary folder is removed at the next start."""
+    interrupted) does not wait for it; its temporary folder is removed at the next start.
+
+    ``join`` waits for the job's own end, not for ``Thread.join``: up to Python 3.12, a Thread.join that Ctrl-C
+    interrupts marks the thread as ended while it still runs (threading's bpo-45274 handling), so every later join
+    returned at once, and a Ctrl-C while the recipe waited for a write made the next wait publish the folder the
+    writer was still filling (an empty or half-written step_N/)."""
 
     def __init__(self, fn: Callable[[], None], name: str):
         self.error: Optional[BaseException] = None
         self.started, self.ended = time.perf_counter(), None
+        self._over = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
         self._thread.start()
 
@@ -477,10 +483,12 @@ class Job:
             self.error = e
         finally:
             self.ended = time.perf_counter()
+            self._over.set()
 
     @property
     def done(self) -> bool:
         return self.ended is not None
 
     def join(self) -> None:
-        self._thread.join()
+        """Until ``fn`` returned or raised (a Ctrl-C meanwhile raises here and leaves the job as it is)."""
+        self._over.wait()

@@ -124,6 +124,63 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# The recipe with a slow background write: the writer first spends ~30 s in torch's C++ code (matmuls, which let go
+# of the GIL), as a 7B checkpoint's copies and serialization do: `python -c SLOW_WRITE RECIPE ARGS...`.
+SLOW_WRITE = r"""
+import runpy, sys, time, torch
+from finetune.checkpoint import async_save
+
+run = async_save.Job._run
+
+def slow(self, fn):
+    a, end = torch.randn(600, 600), time.monotonic() + 30
+    while time.monotonic() < end:
+        a @ a
+    run(self, fn)
+
+async_save.Job._run = slow
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_second_ctrl_c_abandons_the_background_write_and_the_process_exits_130(tmp_path):
+    """Two Ctrl-C 0.05 s apart while step_2 is written in the background: the first waits for the write, the second
+    abandons it. The process ends with the shell's 130 and its closing lines, within seconds, and step_2 is not
+    published. It used to be published empty (an interrupted Thread.join marked the writer as ended: Job.join), and
+    the interpreter's shutdown then stopped the writer's thread inside torch's C++ code, which aborted the process
+    (exit status -6)."""
+    out = tmp_path / "out"
+    args = recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITE, *args[args.index(RECIPE) :]],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=ctrl_c_as_in_a_shell,
+    )
+    while proc.poll() is None and not list(out.glob(".tmp-step_2-*")):
+        time.sleep(0.02)
+    time.sleep(1.0)  # (the write is under way, in the slow part)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"still running {EXIT_WAIT_S} s after two Ctrl-C:\n{output[-3000:]}")
+    assert proc.returncode == 130, f"exit status {proc.returncode}:\n{output[-3000:]}"
+    assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
+    assert "Ctrl-C again abandons it" in output
+    assert output.strip().splitlines()[-1].startswith("Run stopped by Ctrl-C: trained steps 1-"), output[-3000:]
+    assert not (out / "step_2").exists()  # abandoned: its temporary folder is removed at the next start
+    assert not (out / ".lock").exists()
+
+
 def test_a_ctrl_c_lost_in_a_callback_still_stops_the_run_at_the_next_step(tmp_path):
     out = tmp_path / "out"
     args = recipe_command(out, "max_steps_per_epoch=20")

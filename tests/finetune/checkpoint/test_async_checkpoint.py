@@ -23,6 +23,7 @@ import io
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -384,6 +385,25 @@ def test_ctrl_c_while_a_background_checkpoint_is_put_in_place_keeps_and_names_it
     assert_complete(out / "step_2", 2)
     assert f"Saved checkpoint {out / 'step_2'} (" in run.stdout
     assert run.stdout.strip().splitlines()[-1].endswith(f"Continue with resume_from_checkpoint={out / 'step_2'}.")
+
+
+def test_a_write_joined_again_after_a_ctrl_c_is_waited_for_to_its_end(python_ctrl_c):
+    """Ctrl-C while the recipe waits for a background write, then a wait for it again (the stop publishes a good
+    checkpoint): the second wait lasts until the write is over. Up to Python 3.12 an interrupted Thread.join marks
+    the thread as ended while it runs, so the second wait returned at once and the folder still being written was
+    published (tests/recipes/test_interrupt.py runs the whole case)."""
+    from finetune.checkpoint.async_save import Job
+
+    release = threading.Event()
+    job = Job(release.wait, "writer")
+    main = threading.main_thread().ident
+    threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        job.join()
+    assert not job.done
+    threading.Timer(0.5, release.set).start()
+    job.join()
+    assert job.done and job.error is None
 
 
 # ------------------------------------------------------------------------------------------------
