@@ -23,6 +23,9 @@ overridden (plus the overrides of --set):
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
 (a 7B run writes ~20 GB a checkpoint). Each recipe is run as a file with ``python`` (the GPU machine has no `tune`).
+
+``--speed-only`` runs step 5 alone, without saves, stopped once the last step is logged: to choose a setting (e.g.
+``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked ``speed_only`` and never passes.
 """
 
 from __future__ import annotations
@@ -58,16 +61,19 @@ def card_class(config: str) -> Optional[str]:
     return next((c for c in ("16gb", "12gb", "24gb", "32gb", "80gb") if f"_{c}" in config), None)
 
 
-def recipe_run(config: str, out: Path, args, extra: List[str], log: Path):
+def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves: bool = True):
     """One recipe run with the footprint sampled; the save spans from its output ("Saved checkpoint" lines mark their
-    ends; a save starts at the step before)."""
+    ends; a save starts at the step before). ``saves=False``: no step save, and the run is stopped once its last
+    step is logged, before the epoch's save."""
     cmd = [sys.executable, RECIPE, "--config", f"configs/{config}.yaml"]
     cmd += [f"checkpoint_dir={args.folders[config.split('/')[0]]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
-    cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={args.save_every}", "log_every_n_steps=1"]
+    save_every = args.save_every if saves else "null"
+    cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={save_every}", "log_every_n_steps=1"]
     cmd += ["metric_logger=null", *args.set, *extra]
     lines: List[tuple] = []
     fp = runner.Footprint()
-    result = harness.run(cmd, log, timeout=args.timeout, on_line=lambda line, t: lines.append((t, line)))
+    until = None if saves else (lambda: len(harness.read_metrics(out)) >= args.steps)
+    result = harness.run(cmd, log, timeout=args.timeout, until=until, on_line=lambda line, t: lines.append((t, line)))
     fp.stop()
     metrics = harness.read_metrics(out)
     # A save runs (blocking, or beside the next steps) from the terminal line of the step it follows to its "Saved
@@ -89,6 +95,8 @@ def check_config(config: str, args) -> dict:
     work.mkdir(parents=True)
     row: dict = {"config": config, "class": card_class(config), "checks": {}}
     checks = row["checks"]
+    if args.speed_only:
+        return speed_row(config, row, work, args)
     first, metrics, footprint = recipe_run(config, work / "run", args, [], work / "run.log")
     row["command"] = first.command
     row.update(footprint)
@@ -152,22 +160,57 @@ def check_config(config: str, args) -> dict:
     if second.error():
         row["resume_error"] = second.error()
     checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
-    cls = row["class"]
+    _check_limits(row)
+    row["passed"] = all(checks.values())
+    if args.logs_dir:
+        _keep_logs(config, work, args)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(again_dir, ignore_errors=True)
+    return row
+
+
+def speed_row(config: str, row: dict, work: Path, args) -> dict:
+    """--speed-only: one run of --steps steps without a save (stopped once the last step is logged), its tokens/s and
+    footprints against the class's limits. A setting to choose between (--set stream_layers=N), not a config's proof:
+    such a row never passes."""
+    run, metrics, footprint = recipe_run(config, work / "run", args, [], work / "run.log", saves=False)
+    row.update({"speed_only": True, "command": run.command, **footprint})
+    if len(metrics) < args.steps:
+        row["error"] = f"run: {run.error() or f'{len(metrics)} of {args.steps} steps logged'}"
+        return row
+    steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
+    row["tok_s"] = round(statistics.median(steady)) if steady else None
+    row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]
+    row["losses"] = [m["loss"] for m in metrics]
+    row["peak_allocated_gib"] = harness.peak(metrics, "peak_memory_alloc_gib")
+    row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
+    anchor = args.anchors.get(config.split("/")[0])
+    if anchor and row["tok_s"]:
+        row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
+    _check_limits(row)
+    if args.logs_dir:
+        _keep_logs(config, work, args)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return row
+
+
+def _check_limits(row: dict) -> None:
+    cls, checks = row["class"], row["checks"]
     row["limits"] = {"gpu_mib": GPU_LIMIT_MIB.get(cls), "host_gb": HOST_LIMIT_GB.get(cls)}
     if row["limits"]["gpu_mib"] is not None:
         checks["gpu_within_card"] = row["gpu_mib_peak"] <= row["limits"]["gpu_mib"]
     if row["limits"]["host_gb"] is not None:
         checks["host_within_desktop"] = row["host_gb_peak"] <= row["limits"]["host_gb"]
-    row["passed"] = all(checks.values())
-    if args.logs_dir:  # (the run folders go; their logs are what tells why a row failed)
-        logs = Path(args.logs_dir)
-        logs.mkdir(parents=True, exist_ok=True)
-        for log in work.glob("*.log"):
-            shutil.copyfile(log, logs / f"{config.replace('/', '_')}_{log.name}")
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(again_dir, ignore_errors=True)
-    return row
+
+
+def _keep_logs(config: str, work: Path, args) -> None:
+    """The run folders go; their logs are what tells why a row failed."""
+    logs = Path(args.logs_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    for log in work.glob("*.log"):
+        shutil.copyfile(log, logs / f"{config.replace('/', '_')}_{log.name}")
 
 
 # transformers 5 holds a mixture of experts' per-expert tensors of the file stacked (``mlp.experts.gate_up_proj``
@@ -272,6 +315,12 @@ def parse_args(argv: List[str]):
         "family's anchor (each row's vs_stock)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
+    ap.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="one run per config without saves, stopped after --steps: tokens/s and footprints only (a setting to "
+        "choose between; such a row never passes)",
+    )
     ap.add_argument("--logs-dir", help="copy each config's run, resume and eval logs here")
     ap.add_argument("--out", default=harness.scratch("configs_check.json"))
     harness.add_arguments(ap)
@@ -296,6 +345,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         doc["rows"].append(row)
         harness.write_json(args.out, doc)
         verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"
+        if row.get("speed_only") and not row.get("error"):
+            verdict = f"speed only, {row['checks']}"
         print(
             f"{config}: {verdict}; {row.get('tok_s')} tok/s ({row.get('vs_stock')}x stock), GPU {row.get('gpu_mib_peak')} MiB, host "
             f"{row.get('host_gb_peak')} GB (training {row.get('host_gb_peak_training')}, saving "

@@ -81,3 +81,20 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
+
+
+def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path):
+    folder = tmp_path / "toy"
+    toy_folder.make_toy_folder(folder, family="llama3_2", data_dir=DATA_DIR)
+    out = tmp_path / "speed.json"
+    cpu = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
+    argv = ["--configs", "llama3_2/3B_full_24gb", "--checkpoint", f"llama3_2={folder}", "--data-dir", str(DATA_DIR)]
+    argv += ["--work-dir", str(tmp_path / "work"), "--steps", "3", "--skip-steps", "1", "--speed-only", "--keep"]
+    argv += ["--out", str(out), "--allow-dirty", "--timeout", "600"]
+    argv += [a for o in [*cpu, "dataset.split=train[:200]"] for a in ("--set", o)]
+    configs_check.main(argv)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["speed_only"] and "passed" not in row and not row.get("error"), row
+    assert len(row["tok_s_per_step"]) == 3 and row["tok_s"] > 0 and "save_every_n_steps=null" in row["command"]
+    run = tmp_path / "work" / "llama3_2_3B_full_24gb" / "run"
+    assert not list(run.glob("step_*"))  # (the epoch's save may start before the stop, on a toy)
