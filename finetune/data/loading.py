@@ -32,6 +32,7 @@ from finetune.base import BadInput, first_line
 from finetune.data import records
 from finetune.data.packing import SampleTable, pack_dataset, tokenized_samples
 from finetune.data.records import ALPACA_REQUIRED, ALPACA_TEXT_FIELDS, CHAT_STYLES, INSTRUCT_FIELDS
+from finetune.data.tokenizer import sentencepiece_text_bound
 from finetune.model import attention
 from finetune.sections import DataSettings, TrainingSettings
 
@@ -101,6 +102,14 @@ def build_dataset(data: DataSettings, tokenizer, log):
             names,
             templated=getattr(tokenizer, "chat_template", None) is not None,
         )
+    bound = sentencepiece_text_bound(tokenizer)
+    if bound is not None:  # (HFTokenizer bounds its texts itself, as it tokenizes them below)
+        if kind == "chat":
+            text_key = CHAT_STYLES[cfg_dataset.get("conversation_style")][1]
+            records.check_text_lengths(ds, [cfg_dataset.get("conversation_column")], bound, names, text_key)
+        elif kind is not None:
+            fields = ALPACA_TEXT_FIELDS if kind == "alpaca" else INSTRUCT_FIELDS
+            records.check_text_lengths(ds, [column_map.get(f, f) for f in fields], bound, names)
     if not data.packed and not getattr(tokenizer, "refuses_records", False):
         # A tokenizer that encodes any text (torchtune's SentencePiece): the checks above are all a record needs,
         # and each sample is tokenized when the loader reads it. Streaming Alpaca through it here would cost about

@@ -22,7 +22,7 @@ import gzip
 import json
 import lzma
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from torchtune.data import Message, OpenAIToMessages
 from torchtune.modules.transforms import Transform
@@ -249,6 +249,54 @@ def check_text_records(
         if values.null_count:
             row = values.is_null().to_pylist().index(True)
             raise BadInput(f"{names(row)} has no '{column}'; fix or drop that record (each needs {needs})")
+
+
+def check_text_lengths(ds, columns, bound, names: RecordNames, text_key: Optional[str] = None) -> None:
+    """No text of ``columns`` longer than ``bound`` = (characters, why): a tokenizer that takes any text (torchtune's
+    SentencePiece) would tokenize such a text whole, seconds and gigabytes, to keep its first max_seq_len tokens.
+    ``text_key``: the columns hold conversations, and each message's text is under that key. Arrow's string lengths,
+    milliseconds for Alpaca; a column Arrow cannot read that way is read in Python."""
+    table = getattr(ds, "_data", None)
+    if not hasattr(table, "column_names"):
+        return
+    limit, why = bound
+    for column in columns:
+        if column not in table.column_names:
+            continue
+        found = _first_too_long(table.data.column(column), limit, text_key)
+        if found is not None:
+            row, length = found
+            what = f"a message of '{column}'" if text_key else f"its '{column}'"
+            raise BadInput(
+                f"{names(row)}: {what} is {length:,} characters, {why}; shorten or drop that record, or raise "
+                "tokenizer.max_seq_len"
+            )
+
+
+def _first_too_long(column, limit: int, text_key: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(record, length) of the first text over ``limit`` characters, or None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        values = column.combine_chunks()
+        parents = None
+        if text_key is not None:
+            parents = pc.list_parent_indices(values)
+            values = pc.struct_field(pc.list_flatten(values), text_key)
+        lengths = pc.utf8_length(values)
+        at = pc.index(pc.greater(lengths, limit), True).as_py()
+        if at < 0:
+            return None
+        return (parents[at].as_py() if parents is not None else at), lengths[at].as_py()
+    except (pa.ArrowException, TypeError, KeyError):
+        pass
+    for row, value in enumerate(column.to_pylist()):  # (mixed types: the other checks name what is wrong)
+        texts = [value] if text_key is None else [m.get(text_key) for m in value or [] if isinstance(m, dict)]
+        for text in texts:
+            if isinstance(text, str) and len(text) > limit:
+                return row, len(text)
+    return None
 
 
 # -- conversations --------------------------------------------------------------------------------------------------

@@ -69,6 +69,24 @@ _LEFT_OUT = {
 }
 
 
+def sentencepiece_text_bound(tokenizer) -> Optional[Tuple[int, str]]:
+    """For torchtune's SentencePiece tokenizers (Llama 2's ``tokenizer.model``), which tokenize any text whole: the
+    most characters a record's text may have, by the same TOO_LONG factor as HFTokenizer's own bound, and the words
+    that say why; None for any other tokenizer (HFTokenizer bounds its texts itself)."""
+    sp = getattr(getattr(tokenizer, "_spm_model", None), "spm_model", None)
+    if sp is None:
+        return None
+    if tokenizer.max_seq_len is None:
+        why = "and tokenizer.max_seq_len=null keeps every token (set tokenizer.max_seq_len, e.g. 4096)"
+        return UNCUT_CHARS, f"more than {UNCUT_CHARS:,}, {why}"
+    longest = max(len(sp.id_to_piece(i)) for i in range(sp.get_piece_size()))  # (32,000 pieces: milliseconds)
+    bound = TOO_LONG * tokenizer.max_seq_len * longest
+    return bound, (
+        f"more than {TOO_LONG} x tokenizer.max_seq_len={tokenizer.max_seq_len} tokens of at most {longest} characters "
+        f"({bound:,}): tokenizing it would cost seconds and gigabytes for tokens that are cut"
+    )
+
+
 def _token_text(value: Any) -> Optional[str]:
     """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
