@@ -34,6 +34,9 @@ def _mend_tune_run(Run):
       torchelastic error file (finetune/reporting/console.py, report_bad_input); torchrun then raises ChildFailedError,
       which `tune` prints as a 30-line report. That line is printed instead, once and last, with exit status 2.
       Any other failure keeps torchrun's report.
+    - Ctrl-C reaches torchrun's agent as well as the ranks: it stops them (each prints the run's summary and the
+      checkpoint to resume from) and raises SignalException, which `tune` printed as a traceback after those lines.
+      The launch exits with the shell's 130 instead, the ranks' lines last.
     """
     if not (hasattr(Run, "_convert_to_dotpath") and hasattr(Run, "_run_distributed")):
         return  # (another torchtune: leave its `tune run` as it is)
@@ -55,10 +58,17 @@ def _mend_tune_run(Run):
         return dotted
 
     def distributed(self, args, is_builtin):
+        import signal
+
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         try:
             return run_distributed(self, args, is_builtin=is_builtin)
+        except SignalException as e:
+            if e.sigval != signal.SIGINT:
+                raise
+            raise SystemExit(130) from None  # (Ctrl-C: the ranks have said where the run stands, last)
         except ChildFailedError as e:
             lines = []
             for failure in e.failures.values():
