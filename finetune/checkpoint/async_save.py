@@ -490,5 +490,8 @@ class Job:
         return self.ended is not None
 
     def join(self) -> None:
-        """Until ``fn`` returned or raised (a Ctrl-C meanwhile raises here and leaves the job as it is)."""
+        """Until ``fn`` returned or raised (a Ctrl-C meanwhile raises here and leaves the job as it is), then until
+        the thread is gone: what ``fn`` leaves to free is freed on it, and a process that exits while a daemon
+        thread still runs C++ code aborts (exit status -6)."""
         self._over.wait()
+        self._thread.join()

@@ -62,6 +62,10 @@ PROBE_SECONDS = 5.0
 # it always was, with the same tokens; cutting the text first could split a word and change the kept tokens.
 TOO_LONG = 8
 UNCUT_CHARS = 1 << 22  # the bound with tokenizer.max_seq_len=null (every token kept): beyond any model's context
+# SentencePiece's pieces are short (Llama 2's longest: 16 characters), so the factor alone would refuse a real record
+# at a small max_seq_len (Alpaca's longest text, 4,181 characters, at max_seq_len=32): below this many characters a
+# text costs a fraction of a second to tokenize, and is cut as before.
+SENTENCEPIECE_MIN_CHARS = 1 << 18
 # What a template that leaves out a part of tool use costs the training, by the part left out.
 _LEFT_OUT = {
     "tool_calls": ("its calls", "the call would not be trained (its turn renders as a reply without text)"),
@@ -80,10 +84,11 @@ def sentencepiece_text_bound(tokenizer) -> Optional[Tuple[int, str]]:
         why = "and tokenizer.max_seq_len=null keeps every token (set tokenizer.max_seq_len, e.g. 4096)"
         return UNCUT_CHARS, f"more than {UNCUT_CHARS:,}, {why}"
     longest = max(len(sp.id_to_piece(i)) for i in range(sp.get_piece_size()))  # (32,000 pieces: milliseconds)
-    bound = TOO_LONG * tokenizer.max_seq_len * longest
+    bound = max(TOO_LONG * tokenizer.max_seq_len * longest, SENTENCEPIECE_MIN_CHARS)
     return bound, (
-        f"more than {TOO_LONG} x tokenizer.max_seq_len={tokenizer.max_seq_len} tokens of at most {longest} characters "
-        f"({bound:,}): tokenizing it would cost seconds and gigabytes for tokens that are cut"
+        f"more than {bound:,} (the larger of {TOO_LONG} x tokenizer.max_seq_len={tokenizer.max_seq_len} tokens of "
+        f"at most {longest} characters, and {SENTENCEPIECE_MIN_CHARS:,}): tokenizing it would cost seconds and "
+        "gigabytes for tokens that are cut"
     )
 
 

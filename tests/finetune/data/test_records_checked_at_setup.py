@@ -116,10 +116,10 @@ def test_unpacked_samples_come_from_the_cache_as_the_dataset_makes_them(bpe, tmp
 @pytest.mark.parametrize("kind", ["alpaca", "chat"])
 def test_a_text_far_past_max_seq_len_is_refused_at_setup_with_a_sentencepiece_tokenizer(tmp_path, kind):
     """Llama 2's SentencePiece tokenizer (torchtune's) tokenizes any text whole: a record's text over 8 x
-    max_seq_len tokens of its longest piece (16 characters) is refused at setup, named, in one line, as HFTokenizer
-    refuses it (tests/finetune/data/test_chat_template_bounds.py). Before, it was tokenized whole, then cut to 64
-    tokens: seconds and gigabytes for a large enough text."""
-    long = "word " * 2000  # 10,000 characters: over 8 x 64 x 16 = 8,192
+    max_seq_len tokens of its longest piece (16 characters), and over 262,144 characters, is refused at setup, named,
+    in one line, as HFTokenizer refuses it (tests/finetune/data/test_chat_template_bounds.py). Before, it was
+    tokenized whole, then cut to 64 tokens: seconds and gigabytes for a large enough text."""
+    long = "word " * 60000  # 300,000 characters
     if kind == "alpaca":
         rows = [{"instruction": f"Say {i}.", "input": "", "output": f"{i}."} for i in range(RECORDS)]
         rows[BAD_LINE - 1]["output"] = long
@@ -139,10 +139,10 @@ def test_a_text_far_past_max_seq_len_is_refused_at_setup_with_a_sentencepiece_to
     run = run_here(tmp_path / "out", *dataset, "dataset.packed=False")
     assert run.returncode == 2, run.stderr[-3000:]
     error = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "is 10,000 characters, more than 8 x tokenizer.max_seq_len=64" in error[0], run.stderr
+    assert len(error) == 1 and "is 300,000 characters, more than 262,144" in error[0], run.stderr
     assert f"{BAD_LINE}" in error[0] and "raise tokenizer.max_seq_len" in error[0], error[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-    # Within the bound, a long text is cut to max_seq_len as before
+    # Within the bound, a long text is cut to max_seq_len as before (8,192 characters: 8 x 64 x 16, under the floor)
     ok = tmp_path / "ok.json"
-    ok.write_text(json.dumps([{"instruction": "Say it.", "input": "", "output": "word " * 1000}] * RECORDS))
+    ok.write_text(json.dumps([{"instruction": "Say it.", "input": "", "output": "word " * 20000}] * RECORDS))
     assert run_here(tmp_path / "ok", f"dataset.data_files={ok}", "dataset.packed=False").ok
