@@ -24,8 +24,9 @@ A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-m
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
 (a 7B run writes ~20 GB a checkpoint). Each recipe is run as a file with ``python`` (the GPU machine has no `tune`).
 
-``--speed-only`` runs step 5 alone, without saves, stopped once the last step is logged: to choose a setting (e.g.
-``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked ``speed_only`` and never passes.
+``--speed-only`` runs only the first run, without saves, stopped once its last step is logged, and records item 5's
+figures: to choose a setting (e.g. ``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked
+``speed_only`` and never passes.
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ def held(m, k):
 
 
 def eval_fits_beside(cls: Optional[str], folder: str) -> bool:
-    """Whether the eval (the folder's weights in fp32, as it scores, and a few GiB of work) fits the GPU beside a run of the class
-    (its cap): on the CPU, or with no GPU to ask, it does."""
+    """Whether the eval (the folder's weights in fp32, as it scores, and a few GiB of work) fits the GPU beside a run
+    of the class (its cap): on the CPU, or with no GPU to ask, it does."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True

@@ -489,6 +489,11 @@ class Job:
     def done(self) -> bool:
         return self.ended is not None
 
+    @property
+    def alive(self) -> bool:
+        """Its thread still runs (``fn`` not over, or its last moments after)."""
+        return self._thread.is_alive()
+
     def join(self) -> None:
         """Until ``fn`` returned or raised (a Ctrl-C meanwhile raises here and leaves the job as it is), then until
         the thread is gone: what ``fn`` leaves to free is freed on it, and a process that exits while a daemon

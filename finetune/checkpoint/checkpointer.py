@@ -386,6 +386,12 @@ class Checkpointer:
         """This rank's writer is still writing the checkpoint in flight."""
         return self._inflight is not None and not self._job.done
 
+    @property
+    def job_running(self) -> bool:
+        """A background job of this checkpointer (a write, or a staging buffer's allocation) still runs on its
+        thread: one a Ctrl-C abandoned, since every wait joins the thread."""
+        return self._job is not None and self._job.alive
+
     def poll(self, all_written: Optional[bool] = None) -> None:
         """At a step boundary: publish the checkpoint in flight if every rank has written its part, or raise the
         error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds

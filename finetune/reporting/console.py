@@ -167,14 +167,14 @@ def stop_at_ctrl_c(recipe, closing: Callable[[], str], show: bool = True, settle
 def exit_at_ctrl_c(recipe) -> None:
     """The recipe's exit after ``stop_at_ctrl_c``: the shell's 130 for SIGINT.
 
-    Where a checkpoint write was abandoned (a second Ctrl-C, or a rank that does not wait for it), its daemon thread
-    still runs, mostly inside torch's C++ code. The interpreter's shutdown stops such a thread where it next takes the
+    Where a checkpoint's background job was abandoned (a second Ctrl-C, or a rank that does not wait for it), its
+    daemon thread still runs, mostly inside torch's C++ code. The interpreter's shutdown stops such a thread where it next takes the
     GIL, inside a C++ call, and that aborts the process: "terminate called without an active exception", exit status
     -6 (SIGABRT), and a core file where the system writes them. So the process ends here instead, without that
     shutdown: the run's lock released (``recipe.release``) and the output flushed first; wandb is closed already, and
     the abandoned write's temporary folder is removed at the next start."""
     checkpointer = getattr(recipe, "_checkpointer", None)
-    if checkpointer is None or not checkpointer.writing:
+    if checkpointer is None or not checkpointer.job_running:
         sys.exit(130)
     recipe.release()
     for stream in (sys.stdout, sys.stderr):
