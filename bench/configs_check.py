@@ -104,16 +104,8 @@ def check_config(config: str, args) -> dict:
     if first.error():
         row["error"] = f"run: {first.error()}"
         return row
-    losses = [m["loss"] for m in metrics]
-    steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
-    row["tok_s"] = round(statistics.median(steady)) if steady else None
-    row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]  # (a save slows the steps beside it)
-    row["losses"] = losses
-    row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
+    _speed_figures(row, metrics, config, args)
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
-    anchor = args.anchors.get(config.split("/")[0])
-    if anchor and row["tok_s"]:
-        row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
     step = f"step_{args.save_every}"
     checks["saved"] = all((work / "run" / n / "model.safetensors").is_file() for n in (step, "epoch_0"))
     # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.
@@ -148,7 +140,7 @@ def check_config(config: str, args) -> dict:
     # sums in an order that varies from run to run, so two uninterrupted 7B runs differ from their third step
     # (by 7e-4 of the loss at step 4 on an H100); the weights written at the end differ likewise.
     again_losses = [m["loss"] for m in resumed]
-    expected = losses[args.save_every :]
+    expected = row["losses"][args.save_every :]
     checks["resumed_first_step_exact"] = not second.error() and again_losses[:1] == expected[:1]
     row["resumed_losses"] = again_losses
     row["resumed_max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(again_losses, expected)), default=None)
@@ -163,11 +155,7 @@ def check_config(config: str, args) -> dict:
     checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
     _check_limits(row)
     row["passed"] = all(checks.values())
-    if args.logs_dir:
-        _keep_logs(config, work, args)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(again_dir, ignore_errors=True)
+    _clean_up(config, work, args, again_dir)
     return row
 
 
@@ -180,21 +168,24 @@ def speed_row(config: str, row: dict, work: Path, args) -> dict:
     if len(metrics) < args.steps:
         row["error"] = f"run: {run.error() or f'{len(metrics)} of {args.steps} steps logged'}"
         return row
+    _speed_figures(row, metrics, config, args)
+    row["peak_allocated_gib"] = harness.peak(metrics, "peak_memory_alloc_gib")
+    _check_limits(row)
+    _clean_up(config, work, args)
+    return row
+
+
+def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
+    """A run's tokens/s (the median of the steps after --skip-steps, and every step's: a save slows the steps beside
+    it), losses, peak reserved bytes, and its ratio to the family's anchor."""
     steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
     row["tok_s"] = round(statistics.median(steady)) if steady else None
     row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]
     row["losses"] = [m["loss"] for m in metrics]
-    row["peak_allocated_gib"] = harness.peak(metrics, "peak_memory_alloc_gib")
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
     anchor = args.anchors.get(config.split("/")[0])
     if anchor and row["tok_s"]:
         row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
-    _check_limits(row)
-    if args.logs_dir:
-        _keep_logs(config, work, args)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    return row
 
 
 def _check_limits(row: dict) -> None:
@@ -206,12 +197,16 @@ def _check_limits(row: dict) -> None:
         checks["host_within_desktop"] = row["host_gb_peak"] <= row["limits"]["host_gb"]
 
 
-def _keep_logs(config: str, work: Path, args) -> None:
-    """The run folders go; their logs are what tells why a row failed."""
-    logs = Path(args.logs_dir)
-    logs.mkdir(parents=True, exist_ok=True)
-    for log in work.glob("*.log"):
-        shutil.copyfile(log, logs / f"{config.replace('/', '_')}_{log.name}")
+def _clean_up(config: str, work: Path, args, *more: Path) -> None:
+    """The run folders go (unless --keep); their logs, which tell why a row failed, are kept under --logs-dir."""
+    if args.logs_dir:
+        logs = Path(args.logs_dir)
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in work.glob("*.log"):
+            shutil.copyfile(log, logs / f"{config.replace('/', '_')}_{log.name}")
+    if not args.keep:
+        for folder in (work, *more):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # transformers 5 holds a mixture of experts' per-expert tensors of the file stacked (``mlp.experts.gate_up_proj``

@@ -64,19 +64,28 @@ def test_transformers_loads_a_mixture_of_experts_folder_expert_by_expert(tmp_pat
     assert scope["held"]({"lm_head.weight": down}, "model.layers.0.mlp.experts.1.up_proj.weight") is None
 
 
-def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
-    """The whole check on the CPU, as on the GPU with a toy's sizes: a run that saves at step 2 and at its end, the
-    resume from step_2/ in the other save mode beside transformers' load and the eval, and a passing row."""
+# A toy Llama 3.2 folder's check on the CPU: our 24 GB config's GPU-only settings off, 200 records, 3 steps.
+TOY_CPU = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
+
+
+def check_toy(tmp_path, *flags: str) -> dict:
+    """bench/configs_check.py's main() on a toy folder of llama3_2/3B_full_24gb, with ``flags``; its one row."""
     folder = tmp_path / "toy"
     toy_folder.make_toy_folder(folder, family="llama3_2", data_dir=DATA_DIR)
     out = tmp_path / "check.json"
-    cpu = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
     argv = ["--configs", "llama3_2/3B_full_24gb", "--checkpoint", f"llama3_2={folder}", "--data-dir", str(DATA_DIR)]
-    argv += ["--work-dir", str(tmp_path / "work"), "--steps", "3", "--save-every", "2", "--skip-steps", "1"]
-    argv += ["--eval-limit", "2", "--eval-set", "batch_size=2", "--out", str(out), "--allow-dirty", "--timeout", "600"]
-    argv += [a for o in [*cpu, "dataset.split=train[:200]"] for a in ("--set", o)]
+    argv += ["--work-dir", str(tmp_path / "work"), "--steps", "3", "--skip-steps", "1", *flags]
+    argv += ["--out", str(out), "--allow-dirty", "--timeout", "600"]
+    argv += [a for o in [*TOY_CPU, "dataset.split=train[:200]"] for a in ("--set", o)]
     configs_check.main(argv)
     (row,) = json.loads(out.read_text())["rows"]
+    return row
+
+
+def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
+    """The whole check on the CPU, as on the GPU with a toy's sizes: a run that saves at step 2 and at its end, the
+    resume from step_2/ in the other save mode beside transformers' load and the eval, and a passing row."""
+    row = check_toy(tmp_path, "--save-every", "2", "--eval-limit", "2", "--eval-set", "batch_size=2")
     assert row["passed"], row.get("error") or row.get("resume_error") or row["checks"]
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
@@ -84,16 +93,7 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
 
 
 def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path):
-    folder = tmp_path / "toy"
-    toy_folder.make_toy_folder(folder, family="llama3_2", data_dir=DATA_DIR)
-    out = tmp_path / "speed.json"
-    cpu = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
-    argv = ["--configs", "llama3_2/3B_full_24gb", "--checkpoint", f"llama3_2={folder}", "--data-dir", str(DATA_DIR)]
-    argv += ["--work-dir", str(tmp_path / "work"), "--steps", "3", "--skip-steps", "1", "--speed-only", "--keep"]
-    argv += ["--out", str(out), "--allow-dirty", "--timeout", "600"]
-    argv += [a for o in [*cpu, "dataset.split=train[:200]"] for a in ("--set", o)]
-    configs_check.main(argv)
-    (row,) = json.loads(out.read_text())["rows"]
+    row = check_toy(tmp_path, "--speed-only", "--keep")
     assert row["speed_only"] and "passed" not in row and not row.get("error"), row
     assert len(row["tok_s_per_step"]) == 3 and row["tok_s"] > 0 and "save_every_n_steps=null" in row["command"]
     run = tmp_path / "work" / "llama3_2_3B_full_24gb" / "run"
