@@ -15,6 +15,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+# -- a slow background checkpoint writer -------------------------------------------------------------------------------
+
+# An optimizer component whose run's background checkpoint jobs first spend ``write_s`` seconds in torch's C++ code
+# (matmuls, which let go of the GIL), as a 7B checkpoint's copies and serialization do: a recipe run (one process or
+# torchrun's ranks) imports it as ``slow_writer.SlowWriteAdamW`` with ``slow_writer_path``'s folder on PYTHONPATH.
+SLOW_WRITER = """
+import time
+import torch
+from finetune.checkpoint import async_save
+
+
+class SlowWriteAdamW(torch.optim.AdamW):
+    def __init__(self, params, write_s=0.0, **kwargs):
+        super().__init__(params, **kwargs)
+        run = async_save.Job._run
+
+        def slow(job, fn):
+            a, end = torch.randn(600, 600), time.monotonic() + write_s
+            while time.monotonic() < end:
+                a @ a
+            run(job, fn)
+
+        async_save.Job._run = slow
+"""
+
+
+def slow_writer_path(folder: Path) -> str:
+    """The folder to put on PYTHONPATH for ``optimizer._component_=slow_writer.SlowWriteAdamW``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "slow_writer.py").write_text(SLOW_WRITER)
+    return str(folder)
+
+
 # -- toy models of the families ---------------------------------------------------------------------------------------
 
 # The toys are written by the library's builder (finetune/toy_folder.py: the model at its fixed TINY_SIZES,

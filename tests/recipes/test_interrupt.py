@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import support
 from conftest import (
     RECIPE,
     REPO_ROOT,
@@ -124,26 +125,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-# The recipe with a slow background write: the writer first spends ~30 s in torch's C++ code (matmuls, which let go
-# of the GIL), as a 7B checkpoint's copies and serialization do: `python -c SLOW_WRITE RECIPE ARGS...`.
-SLOW_WRITE = r"""
-import runpy, sys, time, torch
-from finetune.checkpoint import async_save
-
-run = async_save.Job._run
-
-def slow(self, fn):
-    a, end = torch.randn(600, 600), time.monotonic() + 30
-    while time.monotonic() < end:
-        a @ a
-    run(self, fn)
-
-async_save.Job._run = slow
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def test_a_second_ctrl_c_abandons_the_background_write_and_the_process_exits_130(tmp_path):
     """Two Ctrl-C 0.05 s apart while step_2 is written in the background: the first waits for the write, the second
     abandons it. The process ends with the shell's 130 and its closing lines, within seconds, and step_2 is not
@@ -151,11 +132,11 @@ def test_a_second_ctrl_c_abandons_the_background_write_and_the_process_exits_130
     the interpreter's shutdown then stopped the writer's thread inside torch's C++ code, which aborted the process
     (exit status -6)."""
     out = tmp_path / "out"
-    args = recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60")
+    slow = ["optimizer._component_=slow_writer.SlowWriteAdamW", "optimizer.write_s=30"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WRITE, *args[args.index(RECIPE) :]],
+        recipe_command(out, "save_every_n_steps=2", "max_steps_per_epoch=60", *slow),
         cwd=REPO_ROOT,
-        env=recipe_env(),
+        env=recipe_env(PYTHONPATH=support.slow_writer_path(tmp_path / "slow")),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
