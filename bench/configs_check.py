@@ -38,6 +38,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -177,12 +178,13 @@ def speed_row(config: str, row: dict, work: Path, args) -> dict:
 
 def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
     """A run's tokens/s (the median of the steps after --skip-steps, and every step's: a save slows the steps beside
-    it), losses, peak reserved bytes, and its ratio to the family's anchor."""
+    it), losses, peak reserved bytes, the allocator's retries, and its ratio to the family's anchor."""
     steady = [m["tokens_per_second"] for m in metrics if m["step"] > args.skip_steps]
     row["tok_s"] = round(statistics.median(steady)) if steady else None
     row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]
     row["losses"] = [m["loss"] for m in metrics]
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
+    row["alloc_retries"] = metrics[-1].get("alloc_retries")  # a count that grows: the memory cap slows the steps
     anchor = args.anchors.get(config.split("/")[0])
     if anchor and row["tok_s"]:
         row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
@@ -337,7 +339,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     doc = {**harness.provenance(__file__, argv, args.allow_dirty), "weights": "random values", "rows": []}
     for config in args.configs:
+        start = time.monotonic()
         row = check_config(config, args)
+        row["wall_s"] = round(time.monotonic() - start)  # the whole check: what a device call must budget for it
         doc["rows"].append(row)
         harness.write_json(args.out, doc)
         verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"
@@ -347,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"{config}: {verdict}; {row.get('tok_s')} tok/s ({row.get('vs_stock')}x stock), GPU {row.get('gpu_mib_peak')} MiB, host "
             f"{row.get('host_gb_peak')} GB (training {row.get('host_gb_peak_training')}, saving "
             f"{row.get('host_gb_peak_saving')}; compile workers {row.get('compile_workers_gb_peak')}), "
-            f"eval {row.get('eval')}",
+            f"eval {row.get('eval')}; allocator retries {row.get('alloc_retries')}; {row['wall_s']} s",
             flush=True,
         )
 

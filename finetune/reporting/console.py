@@ -310,11 +310,16 @@ def host_memory_gib() -> Dict[str, float]:
 
 
 def memory_metrics(device: torch.device) -> Dict[str, float]:
-    """Peak allocated and reserved GiB on a GPU; the process's host memory, now and at its peak, on either."""
+    """Peak allocated and reserved GiB on a GPU; the process's host memory, now and at its peak, on either.
+
+    On a GPU also ``alloc_retries``: how often so far the caching allocator found no room under the card (or under
+    ``device_memory_limit_gib``), gave its cached blocks back and tried again. Each retry waits for the GPU to finish
+    its queued work, so a count that grows step after step means the cap is too tight for the config's speed."""
     out = host_memory_gib()
     if device.type == "cuda":
         out["peak_memory_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     return out
 
 

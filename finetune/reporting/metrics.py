@@ -216,6 +216,7 @@ def summary_metrics(records: List[Dict[str, Any]]) -> Dict[str, Any]:
         tokens_per_second_per_gpu_median   (distributed)
         peak_memory_alloc_gib, peak_memory_reserved_gib   the largest over the run (GPU)
         peak_rss_gib                 the process's host memory at its peak (on a GPU too: pinned states and weights)
+        alloc_retries                the caching allocator's retries over the run, each a wait for the GPU (GPU)
         optimizer_state_gib          the optimizer state at the last step
         optimizer_step_ms_median     median over the steady steps (null with optimizer_in_bwd)
         first_step_s                 the run's first step, compilation included
@@ -231,6 +232,7 @@ def summary_metrics(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     out["tokens_per_second_per_gpu_median"] = _median(r.get("tokens_per_second_per_gpu") for r in steady)
     for key in ("peak_memory_alloc_gib", "peak_memory_reserved_gib", "peak_rss_gib"):
         out[key] = _max(records, key)
+    out["alloc_retries"] = last.get("alloc_retries")
     state = last.get("optimizer_state_bytes")
     out["optimizer_state_gib"] = state / 2**30 if isinstance(state, (int, float)) else None
     out["optimizer_step_ms_median"] = _median(r.get("optimizer_step_ms") for r in steady)
@@ -258,6 +260,8 @@ def summary_sentence(numbers: Dict[str, Any]) -> str:
         parts.append(f"{numbers['tokens_per_second_median']:,.0f} tokens/s (median of the steady steps)")
     if "peak_memory_alloc_gib" in numbers:
         parts.append(f"peak {gib('peak_memory_alloc_gib')} allocated, {gib('peak_memory_reserved_gib')} reserved")
+    if numbers.get("alloc_retries"):
+        parts.append(f"{numbers['alloc_retries']} allocator retries (a tighter cap than the steps need)")
     if "peak_rss_gib" in numbers:
         parts.append(
             f"host memory peak {gib('peak_rss_gib')}"

@@ -1,9 +1,9 @@
-"""finetune/reporting/metrics.py's run summary across resumes: each resume's wandb run is a new one, and summary.json
-keeps the earlier ones named (docs/wandb.md, "A resumed run is a new wandb run")."""
+"""finetune/reporting/metrics.py's run summary: across resumes, each resume's wandb run is a new one and summary.json
+keeps the earlier ones named (docs/wandb.md, "A resumed run is a new wandb run"); the numbers it states."""
 
 import json
 
-from finetune.reporting.metrics import RunSummary
+from finetune.reporting.metrics import RunSummary, summary_metrics, summary_sentence
 
 
 def test_summary_json_names_the_wandb_runs_of_earlier_resumes(tmp_path):
@@ -24,3 +24,19 @@ def test_summary_json_names_the_wandb_runs_of_earlier_resumes(tmp_path):
     summary = finish(None)
     assert summary["wandb_run_id"] == "third" and summary["wandb_earlier_run_ids"] == ["first", "second"]
     assert summary["last_step"] == 3 and summary["name"] == "tiny"
+
+
+def test_the_summary_names_the_allocators_retries_only_where_there_were_any():
+    def records(retries):
+        return [
+            {"step": s, "epoch": 0, "loss": 1.0, "peak_memory_alloc_gib": 12.0, "alloc_retries": r}
+            for s, r in enumerate(retries, 1)
+        ]
+
+    # the count is cumulative: the run's total is the last step's
+    numbers = summary_metrics(records([0, 3, 7]))
+    assert numbers["alloc_retries"] == 7
+    assert "7 allocator retries" in summary_sentence(numbers)
+    quiet = summary_metrics(records([0, 0, 0]))
+    assert quiet["alloc_retries"] == 0 and "retries" not in summary_sentence(quiet)
+    assert "alloc_retries" not in summary_metrics([{"step": 1, "epoch": 0, "loss": 1.0}])  # on the CPU
