@@ -55,8 +55,8 @@ def step_record(
     """A step's metrics record, in the one shape both recipes write.
 
     ``ranks``: each rank's own figures, ``{"elapsed": s, "opt_ms": ms or None, "state_bytes": n, **memory_metrics}``
-    (one entry on one device). The step takes as long as its slowest rank; memory is the largest rank's and the
-    optimizer state the sum. With ``world`` (the distributed recipe) the record also keeps each rank's figures
+    (one entry on one device). The step takes as long as its slowest rank; memory (and the allocator's retries) is
+    the largest rank's and the optimizer state the sum. With ``world`` (the distributed recipe) the record also keeps each rank's figures
     (``..._per_rank``), tokens/s per GPU and the world size.
     """
     wall = max(r["elapsed"] for r in ranks)
@@ -72,7 +72,7 @@ def step_record(
         record["tokens_per_second_per_gpu"] = float(tokens) / wall / world
     record["step_time_s"] = wall
     for key in ranks[0]:
-        if key.startswith(("peak_", "host_rss")):
+        if key.startswith(("peak_", "host_rss", "alloc_retries")):
             record[key] = max(r[key] for r in ranks)
             if world is not None:
                 record[key + "_per_rank"] = [r[key] for r in ranks]

@@ -3,7 +3,7 @@ keeps the earlier ones named (docs/wandb.md, "A resumed run is a new wandb run")
 
 import json
 
-from finetune.reporting.metrics import RunSummary, summary_metrics, summary_sentence
+from finetune.reporting.metrics import RunSummary, step_record, summary_metrics, summary_sentence
 
 
 def test_summary_json_names_the_wandb_runs_of_earlier_resumes(tmp_path):
@@ -27,9 +27,12 @@ def test_summary_json_names_the_wandb_runs_of_earlier_resumes(tmp_path):
 
 
 def test_the_summary_names_the_allocators_retries_only_where_there_were_any():
-    def records(retries):
+    def records(retries):  # each step's record as the recipes build it, from one rank's memory_metrics
+        def rank(r):
+            return {"elapsed": 1.0, "opt_ms": None, "state_bytes": 0, "peak_memory_alloc_gib": 12.0, "alloc_retries": r}
+
         return [
-            {"step": s, "epoch": 0, "loss": 1.0, "peak_memory_alloc_gib": 12.0, "alloc_retries": r}
+            step_record(step=s, epoch=0, loss=1.0, lr=1e-5, tokens=8, ranks=[rank(r)], grad_norm=None, skipped=0)
             for s, r in enumerate(retries, 1)
         ]
 
