@@ -49,23 +49,25 @@ def _compile_workers() -> list:
     return found
 
 
-def test_the_compile_workers_end_and_a_later_compile_starts_them_again(monkeypatch):
+def test_the_compile_workers_end_and_a_later_compile_starts_them_again():
     """torch.compile's worker pool (one process per core, kept for the run) ends on request: a run under
     host_memory_limit_gib gives their memory back at a step boundary; a later compile starts a new pool."""
     from torch._inductor import async_compile
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 2)
-    host_memory.end_compile_workers()  # (a clean start: no pool left by another test in this process)
-    pool = async_compile.AsyncCompile.process_pool()
-    pool.submit(abs, -1).result()  # (the pool's processes exist once a job has run)
-    assert _compile_workers()
-    assert host_memory.end_compile_workers() == 1
-    deadline = time.monotonic() + HANG_GUARD_S
-    while _compile_workers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _compile_workers()
-    assert host_memory.end_compile_workers() == 0  # (nothing left to end)
-    again = async_compile.AsyncCompile.process_pool()  # a later compile: a new pool
-    assert again is not pool and again.submit(abs, -2).result() == 2
-    assert host_memory.end_compile_workers() == 1
+    # (inductor's config module is patched its own way: monkeypatch's undo would delete the setting for the
+    # tests after this one in the process)
+    with inductor_config.patch(compile_threads=2):
+        host_memory.end_compile_workers()  # (a clean start: no pool left by another test in this process)
+        pool = async_compile.AsyncCompile.process_pool()
+        pool.submit(abs, -1).result()  # (the pool's processes exist once a job has run)
+        assert _compile_workers()
+        assert host_memory.end_compile_workers() == 1
+        deadline = time.monotonic() + HANG_GUARD_S
+        while _compile_workers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _compile_workers()
+        assert host_memory.end_compile_workers() == 0  # (nothing left to end)
+        again = async_compile.AsyncCompile.process_pool()  # a later compile: a new pool
+        assert again is not pool and again.submit(abs, -2).result() == 2
+        assert host_memory.end_compile_workers() == 1
