@@ -350,6 +350,7 @@ class FullFinetuneRecipeSingleDevice:
         params = [p for p in self._model.parameters() if p.requires_grad]
         self._summary.training_started()  # (the first step's time counts from here: compile included)
         timer = StepTimer(self._device)
+        self._collector = collector = console.CollectorTime()  # (each step's time in Python's garbage collector)
         for epoch in range(self.epoch, s.training.epochs):
             start = self.steps_in_epoch if epoch == self.epoch else 0
             skip_to(self._sampler, epoch, start, s.training.accum * s.data.batch_size)
@@ -448,6 +449,7 @@ class FullFinetuneRecipeSingleDevice:
                 record.update(self._summary.first_step_field())  # (the first record of this process)
                 if s.memory.compile:
                     record["compiled_graphs"] = console.compiled_graphs()
+                record.update(collector.take())
                 record.update(self._checkpointer.metrics(since=t0))
                 record.update(step_metrics(self._streamed, self._weights))  # (bytes moved, waits on copies)
                 if not math.isfinite(loss_value):
@@ -537,6 +539,8 @@ class FullFinetuneRecipeSingleDevice:
         self._metrics.close()
 
     def release(self) -> None:
+        if getattr(self, "_collector", None) is not None:
+            self._collector.close()
         if getattr(self, "_checkpointer", None) is not None:
             self._checkpointer.close()
         self._folder.release()

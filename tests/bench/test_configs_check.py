@@ -88,6 +88,7 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     row = check_toy(tmp_path, "--save-every", "2", "--eval-limit", "2", "--eval-set", "batch_size=2")
     assert row["passed"], row.get("error") or row.get("resume_error") or row["checks"]
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
+    assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
 

@@ -188,6 +188,8 @@ METRIC_KEYS = {
     "optimizer_step_ms",
     "optimizer_state_bytes",
     "grad_norm",
+    "gc_ms",
+    "gc_full",
 }
 
 
@@ -261,6 +263,7 @@ def test_reference_run_metrics_and_checkpoints(reference_run):
     for record in reference_run.metrics:
         assert METRIC_KEYS <= set(record), record
         assert record["tokens_per_second"] > 0 and record["optimizer_state_bytes"] > 0
+        assert record["gc_ms"] >= 0 and record["gc_full"] >= 0
     # fp32 AdamW: two states the size of the model, plus one step counter per parameter.
     weights = (reference_run.output_dir / "epoch_0" / "model.safetensors").stat().st_size
     assert 2 * weights * 0.99 < reference_run.metrics[-1]["optimizer_state_bytes"] < 2 * weights * 1.01
