@@ -24,6 +24,10 @@ A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-m
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
 (a 7B run writes ~20 GB a checkpoint). Each recipe is run as a file with ``python`` (the GPU machine has no `tune`).
 
+``--folders DIR`` makes each model's random-valued folder when no ``--checkpoint`` names it, and ``--budget-s``
+starts only the configs that should end in time, printing the rest as the next call's ``--configs``
+(docs/benchmarks.md, "Every shipped config, end to end").
+
 ``--speed-only`` runs only the first run, without saves, stopped once its last step is logged, and records item 5's
 figures: to choose a setting (e.g. ``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked
 ``speed_only`` and never passes.
@@ -55,6 +59,13 @@ GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "80gb": 81_559}  # (80 GB: an H
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
+# A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06: 3B 12 GB 103 s, 7-8B 16 GB 187-215 s;
+# the 24, 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making (35 s, and the BPE's
+# 18 s once): what --budget-s plans with until a row of the class has run.
+ROW_SECONDS = {"12gb": 120, "16gb": 230, "24gb": 180, "32gb": 240, "80gb": 300}
+FOLDER_SECONDS = 60
+MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
+BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
 
@@ -68,7 +79,7 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves:
     ends; a save starts at the step before). ``saves=False``: no step save, and the run is stopped once its last
     step is logged, before the epoch's save."""
     cmd = [sys.executable, RECIPE, "--config", f"configs/{config}.yaml"]
-    cmd += [f"checkpoint_dir={args.folders[config.split('/')[0]]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
+    cmd += [f"checkpoint_dir={args.resolved[config]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
     save_every = args.save_every if saves else "null"
     cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={save_every}", "log_every_n_steps=1"]
     cmd += ["metric_logger=null", *args.set, *extra]
@@ -130,7 +141,7 @@ def check_config(config: str, args) -> dict:
     with ThreadPoolExecutor(max_workers=3) as pool:
         resumed_f = pool.submit(resume)
         loads_f = pool.submit(lambda: transformers_loads(epoch_dir) if epoch.is_file() else False)
-        beside = eval_fits_beside(row["class"], args.folders[config.split("/")[0]])
+        beside = eval_fits_beside(row["class"], args.resolved[config])
         eval_f = pool.submit(evaluation) if beside else None
         second, resumed, _ = resumed_f.result()
         row["eval"] = eval_f.result() if eval_f else evaluation()
@@ -228,6 +239,100 @@ def held(m, k):
 """
 
 
+# -- the folders: given (--checkpoint), or made under --folders as the committed rows' were ---------------------------
+
+
+def model_key(config: str) -> str:
+    """The model a config trains, as bench/model_families.py names it: llama3_1/8B_full_16gb_fp8 -> llama3_1_8b."""
+    family, name = config.split("/")
+    return f"{family}_{name.split('_')[0].lower()}"
+
+
+def given_folder(config: str, args) -> Optional[str]:
+    """--checkpoint's folder for the config: by its model (qwen2_5_3b=DIR), else by its configs/ folder (qwen2_5=DIR,
+    which holds for every size of the family)."""
+    return args.folders.get(model_key(config)) or args.folders.get(config.split("/")[0])
+
+
+def folder_command(key: str, folder: Path, args) -> Optional[List[str]]:
+    """The command that writes the model's random-valued HF folder, None for a model no tool here makes: Llama2-7B by
+    bench/e2e.py (Llama 2's own tokenizer), the other families' by bench/model_families.py from their real
+    config.json (a 32,000-token BPE trained on Alpaca as the tokenizer: one, shared, under --folders)."""
+    bench = harness.REPO_ROOT / "bench"
+    if key == "llama2_7b":
+        tokenizer = Path(args.data_dir) / "llama2_tokenizer" / "tokenizer.model"
+        return [sys.executable, str(bench / "e2e.py"), "--make-checkpoint", str(folder), "--tokenizer", str(tokenizer)]
+    if key not in family_specs():
+        return None
+    cmd = [sys.executable, str(bench / "model_families.py"), "--make-checkpoint", str(folder), "--families", key]
+    cmd += ["--bpe", str(folder.parent / BPE_FILE), "--data-dir", args.data_dir, "--rows", "ours"]
+    return cmd + (["--toy"] if args.toy_folders else [])
+
+
+def family_specs() -> dict:
+    from _family_rows import SPECS  # (lazy: it imports the model code, which --checkpoint alone never needs)
+
+    return SPECS
+
+
+def ensure_folder(config: str, args) -> Optional[str]:
+    """Sets ``args.resolved[config]``: --checkpoint's folder, or --folders/<model>, written first where it is missing.
+    Unless --keep-folders, the folders this tool made there for other models go first (a 7-8B folder is 15-16 GB);
+    nothing it did not make is removed. An error, or None."""
+    given = given_folder(config, args)
+    if given:
+        args.resolved[config] = given
+        return None
+    key = model_key(config)
+    root = Path(args.folders_dir)
+    folder = root / key
+    if (folder / "config.json").is_file():
+        args.resolved[config] = str(folder)
+        return None
+    if folder.exists():
+        return f"{folder} exists without a config.json and this tool did not make it: remove it, or give --checkpoint"
+    root.mkdir(parents=True, exist_ok=True)
+    if not args.keep_folders:
+        for other in root.iterdir():
+            if other.is_dir() and (other / MADE_MARK).is_file():
+                shutil.rmtree(other)
+    if key != "llama2_7b" and not (root / BPE_FILE).is_file():
+        from finetune.toy_folder import TINY_BPE_SIZE  # (a toy's vocabulary: the 1,024 of its config.json)
+
+        code = "import sys; from finetune.model.toy_tokenizer import alpaca_texts, train_bpe\n"
+        code += "train_bpe(alpaca_texts(sys.argv[1]), int(sys.argv[2])).save(sys.argv[3])"
+        size = str(TINY_BPE_SIZE if args.toy_folders else 32000)
+        made = harness.run([sys.executable, "-c", code, args.data_dir, size, str(root / BPE_FILE)],
+                           root / "bpe.log", timeout=args.timeout)  # fmt: skip
+        if made.error():
+            return f"the stand-in tokenizer: {made.error()}"
+    # Written under another name, marked as this tool's, then renamed: an interrupted write leaves no folder that a
+    # later call would take for a whole one, and the mark is what lets a later call remove it.
+    partial = root / f"{key}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    made = harness.run(folder_command(key, partial, args), root / f"make_{key}.log", timeout=args.timeout)
+    if made.error():
+        shutil.rmtree(partial, ignore_errors=True)
+        return f"{key}'s folder: {made.error()}"
+    (partial / MADE_MARK).write_text("a random-valued folder written by bench/configs_check.py --folders\n")
+    partial.rename(folder)
+    print(f"{key}: random-valued folder written in {made.wall_s:.0f} s", flush=True)
+    args.resolved[config] = str(folder)
+    return None
+
+
+def budget_left(config: str, args, started: float, walls: Dict[str, float]) -> bool:
+    """Whether --budget-s leaves time for the config's row: the longest row of its class so far (else ROW_SECONDS),
+    and FOLDER_SECONDS more where its folder is still to be made."""
+    if args.budget_s is None:
+        return True
+    cls = card_class(config)
+    need = walls.get(cls, ROW_SECONDS.get(cls or "80gb", 300))
+    if not given_folder(config, args) and not (Path(args.folders_dir) / model_key(config) / "config.json").is_file():
+        need += FOLDER_SECONDS
+    return time.monotonic() - started + need <= args.budget_s
+
+
 def eval_fits_beside(cls: Optional[str], folder: str) -> bool:
     """Whether the eval (the folder's weights in fp32, as it scores, and a few GiB of work) fits the GPU beside a run
     of the class (its cap): on the CPU, or with no GPU to ask, it does."""
@@ -291,7 +396,26 @@ def parse_args(argv: List[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", required=True, help="comma-separated, as under configs/ without .yaml")
     ap.add_argument(
-        "--checkpoint", action="append", default=[], metavar="FAMILY=DIR", help="a configs/ folder's HF folder"
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="a model's HF folder, by model (qwen2_5_3b=DIR) or by configs/ folder (qwen2_5=DIR: every size)",
+    )
+    ap.add_argument(
+        "--folders",
+        dest="folders_dir",
+        metavar="DIR",
+        help="where the models that --checkpoint does not name get their random-valued folders, made when missing "
+        "(one at a time unless --keep-folders; /dev/shm on the GPU machine keeps the disk for the checkpoints)",
+    )
+    ap.add_argument("--keep-folders", action="store_true", help="keep the other models' folders under --folders")
+    ap.add_argument("--toy-folders", action="store_true", help=argparse.SUPPRESS)  # (tests: toy sizes, on the CPU)
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="start a config only where its row (and its folder) should end within this many seconds of the start; "
+        "the configs left are printed as the next call's --configs",
     )
     ap.add_argument("--data-dir", default=harness.DATA_DIR)
     ap.add_argument("--work-dir", default=harness.scratch("configs_check"))
@@ -326,13 +450,23 @@ def parse_args(argv: List[str]):
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
     args.folders = dict(item.split("=", 1) for item in args.checkpoint)
+    args.resolved = {}  # config -> the folder it runs on (ensure_folder)
     args.anchors = {family: read_anchor(family, Path(path)) for family, path in (a.split("=", 1) for a in args.anchor)}
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in args.configs:
         if not (harness.REPO_ROOT / "configs" / f"{c}.yaml").is_file():
             harness.refuse(f"--configs: no configs/{c}.yaml")
-        if c.split("/")[0] not in args.folders:
-            harness.refuse(f"--configs {c}: give its HF folder with --checkpoint {c.split('/')[0]}=DIR")
+        if given_folder(c, args):
+            continue
+        if not args.folders_dir:
+            harness.refuse(f"--configs {c}: give its HF folder with --checkpoint {model_key(c)}=DIR, or --folders DIR")
+        if folder_command(model_key(c), Path(args.folders_dir) / model_key(c), args) is None:
+            harness.refuse(
+                f"--configs {c}: no tool here makes {model_key(c)}'s folder; give it with --checkpoint {model_key(c)}=DIR"
+            )
+    if args.folders_dir:  # (each model's configs one after another: its folder is made once)
+        order = list(dict.fromkeys(model_key(c) for c in args.configs))
+        args.configs.sort(key=lambda c: order.index(model_key(c)))
     return args
 
 
@@ -340,10 +474,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     doc = {**harness.provenance(__file__, argv, args.allow_dirty), "weights": "random values", "rows": []}
+    started, walls, not_run = time.monotonic(), {}, []
     for config in args.configs:
+        if not_run or not budget_left(config, args, started, walls):
+            not_run.append(config)  # (in order: the next call starts where this one stopped)
+            continue
         start = time.monotonic()
-        row = check_config(config, args)
+        error = ensure_folder(config, args)
+        folder_s, start = time.monotonic() - start, time.monotonic()
+        if error:
+            row = {"config": config, "class": card_class(config), "checks": {}, "error": f"folder: {error}"}
+        else:
+            row = check_config(config, args)
         row["wall_s"] = round(time.monotonic() - start)  # the whole check: what a device call must budget for it
+        row["folder_s"] = round(folder_s)  # (its model's folder made first: 0 where it was there)
+        walls[row["class"]] = max(walls.get(row["class"], 0), row["wall_s"])
         doc["rows"].append(row)
         harness.write_json(args.out, doc)
         verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"
@@ -356,6 +501,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"eval {row.get('eval')}; allocator retries {row.get('alloc_retries')}; {row['wall_s']} s",
             flush=True,
         )
+    if not_run:
+        doc["not_run"] = not_run
+        harness.write_json(args.out, doc)
+        print(f"not run within --budget-s {args.budget_s:.0f}: --configs {','.join(not_run)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """bench/configs_check.py's anchor: the stock low-memory row of a results file from the same device call gives each
 config of its family a ratio, and a file without that family's measured row is refused before anything runs; its
-transformers check holds a mixture of experts' per-expert tensors to the slices transformers stacks them into; and the
-whole check of one config on a toy folder, on the CPU."""
+transformers check holds a mixture of experts' per-expert tensors to the slices transformers stacks them into; the
+whole check of one config on a toy folder, on the CPU; the folders --folders makes, one model at a time, and what
+--budget-s leaves for the next call."""
 
 import json
 import re
@@ -99,3 +100,61 @@ def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path):
     assert len(row["tok_s_per_step"]) == 3 and row["tok_s"] > 0 and "save_every_n_steps=null" in row["command"]
     run = tmp_path / "work" / "llama3_2_3B_full_24gb" / "run"
     assert not list(run.glob("step_*"))  # (the epoch's save may start before the stop, on a toy)
+
+
+def run_check(tmp_path, configs: str, *flags: str) -> dict:
+    """main() with --folders (toy folders made on the CPU) and ``flags``, speed only; the results file."""
+    out = tmp_path / "check.json"
+    argv = ["--configs", configs, "--folders", str(tmp_path / "folders"), "--toy-folders", "--speed-only"]
+    argv += ["--data-dir", str(DATA_DIR), "--work-dir", str(tmp_path / "work"), "--steps", "2", "--skip-steps", "1"]
+    argv += ["--out", str(out), "--allow-dirty", "--timeout", "600", *flags]
+    argv += [a for o in [*TOY_CPU, "dataset.split=train[:200]"] for a in ("--set", o)]
+    configs_check.main(argv)
+    return json.loads(out.read_text())
+
+
+def test_each_models_folder_is_made_once_and_the_last_models_alone_is_kept(tmp_path):
+    """--folders: the configs run grouped by model, each model's random-valued folder written before its first config
+    (bench/model_families.py's, one stand-in BPE for all) and the one before it removed (a 7-8B folder is 15 GB)."""
+    mine = tmp_path / "folders" / "my_model"  # a folder of the user's there: never removed
+    mine.mkdir(parents=True)
+    (mine / "config.json").write_text("{}")
+    doc = run_check(tmp_path, "qwen2_5/3B_full_24gb,llama3_2/3B_full_24gb,qwen2_5/3B_full_80gb")
+    rows = doc["rows"]
+    assert [r["config"] for r in rows] == ["qwen2_5/3B_full_24gb", "qwen2_5/3B_full_80gb", "llama3_2/3B_full_24gb"]
+    assert all(r["tok_s"] and not r.get("error") for r in rows), rows
+    folders = tmp_path / "folders"
+    assert [r["command"].count(f"checkpoint_dir={folders / 'qwen2_5_3b'} ") for r in rows] == [1, 1, 0]
+    assert f"checkpoint_dir={folders / 'llama3_2_3b'} " in rows[2]["command"]
+    assert sorted(p.name for p in folders.iterdir() if p.is_dir()) == ["llama3_2_3b", "my_model"]
+    assert json.loads((folders / "llama3_2_3b" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_a_budget_too_short_for_a_row_runs_nothing_and_names_the_next_calls_configs(tmp_path, capsys):
+    doc = run_check(tmp_path, "llama3_2/3B_full_24gb,llama3_2/3B_full_12gb", "--budget-s", "30")
+    assert doc["rows"] == [] and doc["not_run"] == ["llama3_2/3B_full_24gb", "llama3_2/3B_full_12gb"]
+    assert "--configs llama3_2/3B_full_24gb,llama3_2/3B_full_12gb" in capsys.readouterr().out
+    assert not (tmp_path / "folders").exists()  # (nothing made for a row that does not run)
+
+
+def test_a_config_without_a_folder_or_a_way_to_make_one_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        configs_check.parse_args(["--configs", "llama3_2/3B_full_24gb"])
+    assert "--checkpoint llama3_2_3b=DIR, or --folders DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        configs_check.parse_args(["--configs", "qwen3_moe/30B_A3B_full_80gb", "--folders", str(tmp_path)])
+    assert "no tool here makes qwen3_moe_30b's folder" in capsys.readouterr().err
+    # a folder given by model or by configs/ folder needs no --folders
+    given = configs_check.parse_args(["--configs", "qwen2_5/3B_full_24gb", "--checkpoint", "qwen2_5_3b=/x"])
+    assert configs_check.given_folder("qwen2_5/3B_full_24gb", given) == "/x"
+    given = configs_check.parse_args(["--configs", "qwen2_5/7B_full_80gb", "--checkpoint", "qwen2_5=/y"])
+    assert configs_check.given_folder("qwen2_5/7B_full_80gb", given) == "/y"
+
+
+def test_a_folder_there_that_this_tool_did_not_make_is_neither_used_half_made_nor_removed(tmp_path):
+    args = configs_check.parse_args(["--configs", "llama3_2/3B_full_24gb", "--folders", str(tmp_path)])
+    (tmp_path / "llama3_2_3b").mkdir()
+    (tmp_path / "llama3_2_3b" / "notes.txt").write_text("mine")
+    error = configs_check.ensure_folder("llama3_2/3B_full_24gb", args)
+    assert "exists without a config.json and this tool did not make it" in error
+    assert (tmp_path / "llama3_2_3b" / "notes.txt").read_text() == "mine"
