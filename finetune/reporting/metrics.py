@@ -56,8 +56,8 @@ def step_record(
 
     ``ranks``: each rank's own figures, ``{"elapsed": s, "opt_ms": ms or None, "state_bytes": n, **memory_metrics}``
     (one entry on one device). The step takes as long as its slowest rank; memory (and the allocator's retries) is
-    the largest rank's and the optimizer state the sum. With ``world`` (the distributed recipe) the record also keeps each rank's figures
-    (``..._per_rank``), tokens/s per GPU and the world size.
+    the largest rank's and the optimizer state the sum. With ``world`` (the distributed recipe) the record also
+    keeps each rank's figures (``..._per_rank``), tokens/s per GPU and the world size.
     """
     wall = max(r["elapsed"] for r in ranks)
     record: Dict[str, Any] = {
@@ -261,7 +261,7 @@ def summary_sentence(numbers: Dict[str, Any]) -> str:
     if "peak_memory_alloc_gib" in numbers:
         parts.append(f"peak {gib('peak_memory_alloc_gib')} allocated, {gib('peak_memory_reserved_gib')} reserved")
     if numbers.get("alloc_retries"):
-        parts.append(f"{numbers['alloc_retries']} allocator retries (a tighter cap than the steps need)")
+        parts.append(f"{numbers['alloc_retries']} allocator retries (GPU memory ran short; each waited for the GPU)")
     if "peak_rss_gib" in numbers:
         parts.append(
             f"host memory peak {gib('peak_rss_gib')}"
