@@ -34,6 +34,17 @@ from finetune.stops import StopSignal
 EXIT_WAIT_S = 120
 
 
+def exit_output(proc: subprocess.Popen, after: str) -> str:
+    """The run's output once it has exited; a run still going EXIT_WAIT_S after the signal is killed and fails the
+    test with its last lines."""
+    try:
+        return proc.communicate(timeout=EXIT_WAIT_S)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"still running {EXIT_WAIT_S} s after {after}:\n{output[-3000:]}")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_pid_stops_the_run_and_the_process_exits(tmp_path, sig):
     """The signal a script or a scheduler sends: to the recipe's PID only (not its process group), with wandb on and
@@ -59,12 +70,7 @@ def test_a_signal_to_the_pid_stops_the_run_and_the_process_exits(tmp_path, sig):
         time.sleep(0.02)
     sent = time.monotonic()
     os.kill(proc.pid, sig)
-    try:
-        output, _ = proc.communicate(timeout=EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"still running {EXIT_WAIT_S} s after {sig.name} to its PID:\n{output[-3000:]}")
+    output = exit_output(proc, f"{sig.name} to its PID")
     seconds = time.monotonic() - sent
     trained = max(m["step"] for m in read_metrics(out))
     last_line = output.strip().splitlines()[-1]
@@ -148,12 +154,7 @@ def test_a_second_ctrl_c_abandons_the_background_write_and_the_process_exits_130
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
-    try:
-        output, _ = proc.communicate(timeout=EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        pytest.fail(f"still running {EXIT_WAIT_S} s after two Ctrl-C:\n{output[-3000:]}")
+    output = exit_output(proc, "two Ctrl-C")
     assert proc.returncode == 130, f"exit status {proc.returncode}:\n{output[-3000:]}"
     assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
     assert "Ctrl-C again abandons it" in output
