@@ -296,16 +296,17 @@ def ensure_folder(config: str, args) -> Optional[str]:
         for other in root.iterdir():
             if other.is_dir() and (other / MADE_MARK).is_file():
                 shutil.rmtree(other)
-    if key != "llama2_7b" and not (root / BPE_FILE).is_file():
+    if key != "llama2_7b" and not (root / BPE_FILE).is_file():  # (as bench/model_families.py trains its own)
+        from finetune.base import BadInput
+        from finetune.model.toy_tokenizer import alpaca_texts, train_bpe
         from finetune.toy_folder import TINY_BPE_SIZE  # (a toy's vocabulary: the 1,024 of its config.json)
 
-        code = "import sys; from finetune.model.toy_tokenizer import alpaca_texts, train_bpe\n"
-        code += "train_bpe(alpaca_texts(sys.argv[1]), int(sys.argv[2])).save(sys.argv[3])"
-        size = str(TINY_BPE_SIZE if args.toy_folders else 32000)
-        made = harness.run([sys.executable, "-c", code, args.data_dir, size, str(root / BPE_FILE)],
-                           root / "bpe.log", timeout=args.timeout)  # fmt: skip
-        if made.error():
-            return f"the stand-in tokenizer: {made.error()}"
+        try:
+            train_bpe(alpaca_texts(args.data_dir), TINY_BPE_SIZE if args.toy_folders else 32000).save(
+                str(root / BPE_FILE)
+            )
+        except BadInput as e:  # (no Alpaca under --data-dir: the row says so, the next config runs)
+            return f"the stand-in tokenizer: {e}"
     # Written under another name, marked as this tool's, then renamed: an interrupted write leaves no folder that a
     # later call would take for a whole one, and the mark is what lets a later call remove it.
     partial = root / f"{key}.partial"
