@@ -4,7 +4,8 @@
         --configs llama2/7B_full_16gb_fp8,llama2/7B_full_12gb_fp8 --out bench/results/configs_check_h100.json
 
 Per config, with the config's own settings and only checkpoint_dir, data_dir, output_dir and the run's length
-overridden (plus the overrides of --set):
+overridden (plus the overrides of --set, and the class's cap where the config sets none: the 24, 32 and 80 GB
+configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_harness.py's CLASS_GIB):
 
 1. a short run that writes ``step_{save_every}/`` and ``epoch_0/`` in the config's save mode (async_checkpoint);
 2. a resume from ``step_{save_every}/`` in the other save mode, to its own ``epoch_0/``: its losses must equal the
@@ -47,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import yaml
+
 import _harness as harness
 import _runner as runner
 
@@ -54,8 +57,9 @@ RECIPE = "recipes/full_finetune_single_device.py"
 EVAL_RECIPE = "recipes/evaluate.py"
 # What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
 # (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
-# mostly have 32 GB of RAM, of which the system and a desktop keep some.
-GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "80gb": 81_559}  # (80 GB: an H100's 81,559 MiB, the whole card)
+# mostly have 32 GB of RAM, of which the system and a desktop keep some. The 24 and 32 GB classes' cards (an RTX
+# 4090, a 5090: 23.6 and 31.4 GiB to CUDA) are taken whole, as the 80 GB class's (an H100's 81,559 MiB).
+GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "24gb": 24_166, "32gb": 32_153, "80gb": 81_559}
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
@@ -74,6 +78,23 @@ def card_class(config: str) -> Optional[str]:
     return next((c for c in ("16gb", "12gb", "24gb", "32gb", "80gb") if f"_{c}" in config), None)
 
 
+def class_card(config: str, args) -> List[str]:
+    """The override that makes this GPU a card of the config's class where the config sets no cap of its own:
+    ``device_memory_limit_gib`` at the class's cap (bench/_harness.py's CLASS_GIB). Uncapped, an 80 GB GPU lends a
+    24 GB config what its card would not have: a background save then copies the checkpoint into spare GPU memory
+    (9 GiB for a 3B model) where a 24 GB card copies it into host memory, and the footprints are not the card's.
+    None where --set names a cap or a device other than CUDA (the CPU tests)."""
+    cls = card_class(config)
+    if cls is None or any(
+        o.startswith(("device_memory_limit_gib=", "device=")) and o != "device=cuda" for o in args.set
+    ):
+        return []
+    settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
+    if settings.get("device_memory_limit_gib") is not None:
+        return []
+    return [f"device_memory_limit_gib={harness.CLASS_GIB[cls]}"]
+
+
 def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves: bool = True):
     """One recipe run with the footprint sampled; the save spans from its output ("Saved checkpoint" lines mark their
     ends; a save starts at the step before). ``saves=False``: no step save, and the run is stopped once its last
@@ -82,7 +103,7 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves:
     cmd += [f"checkpoint_dir={args.resolved[config]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
     save_every = args.save_every if saves else "null"
     cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={save_every}", "log_every_n_steps=1"]
-    cmd += ["metric_logger=null", *args.set, *extra]
+    cmd += ["metric_logger=null", *class_card(config, args), *args.set, *extra]
     lines: List[tuple] = []
     fp = runner.Footprint()
     until = None if saves else (lambda: len(harness.read_metrics(out)) >= args.steps)

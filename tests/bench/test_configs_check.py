@@ -1,12 +1,13 @@
 """bench/configs_check.py's anchor: the stock low-memory row of a results file from the same device call gives each
 config of its family a ratio, and a file without that family's measured row is refused before anything runs; its
 transformers check holds a mixture of experts' per-expert tensors to the slices transformers stacks them into; the
-whole check of one config on a toy folder, on the CPU; the folders --folders makes, one model at a time, and what
---budget-s leaves for the next call."""
+whole check of one config on a toy folder, on the CPU; the card each config runs on (its class's cap where it sets
+none); the folders --folders makes, one model at a time, and what --budget-s leaves for the next call."""
 
 import json
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,6 +66,23 @@ def test_transformers_loads_a_mixture_of_experts_folder_expert_by_expert(tmp_pat
     assert scope["held"]({"lm_head.weight": down}, "model.layers.0.mlp.experts.1.up_proj.weight") is None
 
 
+def test_a_config_without_a_cap_of_its_own_runs_on_a_card_of_its_class():
+    """An 80 GB GPU would lend a 24 GB config spare memory its card has not (a background save's copy goes there):
+    the configs that set no device_memory_limit_gib run at their class's cap; the 16 and 12 GB configs keep their
+    own, and a cap or a CPU device given with --set is the run's."""
+    cap = configs_check.harness.CLASS_GIB
+
+    def card(config, *sets):
+        return configs_check.class_card(config, SimpleNamespace(set=list(sets)))
+
+    assert card("llama3_2/3B_full_24gb_fp8") == [f"device_memory_limit_gib={cap['24gb']}"]
+    assert card("qwen3/8B_full_32gb", "device=cuda") == [f"device_memory_limit_gib={cap['32gb']}"]
+    assert card("mistral/7B_full_80gb_fp8") == [f"device_memory_limit_gib={cap['80gb']}"]
+    assert card("llama2/7B_full_16gb_fp8") == [] and card("qwen2_5/3B_full_12gb") == []  # (their own: 14.2, 10.3)
+    assert card("llama3_2/3B_full_24gb", "device=cpu") == []
+    assert card("llama3_2/3B_full_24gb", "device_memory_limit_gib=20") == []
+
+
 # A toy Llama 3.2 folder's check on the CPU: our 24 GB config's GPU-only settings off, 200 records, 3 steps.
 TOY_CPU = ["device=cpu", "dtype=fp32", "compile=False", "batch_size=2", "tokenizer.max_seq_len=128", "fp8=null"]
 
@@ -98,6 +116,7 @@ def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path):
     row = check_toy(tmp_path, "--speed-only", "--keep")
     assert row["speed_only"] and "passed" not in row and not row.get("error"), row
     assert len(row["tok_s_per_step"]) == 3 and row["tok_s"] > 0 and "save_every_n_steps=null" in row["command"]
+    assert "device_memory_limit_gib" not in row["command"]  # (device=cpu: no card to emulate)
     run = tmp_path / "work" / "llama3_2_3B_full_24gb" / "run"
     assert not list(run.glob("step_*"))  # (the epoch's save may start before the stop, on a toy)
 
