@@ -147,11 +147,13 @@ class Footprint:
         self._stop.set()
         self._thread.join()
 
-    def peaks(self, spans: List[tuple]) -> dict:
-        """Peak host GB and GPU MiB over the whole run and inside ``spans`` ((start, end) seconds: the saves)."""
+    def peaks(self, spans: List[tuple], trained: Optional[float] = None) -> dict:
+        """Peak host GB and GPU MiB over the whole run, and the host peak while training and while saving: inside
+        ``spans`` ((start, end) seconds: the saves), and from ``trained`` on (the second the last step was logged:
+        the epoch's save and the exit, when nothing trains any more), is saving; the rest is training."""
 
         def within(t):
-            return any(a <= t <= b for a, b in spans)
+            return (trained is not None and t > trained) or any(a <= t <= b for a, b in spans)
 
         def peak(rows, i):
             return round(max((r[i] for r in rows), default=0.0), 2)

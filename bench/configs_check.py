@@ -19,7 +19,8 @@ configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_h
 5. the footprints of the first run: tokens/s (median of the steps after --skip-steps), the GPU memory nvidia-smi
    reports for the process (the CUDA context included: what a card must hold, not the allocator's reserved bytes),
    and the host memory it took, as the drop of MemAvailable from just before the run (what a desktop must have
-   free), both sampled every half second, and the peaks while training and while a checkpoint was written.
+   free), both sampled every half second, and the peaks while training and while a checkpoint was written (the
+   epoch's save and the exit after the last step count as saving; ``phases_s`` keeps the step and save times).
 
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
@@ -120,7 +121,12 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves:
             name = saved.group(1)
             step = int(name[5:]) if name.startswith("step_") else max(steps)
             spans.append((steps.get(step, 0.0), t))
-    return result, metrics, {**fp.peaks(spans), "series": fp.samples[:: max(1, len(fp.samples) // 400)]}
+    # What follows the last step (the epoch's save, the exit) is not training: a save's pages the process keeps until
+    # it ends would otherwise count as the training peak.
+    trained = max(steps.values()) if steps else None
+    phases = {"steps": sorted(steps.items()), "saves": spans, "trained": trained}  # (seconds, as the series')
+    series = fp.samples[:: max(1, len(fp.samples) // 400)]
+    return result, metrics, {**fp.peaks(spans, trained), "series": series, "phases_s": phases}
 
 
 def check_config(config: str, args) -> dict:

@@ -109,6 +109,9 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
     assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
+    phases = row["phases_s"]  # (the step lines' and saves' seconds, as the series' samples: training ends at step 3)
+    assert [step for step, _ in phases["steps"]] == [1, 2, 3] and phases["trained"] == phases["steps"][-1][1]
+    assert len(phases["saves"]) == 2 and all(start <= end for start, end in phases["saves"])
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
 
 

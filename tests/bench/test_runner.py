@@ -1,0 +1,29 @@
+"""bench/_runner.py's footprint: which samples are the training's and which the saves'."""
+
+import sys
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import _runner as runner
+
+
+def test_after_the_last_step_the_host_memory_counts_as_saving_not_training():
+    """A save's span and everything after the last step (the epoch's save, the exit: pages a save leaves in the
+    process until it ends) are saving; the rest, loading included, is training."""
+    fp = runner.Footprint(every=60)
+    fp.stop()
+    # (seconds, host GB taken, GPU MiB, compile workers GB)
+    fp.samples = [
+        (0.0, 1.0, 10, 0.0),
+        (5.0, 3.0, 30, 0.5),
+        (6.0, 9.0, 20, 0.0),
+        (8.0, 4.0, 30, 0.0),
+        (12.0, 7.0, 5, 0.0),
+    ]
+    peaks = fp.peaks([(5.5, 6.5)], trained=10.0)
+    assert (peaks["host_gb_peak"], peaks["host_gb_peak_training"], peaks["host_gb_peak_saving"]) == (9.0, 4.0, 9.0)
+    assert peaks["gpu_mib_peak"] == 30 and peaks["compile_workers_gb_peak"] == 0.5
+    assert fp.peaks([(5.5, 6.5)])["host_gb_peak_training"] == 7.0  # (no end given: the exit's samples train)
+    assert fp.peaks([])["host_gb_peak_saving"] is None
