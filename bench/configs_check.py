@@ -222,6 +222,8 @@ def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
     row["tok_s_per_step"] = [round(m["tokens_per_second"]) for m in metrics]
     # (a step slower than its neighbours: was the host thread in Python's garbage collector?)
     row["gc_ms_per_step"] = [round(m["gc_ms"]) if m.get("gc_ms") is not None else None for m in metrics]
+    # (host memory a save leaves behind in torch's pinned pool: a rise after the step's save that stays)
+    row["pinned_pool_gib_per_step"] = [m.get("pinned_pool_gib") for m in metrics]
     row["losses"] = [m["loss"] for m in metrics]
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
     row["alloc_retries"] = metrics[-1].get("alloc_retries")  # a count that grows: the memory cap slows the steps

@@ -353,7 +353,24 @@ def memory_metrics(device: torch.device) -> Dict[str, float]:
         out["peak_memory_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["peak_memory_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         out["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        pool = pinned_pool_gib()
+        if pool is not None:
+            out["pinned_pool_gib"] = pool
     return out
+
+
+def pinned_pool_gib() -> Optional[float]:
+    """Host memory torch's pinned allocator holds, in use or cached for reuse (each block rounded up to a power of
+    two): activation offloading's buffers, torch.save's device-to-host copies, the small state slots' chunks. A
+    cached block stays the process's until it ends, so a figure that rises at a save and stays shows host memory a
+    save leaves behind. (Not the streamed weights' and states' exact regions: those are pinned in place, outside it.)
+    None where torch keeps no such statistics."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    try:
+        held = stats().get("allocated_bytes.current") if stats is not None else None
+    except RuntimeError:  # (no CUDA runtime)
+        return None
+    return None if held is None else held / 2**30
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:

@@ -72,7 +72,7 @@ def step_record(
         record["tokens_per_second_per_gpu"] = float(tokens) / wall / world
     record["step_time_s"] = wall
     for key in ranks[0]:
-        if key.startswith(("peak_", "host_rss", "alloc_retries")):
+        if key.startswith(("peak_", "host_rss", "alloc_retries", "pinned_pool")):
             record[key] = max(r[key] for r in ranks)
             if world is not None:
                 record[key + "_per_rank"] = [r[key] for r in ranks]

@@ -2,7 +2,9 @@
 
 import gc
 
-from finetune.reporting.console import CollectorTime
+import torch
+
+from finetune.reporting.console import CollectorTime, pinned_pool_gib
 
 
 def test_the_collector_time_counts_each_collection_once_and_full_ones_apart():
@@ -18,3 +20,16 @@ def test_the_collector_time_counts_each_collection_once_and_full_ones_apart():
         collector.close()
     gc.collect(2)
     assert collector.take()["gc_full"] == 0  # closed: no longer counting
+
+
+def test_the_pinned_pool_is_what_torchs_pinned_allocator_holds_and_absent_without_its_statistics(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 3 * 2**29})
+    assert pinned_pool_gib() == 1.5
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {})  # (CUDA never initialised: no figures)
+    assert pinned_pool_gib() is None
+
+    def no_runtime():
+        raise RuntimeError("no CUDA runtime")
+
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", no_runtime)
+    assert pinned_pool_gib() is None
