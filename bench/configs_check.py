@@ -86,9 +86,9 @@ def class_card(config: str, args) -> List[str]:
     (9 GiB for a 3B model) where a 24 GB card copies it into host memory, and the footprints are not the card's.
     None where --set names a cap or a device other than CUDA (the CPU tests)."""
     cls = card_class(config)
-    if cls is None or any(
-        o.startswith(("device_memory_limit_gib=", "device=")) and o != "device=cuda" for o in args.set
-    ):
+    mine = [o for o in args.set if o.startswith("device_memory_limit_gib=")]
+    elsewhere = [o for o in args.set if o.startswith("device=") and not o.startswith("device=cuda")]
+    if cls is None or mine or elsewhere:
         return []
     settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
     if settings.get("device_memory_limit_gib") is not None:

@@ -76,7 +76,7 @@ def test_a_config_without_a_cap_of_its_own_runs_on_a_card_of_its_class():
         return configs_check.class_card(config, SimpleNamespace(set=list(sets)))
 
     assert card("llama3_2/3B_full_24gb_fp8") == [f"device_memory_limit_gib={cap['24gb']}"]
-    assert card("qwen3/8B_full_32gb", "device=cuda") == [f"device_memory_limit_gib={cap['32gb']}"]
+    assert card("qwen3/8B_full_32gb", "device=cuda:0") == [f"device_memory_limit_gib={cap['32gb']}"]
     assert card("mistral/7B_full_80gb_fp8") == [f"device_memory_limit_gib={cap['80gb']}"]
     assert card("llama2/7B_full_16gb_fp8") == [] and card("qwen2_5/3B_full_12gb") == []  # (their own: 14.2, 10.3)
     assert card("llama3_2/3B_full_24gb", "device=cpu") == []
