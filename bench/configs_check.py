@@ -84,7 +84,7 @@ def class_card(config: str, args) -> List[str]:
     ``device_memory_limit_gib`` at the class's cap (bench/_harness.py's CLASS_GIB). Uncapped, an 80 GB GPU lends a
     24 GB config what its card would not have: a background save then copies the checkpoint into spare GPU memory
     (9 GiB for a 3B model) where a 24 GB card copies it into host memory, and the footprints are not the card's.
-    None where --set names a cap or a device other than CUDA (the CPU tests)."""
+    Nothing where --set names a cap or a device other than CUDA (the CPU tests)."""
     cls = card_class(config)
     mine = [o for o in args.set if o.startswith("device_memory_limit_gib=")]
     elsewhere = [o for o in args.set if o.startswith("device=") and not o.startswith("device=cuda")]
