@@ -47,6 +47,9 @@ FULL_DEPTH = 48
 # 8 layers: 5.6B parameters, 45 GB of bf16 weights, gradients and AdamW states for the anchor, with room for its
 # activations on an 80 GB card (12 layers would leave ~10 GB).
 DEFAULT_DEPTH = 8
+# Every GPU row runs as on an 80 GB card (bench/_harness.py's CLASS_GIB): on an H200 (139 GiB) uncapped, the anchor's
+# depth and our config's background save would use memory an 80 GB card does not have.
+CARD_GIB = harness.CLASS_GIB["80gb"]
 # --toy: as bench/model_families.py's, the CPU settings of our config's GPU-only ones
 TOY_OURS = ["device=cpu", "dtype=fp32", "compile=False", "packed_attention=flex"]
 
@@ -80,7 +83,7 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
         f"dataset.split={args.split}",
         f"batch_size={args.batch_size}",
         f"tokenizer.max_seq_len={args.seq_len}",
-        *(TOY_OURS if args.toy else []),
+        *(TOY_OURS if args.toy else [f"device_memory_limit_gib={CARD_GIB}"]),
     )
 
 
@@ -180,6 +183,8 @@ def anchor_run(args) -> None:
     torch.manual_seed(42)
     # (loaded on the host, then moved and cast: transformers 4's from_pretrained takes torch_dtype, 5's dtype, and
     # device_map needs accelerate, which the GPU image may lack; an 8-layer folder is 11 GB of host memory)
+    if cuda:  # (as our rows' device_memory_limit_gib: an 80 GB card's share of whatever GPU this is)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CARD_GIB * 2**30 / torch.cuda.mem_get_info()[1]))
     model = Qwen3MoeForCausalLM.from_pretrained(folder).to(device=device, dtype=dtype)
     model.config.output_router_logits, model.config.use_cache = True, False
     model.gradient_checkpointing_enable()

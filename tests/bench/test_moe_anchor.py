@@ -67,3 +67,12 @@ def test_the_mfu_counts_the_active_parameters():
     # a layer: attention 18.9M, 8 experts of 3 x 2048 x 768 (37.7M), the router 0.26M, two norms
     per_layer = (moe_anchor.active_params(hf) - moe_anchor.active_params({**hf, "num_hidden_layers": 8})) / 40
     assert per_layer == 2048 * (4096 * 2 + 512 * 2 + 8 * 3 * 768 + 128 + 2) + 2 * 128
+
+
+def test_gpu_rows_of_ours_run_as_on_an_80gb_card(tmp_path):
+    """On an H200 an uncapped row would take memory an 80 GB card lacks: ours carry the class's cap, toy rows none."""
+    gpu = moe_anchor.parse_args(["--data-dir", str(DATA_DIR)])
+    for row in ("ours_depth", "ours_full"):
+        assert "device_memory_limit_gib=78" in moe_anchor.row_command(row, tmp_path / "f", tmp_path / "o", gpu)
+    toy = moe_anchor.parse_args(["--toy", "--data-dir", str(DATA_DIR)])
+    assert not any("device_memory_limit_gib" in a for a in moe_anchor.row_command("ours_full", tmp_path, tmp_path, toy))
