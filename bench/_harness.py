@@ -55,6 +55,8 @@ DATA_DIR = "../shared/data"
 # 80, 32 and 24 GB classes were capped at 80, 32 and 24 GiB: Llama2-7B's 24 GiB configs reserved 23.1 GiB there and
 # ran out of memory at 22.7, bench/results/llama2_7b_24gb_card_h200.json.)
 CLASS_GIB = {"80gb": 78, "32gb": 30.5, "24gb": 22.7, "16gb": 14.2, "12gb": 10.3}
+# Each class's cap as the recipe's override: a run given it behaves as on a card of the class.
+CAP = {c: f"device_memory_limit_gib={gib:g}" for c, gib in CLASS_GIB.items()}
 # The code a result depends on. bench/results/ is excluded: it is what the benchmarks write, and a --merge into a
 # committed file would otherwise make the next run of the same matrix refuse to start.
 CODE_PATHS = ["finetune", "recipes", "optimizers", "eval", "configs", "bench", ":(exclude)bench/results"]

@@ -93,7 +93,7 @@ def class_card(config: str, args) -> List[str]:
     settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
     if settings.get("device_memory_limit_gib") is not None:
         return []
-    return [f"device_memory_limit_gib={harness.CLASS_GIB[cls]}"]
+    return [harness.CAP[cls]]
 
 
 def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves: bool = True):

@@ -53,8 +53,7 @@ CPU_OFFLOAD = [
     "enable_activation_offloading=True",
     "stream_optimizer_states=False",  # (the 24 GiB config streams its states; torchao's optimizer offloads them)
 ]
-# Each class's cap (what a card of it leaves a run: harness.CLASS_GIB), as an override.
-CAP = {c: f"device_memory_limit_gib={gib:g}" for c, gib in harness.CLASS_GIB.items()}
+CAP = harness.CAP  # (each class's cap as an override: what a card of it leaves a run)
 # The 24 GiB configs as they were measured before 2026-12-04 (rows ours_24gb* of llama2_7b_e2e_h200.json).
 STATES_ON_GPU = ["stream_optimizer_states=False"]
 FUSED_CE = ["loss._component_=finetune.model.LinearCrossEntropyLoss", "~loss.num_output_chunks", "loss.impl=auto"]

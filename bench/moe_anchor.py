@@ -83,7 +83,7 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
         f"dataset.split={args.split}",
         f"batch_size={args.batch_size}",
         f"tokenizer.max_seq_len={args.seq_len}",
-        *(TOY_OURS if args.toy else [f"device_memory_limit_gib={CARD_GIB}"]),
+        *(TOY_OURS if args.toy else [harness.CAP["80gb"]]),
     )
 
 
