@@ -45,6 +45,23 @@ def resident_bytes(peak: bool = False) -> Optional[int]:
     return None
 
 
+def compile_without_workers() -> bool:
+    """Have torch.compile compile in this process, without its pool of worker processes; False (nothing changed)
+    where TORCHINDUCTOR_COMPILE_THREADS names a pool size: the user's choice stands.
+
+    The pool (one process per core, up to 32) holds 0.5-0.9 GB of host memory while the first steps compile, on top
+    of everything a small-card run has pinned: the peak a 32 GB desktop must hold. Without it the first step
+    compiles one kernel at a time (slower: the first step's time, once a run). Called before compiling."""
+    import os
+
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return False
+    from torch._inductor import config as inductor_config  # (lazy: a run without compile never imports inductor)
+
+    inductor_config.compile_threads = 1
+    return True
+
+
 def end_compile_workers() -> int:
     """End torch.compile's pool of compile worker processes, if one is running; returns how many pools ended.
 

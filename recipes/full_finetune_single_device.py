@@ -75,7 +75,7 @@ from finetune.checkpoint.run_folder import RunFolder
 from finetune.data.loading import skip_to
 from finetune.data.packing import count_trained_tokens
 from finetune.data.tokenizer import check_fits_model
-from finetune.host_memory import end_compile_workers
+from finetune.host_memory import compile_without_workers, end_compile_workers
 from finetune.model import moe
 from finetune.model.attention import use_varlen_attention
 from finetune.model.prepare import (
@@ -209,6 +209,11 @@ class FullFinetuneRecipeSingleDevice:
             )
         self._activations_ctx = training.get_act_offloading_ctx_manager(model, s.memory.offload_activations)
         if s.memory.compile:
+            if s.checkpoint.host_limit_gib is not None and compile_without_workers():
+                log.info(
+                    "host_memory_limit_gib is set: torch.compile compiles in this process, without its worker "
+                    "processes (their ~1 GB would come on top of the run's host memory; the first step compiles slower)"
+                )
             training.compile_model(model)
         wire_loss(model, self._loss_fn, compiled=s.memory.compile)
         training.validate_expected_param_dtype(model.named_parameters(), dtype=self._dtype)

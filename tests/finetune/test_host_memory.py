@@ -71,3 +71,18 @@ def test_the_compile_workers_end_and_a_later_compile_starts_them_again():
         again = async_compile.AsyncCompile.process_pool()  # a later compile: a new pool
         assert again is not pool and again.submit(abs, -2).result() == 2
         assert host_memory.end_compile_workers() == 1
+
+
+def test_compile_without_workers_sets_one_thread_unless_the_user_named_a_pool_size(monkeypatch):
+    """A run under host_memory_limit_gib compiles in its own process (no pool's ~1 GB on top of its peak); a pool
+    size the user set with TORCHINDUCTOR_COMPILE_THREADS stands."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(compile_threads=4):
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+        assert host_memory.compile_without_workers()
+        assert inductor_config.compile_threads == 1
+    with inductor_config.patch(compile_threads=4):
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
+        assert not host_memory.compile_without_workers()
+        assert inductor_config.compile_threads == 4
