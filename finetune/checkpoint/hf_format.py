@@ -16,16 +16,17 @@ family; they call ``resolve_model`` (through settings), ``hf_config``, ``read_we
 ``write_folder``. docs/models.md says how to add a family.
 """
 
+import contextlib
 import functools
 import json
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torchtune.models import convert_weights
 from torchtune.models.convert_weights import get_mapped_key
 from torchtune.models.qwen2._convert_weights import _FROM_HF as _QWEN2_FROM_HF
@@ -441,25 +442,62 @@ def read_source_config(folder: Optional[Path]) -> Optional[dict]:
     return config
 
 
+_UNREADABLE_FIX = (
+    "re-copy or re-download it, or point checkpoint_dir / resume_from_checkpoint at another folder "
+    "(an earlier step_N or epoch_E)"
+)
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _unreadable(f: Path, e: Exception) -> BadInput:
+    text = " ".join(str(e).split())[:200]
+    return BadInput(
+        f"{f} is not a readable safetensors file ({type(e).__name__}: {text}; truncated or garbage?); {_UNREADABLE_FIX}"
+    )
+
+
 def read_weights(folder: Path) -> Dict[str, torch.Tensor]:
     """Every tensor of an HF folder's weight files; an unreadable file is one BadInput naming it."""
-    fix = (
-        "re-copy or re-download it, or point checkpoint_dir / resume_from_checkpoint at another folder "
-        "(an earlier step_N or epoch_E)"
-    )
     state: Dict[str, torch.Tensor] = {}
-    for f in hf_weight_files(folder):
-        if f.suffix == ".safetensors":
-            try:
-                state.update(load_file(str(f)))
-            except Exception as e:  # safetensors' own error for truncated headers, OSError, ...
-                text = " ".join(str(e).split())[:200]
-                raise BadInput(
-                    f"{f} is not a readable safetensors file ({type(e).__name__}: {text}; truncated or garbage?); {fix}"
-                ) from None
-        else:
-            state.update(load_state_file(f, fix=fix))
+    for part in read_weight_groups(folder):
+        state.update(part)
     return state
+
+
+def read_weight_groups(folder: Path) -> Iterator[Dict[str, torch.Tensor]]:
+    """An HF folder's tensors one transformer layer at a time (``model.layers.N.*``, a layer's tensors together
+    whichever shards hold them), then the rest; the whole folder at once where it holds .bin files (pickles cannot
+    be read a tensor at a time). A model on the GPU takes each group before the next is read, so loading holds one
+    layer in host memory, not the folder: a 30B mixture of experts' 57 GiB would otherwise all pass through the host
+    on its way to the card. An unreadable file is one BadInput naming it."""
+    files = hf_weight_files(folder)
+    if any(f.suffix != ".safetensors" for f in files):
+        state: Dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_state_file(f, fix=_UNREADABLE_FIX))
+        yield state
+        return
+    with contextlib.ExitStack() as stack:
+        where: Dict[str, Tuple[Path, Any]] = {}  # (a key in two files: the later file's, as one dict update would)
+        for f in files:
+            try:
+                handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            except Exception as e:  # safetensors' own error for truncated headers, OSError, ...
+                raise _unreadable(f, e) from None
+            where.update({key: (f, handle) for key in handle.keys()})
+        groups: Dict[Optional[int], list] = {}
+        for key in where:
+            layer = _LAYER_KEY.match(key)
+            groups.setdefault(int(layer.group(1)) if layer else None, []).append(key)
+        for layer in sorted(groups, key=lambda n: (n is None, n or 0)):
+            part = {}
+            for key in groups.pop(layer):
+                f, handle = where[key]
+                try:
+                    part[key] = handle.get_tensor(key)
+                except Exception as e:
+                    raise _unreadable(f, e) from None
+            yield part
 
 
 def to_tune(state: Dict[str, torch.Tensor], hf: dict, family: Family) -> Dict[str, torch.Tensor]:
@@ -521,15 +559,26 @@ def load_weights(
 ) -> None:
     """Load an HF checkpoint folder (safetensors or .bin shards) into a torchtune model built for ``hf``. ``assign``:
     the file's tensors (cast to the model's dtype) become the parameters: a model built on the meta device gets its
-    weights in host memory without a copy of its own. ``config_json``: the file the model was built from, if any (the
+    weights in host memory without a copy of its own. Read and loaded a layer at a time (``read_weight_groups``): a
+    model built on the GPU never has the folder whole in host memory. ``config_json``: the file the model was built from, if any (the
     message of a misfit names it)."""
-    state = read_weights(folder)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    loaded = set()
     try:  # (a checkpoint of another size fails in the q/k permutation already, or in load_state_dict)
-        tune = to_tune(state, hf, family)
-        if assign:
-            dtypes = {k: v.dtype for k, v in model.state_dict().items()}
-            tune = {k: v.to(dtypes.get(k, v.dtype)) for k, v in tune.items()}
-        model.load_state_dict(tune, assign=assign)
+        for part in read_weight_groups(folder):  # (a layer at a time: on the GPU, the host holds about one layer)
+            tune = to_tune(part, hf, family)
+            if assign:
+                tune = {k: v.to(dtypes.get(k, v.dtype)) for k, v in tune.items()}
+            unexpected = model.load_state_dict(tune, assign=assign, strict=False).unexpected_keys
+            if unexpected:
+                names = ", ".join(f'"{k}"' for k in unexpected[:8])
+                raise KeyError(f"Unexpected key(s) in state_dict: {names} ({len(unexpected)} in all)")
+            loaded.update(tune)
+            del part, tune  # (before the next layer is read)
+        missing = sorted(set(dtypes) - loaded)
+        if missing:
+            names = ", ".join(f'"{k}"' for k in missing[:8])
+            raise KeyError(f"Missing key(s) in state_dict: {names} ({len(missing)} in all)")
     except (RuntimeError, KeyError) as e:
         raise misfit_error(folder, " ".join(str(e).split())[:600], family, config_json) from None
 
