@@ -14,8 +14,9 @@ Where the snapshot lives, tensor by tensor in the order the checkpoint lists the
 
 - spare GPU memory, while there is some: a device-to-device copy, about 2 TB/s on an H200 (milliseconds for a 7B
   checkpoint). "Spare" is the run's cap (device_memory_limit_gib, else the card) minus the peak memory the run has
-  reserved so far, minus a margin (a tenth of the cap, at least 2 GiB): the copy stays allocated while the next
-  steps run, until the writer has drained it. The writer drains it to the disk through one reused pinned buffer of
+  reserved by the first save (not by the first step, when the host buffer is planned: a compiled run's first steps
+  peak lower than its steady ones), minus a margin (a tenth of the cap, at least 2 GiB): the copy stays allocated
+  while the next steps run, until the writer has drained it. The writer drains it to the disk through one reused pinned buffer of
   BOUNCE_BYTES, so this costs the host almost nothing.
 - else host memory: one buffer the size of what did not fit on the GPU, allocated and pinned (cudaHostRegister) once
   and reused by every save; a pinned copy runs about 55 GB/s on an H200 (a 20.6 GB 7B checkpoint: ~0.4 s). Pinning
@@ -198,9 +199,10 @@ class Staging:
         # host_memory_limit_gib: the host memory the whole process may hold; a snapshot takes only what fits under it
         # beside what the process holds already, and gives it back once written (``transient``)
         self.host_limit = None if host_limit_gib is None else int(host_limit_gib * 2**30)
-        # GPU bytes a snapshot may hold; None: decided at the first plan, from the training's own peak (later plans
-        # keep it: by then the peak counts the snapshots too)
+        # GPU bytes a snapshot may hold; None: estimated at the first plan from the training's own peak, and settled
+        # at the first snapshot (``settle``); later plans keep it: by then the peak counts the snapshots too
         self._gpu_budget = gpu_budget
+        self._settled = gpu_budget is not None
         self._host: Optional[torch.Tensor] = None  # the host buffer, and the plan it was cut for
         self._host_key: Optional[tuple] = None
         self._regions: List[Optional[torch.Tensor]] = []
@@ -249,6 +251,18 @@ class Staging:
                 return None
         return layout
 
+    def settle(self) -> None:
+        """Fix the GPU budget from the peak the training has reached by the first snapshot, before it is planned;
+        later calls change nothing. The estimate of the first plan (``Checkpointer.prepare``, after the first step)
+        can be too high: a compiled run's first steps peak lower than its steady ones (measured under a 24 GB
+        card's cap: 17.6 GiB at step 1, 20.7 from step 3 on), and a snapshot sized from that peak took the memory
+        step 5 needed (out of memory). Never raised above the estimate, which the host buffer was cut for."""
+        if self._settled:
+            return
+        spare = spare_gpu_bytes(self.device, self._limit)
+        self._gpu_budget = spare if self._gpu_budget is None else min(self._gpu_budget, spare)
+        self._settled = True
+
     @property
     def transient(self) -> bool:
         """Under a host memory limit the host buffer lives only while a snapshot is written: the training steps
@@ -267,7 +281,7 @@ class Staging:
 
     def no_gpu(self) -> None:
         """Hold no snapshot in GPU memory from now on (a GPU copy did not fit after all)."""
-        self._gpu_budget = 0
+        self._gpu_budget, self._settled = 0, True
 
     # -- the host buffer ---------------------------------------------------------------------------
 

@@ -180,6 +180,7 @@ class Checkpointer:
         parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
         if self.background:
             self.wait()  # at most one save in flight: the previous one is published (or fails) first
+            self._staging.settle()  # (the GPU's share from the steps' peak so far, not the first step's)
             layout, now = self._plan(parts)
             if layout is not None and self._start(name, parts, layout, need_bytes, started, now):
                 return

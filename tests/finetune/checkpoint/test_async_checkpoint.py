@@ -517,6 +517,33 @@ def test_gpu_snapshot_split_between_gpu_and_host_writes_the_same_bytes(tmp_path)
 
 
 @pytest.mark.gpu
+def test_gpu_share_of_a_snapshot_is_settled_from_the_peak_at_the_first_save():
+    """The first plan (after the first step) estimates the GPU's share from the peak so far; a compiled run's later
+    steps peak higher, and a snapshot sized from the estimate took the memory they needed (out of memory at the step
+    after the first save, under a 24 and a 32 GB card's caps). The first save settles it from the peak by then,
+    never above the estimate; a later peak (the snapshots' own) changes it no more."""
+    from finetune.checkpoint import async_save
+
+    mib = 2**20
+    tensors = {f"w{i}": torch.zeros(64 * mib, dtype=torch.uint8, device="cuda") for i in range(4)}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    # a cap with room for the four 64 MiB copies (and 32 MiB to spare) above the peak, beside the 2 GiB margin
+    cap = torch.cuda.max_memory_reserved() + async_save.GPU_MARGIN_MIN + 288 * mib
+    staging = async_save.Staging(torch.device("cuda"), memory_limit_gib=cap / 2**30)
+    assert staging.plan(tensors).on_gpu == [True] * 4  # the estimate, as Checkpointer.prepare makes it
+    peak = torch.empty(160 * mib, dtype=torch.uint8, device="cuda")  # the steady steps' higher peak
+    del peak
+    staging.settle()  # the first save
+    assert staging.plan(tensors).on_gpu == [True, True, False, False]
+    higher = torch.empty(256 * mib, dtype=torch.uint8, device="cuda")
+    del higher
+    staging.settle()  # a later save: settled once
+    assert staging.plan(tensors).on_gpu == [True, True, False, False]
+    staging.release()
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_run_in_the_background_writes_the_synchronous_folders(tmp_path):
     """The tiny model in bf16 on the GPU (in this process: the GPU machine has no `tune` script). Its checkpoint fits
     spare GPU memory, so it is held there and streamed out: the same bytes as a synchronous save, recipe_state.pt
