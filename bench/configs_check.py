@@ -64,10 +64,12 @@ GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "24gb": 24_166, "32gb": 32_153,
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
-# A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06: 3B 12 GB 103 s, 7-8B 16 GB 187-215 s;
-# the 24, 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making (35 s, and the BPE's
-# 18 s once): what --budget-s plans with until a row of the class has run.
+# A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06: 3B 12 GB 103-120 s, 3B 24 GB 99 s,
+# 7-8B 16 GB 187-276 s; the 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making (35 s,
+# and the BPE's 18 s once): what --budget-s plans with until a row of the class and size has run. A 3B row takes about
+# half a 7-8B one (its saves, loads and eval move 6 GB, not 15), so the two are planned apart.
 ROW_SECONDS = {"12gb": 120, "16gb": 230, "24gb": 180, "32gb": 240, "80gb": 300}
+ROW_SECONDS_3B = {"12gb": 120, "24gb": 130, "80gb": 160}
 FOLDER_SECONDS = 60
 MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
 BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
@@ -351,13 +353,19 @@ def ensure_folder(config: str, args) -> Optional[str]:
     return None
 
 
-def budget_left(config: str, args, started: float, walls: Dict[str, float]) -> bool:
-    """Whether --budget-s leaves time for the config's row: the longest row of its class so far (else ROW_SECONDS),
-    and FOLDER_SECONDS more where its folder is still to be made."""
+def row_kind(config: str) -> tuple:
+    """What a row's wall time is planned by: its class, and whether its model is a 3B one."""
+    return card_class(config), "/3B_" in f"/{config}"
+
+
+def budget_left(config: str, args, started: float, walls: Dict[tuple, float]) -> bool:
+    """Whether --budget-s leaves time for the config's row: the longest row of its class and size so far (else
+    ROW_SECONDS, ROW_SECONDS_3B), and FOLDER_SECONDS more where its folder is still to be made."""
     if args.budget_s is None:
         return True
-    cls = card_class(config)
-    need = walls.get(cls, ROW_SECONDS.get(cls or "80gb", 300))
+    cls, small = row_kind(config)
+    default = (ROW_SECONDS_3B if small else ROW_SECONDS).get(cls or "80gb", 300)
+    need = walls.get((cls, small), default)
     if not given_folder(config, args) and not (Path(args.folders_dir) / model_key(config) / "config.json").is_file():
         need += FOLDER_SECONDS
     return time.monotonic() - started + need <= args.budget_s
@@ -518,7 +526,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             row = check_config(config, args)
         row["wall_s"] = round(time.monotonic() - start)  # the whole check: what a device call must budget for it
         row["folder_s"] = round(folder_s)  # (its model's folder made first: 0 where it was there)
-        walls[row["class"]] = max(walls.get(row["class"], 0), row["wall_s"])
+        kind = row_kind(config)
+        walls[kind] = max(walls.get(kind, 0), row["wall_s"])
         doc["rows"].append(row)
         harness.write_json(args.out, doc)
         verdict = "PASS" if row.get("passed") else f"FAIL {row.get('error') or row['checks']}"

@@ -7,6 +7,7 @@ none); the folders --folders makes, one model at a time, and what --budget-s lea
 import json
 import re
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -157,6 +158,23 @@ def test_a_budget_too_short_for_a_row_runs_nothing_and_names_the_next_calls_conf
     assert doc["rows"] == [] and doc["not_run"] == ["llama3_2/3B_full_24gb", "llama3_2/3B_full_12gb"]
     assert "--configs llama3_2/3B_full_24gb,llama3_2/3B_full_12gb" in capsys.readouterr().out
     assert not (tmp_path / "folders").exists()  # (nothing made for a row that does not run)
+
+
+def test_the_budget_plans_a_7b_row_by_7b_rows_not_by_a_3b_row_of_its_class(tmp_path):
+    """A 3B row takes about half a 7-8B row of the same class: one measured in this call does not make the next call's
+    7B row look short enough to start (it would run past the device call's end)."""
+    args = configs_check.parse_args(
+        ["--configs", "llama3_2/3B_full_24gb,llama2/7B_full_24gb", "--folders", str(tmp_path), "--budget-s", "250"]
+    )
+    for model in ("llama3_2_3b", "llama2_7b"):  # (their folders made: no FOLDER_SECONDS in the need)
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "config.json").write_text("{}")
+    walls = {configs_check.row_kind("llama3_2/3B_full_24gb"): 100}  # a 3B 24 GB row took 100 s
+    assert configs_check.budget_left("llama3_2/3B_full_24gb", args, time.monotonic() - 140, walls)
+    assert not configs_check.budget_left("llama2/7B_full_24gb", args, time.monotonic() - 140, walls)  # 180 s planned
+    walls[configs_check.row_kind("llama2/7B_full_24gb")] = 100
+    assert configs_check.budget_left("llama2/7B_full_24gb", args, time.monotonic() - 140, walls)
+    assert configs_check.row_kind("qwen3_moe/30B_A3B_full_80gb") == ("80gb", False)
 
 
 def test_a_config_without_a_folder_or_a_way_to_make_one_is_refused_before_anything_runs(tmp_path, capsys):
