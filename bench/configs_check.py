@@ -65,9 +65,9 @@ HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
 # A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06: 3B 12 GB 103-120 s, 3B 24 GB 99 s,
-# 7-8B 16 GB 187-276 s; the 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making (35 s,
-# and the BPE's 18 s once): what --budget-s plans with until a row of the class and size has run. A 3B row takes about
-# half a 7-8B one (its saves, loads and eval move 6 GB, not 15), so the two are planned apart.
+# 7-8B 16 GB 187-276 s; the 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making
+# (35 s, and the BPE's 18 s once): what --budget-s plans with until a row of the class and size has run. A 3B row takes
+# about half a 7-8B one (its saves, loads and eval move 6 GB, not 15), so the two are planned apart.
 ROW_SECONDS = {"12gb": 120, "16gb": 230, "24gb": 180, "32gb": 240, "80gb": 300}
 ROW_SECONDS_3B = {"12gb": 120, "24gb": 130, "80gb": 160}
 FOLDER_SECONDS = 60

@@ -560,8 +560,8 @@ def load_weights(
     """Load an HF checkpoint folder (safetensors or .bin shards) into a torchtune model built for ``hf``. ``assign``:
     the file's tensors (cast to the model's dtype) become the parameters: a model built on the meta device gets its
     weights in host memory without a copy of its own. Read and loaded a layer at a time (``read_weight_groups``): a
-    model built on the GPU never has the folder whole in host memory. ``config_json``: the file the model was built from, if any (the
-    message of a misfit names it)."""
+    model built on the GPU never has the folder whole in host memory. ``config_json``: the file the model was built
+    from, if any (the message of a misfit names it)."""
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     loaded = set()
     try:  # (a checkpoint of another size fails in the q/k permutation already, or in load_state_dict)
