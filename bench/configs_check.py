@@ -144,6 +144,7 @@ def check_config(config: str, args) -> dict:
     row.update(footprint)
     if first.error():
         row["error"] = f"run: {first.error()}"
+        _clean_up(config, work, args)  # (its log says why; a 7B run's step save would fill the disk of the next rows)
         return row
     _speed_figures(row, metrics, config, args)
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
@@ -208,6 +209,7 @@ def speed_row(config: str, row: dict, work: Path, args) -> dict:
     row.update({"speed_only": True, "command": run.command, **footprint})
     if len(metrics) < args.steps:
         row["error"] = f"run: {run.error() or f'{len(metrics)} of {args.steps} steps logged'}"
+        _clean_up(config, work, args)
         return row
     _speed_figures(row, metrics, config, args)
     row["peak_allocated_gib"] = harness.peak(metrics, "peak_memory_alloc_gib")

@@ -160,6 +160,18 @@ def test_a_budget_too_short_for_a_row_runs_nothing_and_names_the_next_calls_conf
     assert not (tmp_path / "folders").exists()  # (nothing made for a row that does not run)
 
 
+def test_a_row_whose_run_fails_keeps_its_log_and_leaves_no_run_folder(tmp_path):
+    """The log of a failed run is what says why (the row's error is its last line); its folder, which may hold a 7B
+    step save, goes as a passing row's does, so the next rows of the device call have the disk."""
+    logs = tmp_path / "logs"
+    doc = run_check(tmp_path, "llama3_2/3B_full_24gb", "--set", "optimizer.lr=-1", "--logs-dir", str(logs))
+    (row,) = doc["rows"]
+    assert row["error"].startswith("run: ") and "lr" in row["error"]
+    log = logs / "llama3_2_3B_full_24gb_run.log"
+    assert log.is_file() and "error:" in log.read_text()
+    assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()
+
+
 def test_the_budget_plans_a_7b_row_by_7b_rows_not_by_a_3b_row_of_its_class(tmp_path):
     """A 3B row takes about half a 7-8B row of the same class: one measured in this call does not make the next call's
     7B row look short enough to start (it would run past the device call's end)."""
