@@ -67,9 +67,10 @@ def end_compile_workers() -> int:
 
     Inductor compiles in a pool of worker processes, one per core (up to 32), and keeps it for the whole run: 0.55 to
     1.34 GB of host memory measured on a 16-core machine (bench/results/configs_check_h100.json,
-    compile_workers_gb_peak), idle once the first step has compiled. A run under host_memory_limit_gib ends it at
-    a step boundary; a later compile (a validation pass's graphs, a smaller last batch) starts a new pool, whose
-    start costs a second or two, and ends it again."""
+    compile_workers_gb_peak), idle once the first step has compiled. A run under host_memory_limit_gib has no pool
+    (``compile_without_workers``) unless TORCHINDUCTOR_COMPILE_THREADS asks for one; then it ends the pool at a step
+    boundary, and a later compile (a validation pass's graphs, a smaller last batch) starts a new one, whose start
+    costs a second or two, and ends it again."""
     from torch._inductor import async_compile  # (lazy: a run without compile never imports inductor here)
 
     pools = len(getattr(async_compile, "_pool_set", ()))  # (private to torch: a release without it ends nothing)
