@@ -1,0 +1,108 @@
+"""Which configs are shipped: each config's passing end-to-end row (bench/configs_check.py) from the current code.
+
+    python bench/configs_shipped.py [--results bench/results/configs_check_h100.json] [--strict]
+
+A config is shipped when the results file has a passing row of it whose code is the current code: nothing a run
+reads changed between the row's commit (its ``code``) and the working tree, in the recipes, the library
+(``finetune/``, ``optimizers/``, ``eval/``) and the config's own file. A row from older code is ``stale`` (the changed
+files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
+``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
+should take them (each model's configs together, so its folder is made once). ``--strict`` exits 1 while any config
+needs a row. Configs the single-device check cannot run (``*_distributed``) are listed apart: they need a machine of
+several GPUs.
+
+Rows span device calls and days, so "current" is decided by the code, not the date: a change to bench/ or docs/ keeps
+every row, a change to ``finetune/`` makes every row stale until it runs again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results" / "configs_check_h100.json"
+# What a training run, its resume and its eval read besides the config file (bench/_harness.py's CODE_PATHS less bench/
+# and configs/: a row's config is compared on its own, and the other configs do not change it).
+RUN_PATHS = ["finetune", "recipes", "optimizers", "eval"]
+
+
+def shipped_configs(root: Path) -> List[str]:
+    """Every config a user is given: configs/<family>/<name>.yaml, the eval's settings (configs/eval/) left out."""
+    return sorted(
+        str(p.relative_to(root / "configs").with_suffix(""))
+        for p in (root / "configs").glob("*/*.yaml")
+        if p.parent.name != "eval"
+    )
+
+
+def changed_since(root: Path, commit: str, config: str) -> Optional[List[str]]:
+    """The files a run of ``config`` reads that differ between ``commit`` and the working tree; None where git does not
+    know the commit (a shallow clone, a row from another repository)."""
+    paths = RUN_PATHS + [f"configs/{config}.yaml"]
+    proc = subprocess.run(
+        ["git", "diff", "--name-only", commit, "--", *paths], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.split()
+
+
+def status(root: Path, results: Path) -> Dict[str, dict]:
+    """Per config: ``state`` (shipped, stale, missing, several_gpus, unknown_code), the row's code, tok/s and the
+    changed files."""
+    rows = json.loads(results.read_text())["rows"] if results.is_file() else []
+    passing = {r["config"]: r for r in rows if r.get("passed")}
+    out = {}
+    for config in shipped_configs(root):
+        row = passing.get(config)
+        entry = {"code": row and row.get("code"), "tok_s": row and row.get("tok_s"), "changed": []}
+        if config.endswith("_distributed"):
+            entry["state"] = "several_gpus"
+        elif row is None:
+            entry["state"] = "missing"
+        else:
+            changed = changed_since(root, row.get("code") or "", config) if row.get("code") else None
+            if changed is None:
+                entry["state"] = "unknown_code"
+            else:
+                entry["state"], entry["changed"] = ("stale" if changed else "shipped"), changed
+        out[config] = entry
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="bench/configs_check.py's results file")
+    ap.add_argument("--strict", action="store_true", help="exit 1 while a config has no passing row from this code")
+    args = ap.parse_args(argv)
+    if not args.results.is_file():
+        print(f"error: --results {args.results}: no such file (bench/configs_check.py --out writes one)", flush=True)
+        return 2
+    table = status(REPO_ROOT, args.results)
+    for config, e in table.items():
+        detail = {
+            "shipped": f"row of {e['code']}, {e['tok_s']} tok/s",
+            "stale": f"row of {e['code']}; changed since: {', '.join(e['changed'][:4])}"
+            + (f" and {len(e['changed']) - 4} more" if len(e["changed"]) > 4 else ""),
+            "missing": "no passing row",
+            "unknown_code": f"row of {e['code']}, a commit this checkout does not have",
+            "several_gpus": "needs a machine of several GPUs (bench/configs_check.py runs the single-device recipe)",
+        }[e["state"]]
+        print(f"{config:34s} {e['state']:12s} {detail}")
+    need = [c for c, e in table.items() if e["state"] in ("stale", "missing", "unknown_code")]
+    counts = {
+        s: sum(e["state"] == s for e in table.values()) for s in dict.fromkeys(e["state"] for e in table.values())
+    }
+    print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    if need:
+        print(f"need a row: --configs {','.join(need)}")
+    return 1 if args.strict and need else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

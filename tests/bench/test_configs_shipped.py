@@ -1,0 +1,95 @@
+"""bench/configs_shipped.py: a config is shipped by a passing row from the code of the working tree; a change to what a
+run reads since the row's commit makes it stale, a change elsewhere (bench/, docs) does not; a config without a passing
+row is missing; the distributed config is listed apart. Run on a small git repository of its own."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import configs_shipped
+
+
+def git(root, *args):
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path):
+    for name in ("a/1B_full_80gb", "a/1B_full_12gb", "a/1B_full_24gb", "b/2B_full_distributed", "eval/score"):
+        path = tmp_path / "configs" / f"{name}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"name: {name}\n")
+    for name in ("finetune/train.py", "bench/tool.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "first")
+    return tmp_path
+
+
+def results(repo, *rows):
+    path = repo / "results.json"
+    path.write_text(json.dumps({"rows": list(rows)}))
+    return path
+
+
+def test_a_row_is_current_until_what_the_run_reads_changes(repo):
+    first = git(repo, "rev-parse", "HEAD")
+    path = results(
+        repo,
+        {"config": "a/1B_full_80gb", "passed": True, "code": first, "tok_s": 100},
+        {"config": "a/1B_full_12gb", "passed": False, "code": first},
+    )
+    states = {c: e["state"] for c, e in configs_shipped.status(repo, path).items()}
+    assert states == {
+        "a/1B_full_12gb": "missing",  # (its row failed)
+        "a/1B_full_24gb": "missing",
+        "a/1B_full_80gb": "shipped",
+        "b/2B_full_distributed": "several_gpus",
+    }
+    (repo / "bench" / "tool.py").write_text("x = 2\n")  # a benchmark's change keeps the row
+    (repo / "configs" / "a" / "1B_full_24gb.yaml").write_text("name: changed\n")  # (another config's too)
+    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "shipped"
+    (repo / "finetune" / "train.py").write_text("x = 2\n")  # uncommitted: the working tree is what runs
+    entry = configs_shipped.status(repo, path)["a/1B_full_80gb"]
+    assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
+
+
+def test_a_change_to_the_configs_own_file_makes_its_row_stale(repo):
+    first = git(repo, "rev-parse", "HEAD")
+    (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("name: tuned\n")
+    git(repo, "commit", "-qam", "tune")
+    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first})
+    entry = configs_shipped.status(repo, path)["a/1B_full_80gb"]
+    assert entry["state"] == "stale" and entry["changed"] == ["configs/a/1B_full_80gb.yaml"]
+
+
+def test_a_commit_the_checkout_lacks_is_said_not_taken_for_current(repo):
+    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": "0123abc"})
+    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "unknown_code"
+
+
+def test_the_report_names_the_next_calls_configs_and_strict_fails_while_any_is_needed(repo, monkeypatch, capsys):
+    first = git(repo, "rev-parse", "HEAD")
+    monkeypatch.setattr(configs_shipped, "REPO_ROOT", repo)
+    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first, "tok_s": 100})
+    assert configs_shipped.main(["--results", str(path)]) == 0
+    assert configs_shipped.main(["--results", str(path), "--strict"]) == 1
+    out = capsys.readouterr().out
+    assert "need a row: --configs a/1B_full_12gb,a/1B_full_24gb\n" in out
+    assert "1 shipped" in out and "2 missing" in out and "1 several_gpus" in out
+    assert configs_shipped.main(["--results", str(repo / "none.json")]) == 2
+    assert capsys.readouterr().out.startswith("error: --results")
