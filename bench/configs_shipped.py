@@ -4,8 +4,8 @@
 
 A config is shipped when the results file has a passing row of it whose code is the current code: nothing a run
 reads changed between the row's commit (its ``code``) and the working tree, in the recipes, the library
-(``finetune/``, ``optimizers/``, ``eval/``) and the config's own file. A row from older code is ``stale`` (the changed
-files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
+(``finetune/``, ``optimizers/``, ``eval/``) and the config's own settings (its comments, where the measured figures
+go, may change). A row from older code is ``stale`` (the changed files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
 ``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
 should take them (each model's configs together, so its folder is made once). ``--strict`` exits 1 while any config
 needs a row. Configs the single-device check cannot run (``*_distributed``) are listed apart: they need a machine of
@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
+
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "bench" / "results" / "configs_check_h100.json"
@@ -49,7 +51,20 @@ def changed_since(root: Path, commit: str, config: str) -> Optional[List[str]]:
     )
     if proc.returncode != 0:
         return None
-    return proc.stdout.split()
+    changed = proc.stdout.split()
+    own = f"configs/{config}.yaml"
+    if own in changed and same_settings(root, commit, own):
+        changed.remove(own)  # (its header's figures, comments only: the run reads the same settings)
+    return changed
+
+
+def same_settings(root: Path, commit: str, path: str) -> bool:
+    """Whether a config file holds the same settings at ``commit`` as in the working tree: its comments (the header's
+    measured figures, written after a row) do not change a run."""
+    before = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, timeout=60)
+    if before.returncode != 0 or not (root / path).is_file():
+        return False
+    return yaml.safe_load(before.stdout) == yaml.safe_load((root / path).read_text())
 
 
 def status(root: Path, results: Path) -> Dict[str, dict]:

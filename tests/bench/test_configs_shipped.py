@@ -68,11 +68,14 @@ def test_a_row_is_current_until_what_the_run_reads_changes(repo):
     assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
 
 
-def test_a_change_to_the_configs_own_file_makes_its_row_stale(repo):
+def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_not(repo):
     first = git(repo, "rev-parse", "HEAD")
+    (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("# measured: 100 tok/s\nname: a/1B_full_80gb  # (why)\n")
+    git(repo, "commit", "-qam", "figures")
+    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first})
+    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "shipped"
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("name: tuned\n")
     git(repo, "commit", "-qam", "tune")
-    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first})
     entry = configs_shipped.status(repo, path)["a/1B_full_80gb"]
     assert entry["state"] == "stale" and entry["changed"] == ["configs/a/1B_full_80gb.yaml"]
 
