@@ -1,8 +1,9 @@
 """Which configs are shipped: each config's passing end-to-end row (bench/configs_check.py) from the current code.
 
-    python bench/configs_shipped.py [--results bench/results/configs_check_h100.json] [--strict]
+    python bench/configs_shipped.py [--results bench/results/configs_check_h100.json ...] [--strict]
 
-A config is shipped when the results file has a passing row of it whose code is the current code: nothing a run
+A config is shipped when a results file (by default each ``bench/results/configs_check_*.json``: one per GPU) has a
+passing row of it whose code is the current code: nothing a run
 reads changed between the row's commit (its ``code``) and the working tree, in the recipes, the library
 (``finetune/``, ``optimizers/``, ``eval/``) and the config's own settings (its comments, where the measured figures
 go, may change). A row from older code is ``stale`` (the changed files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
@@ -22,12 +23,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "bench" / "results" / "configs_check_h100.json"
+# bench/configs_check.py's committed results, a file per GPU (configs_check_h100.json, configs_check_h200.json)
+RESULTS_GLOB = "bench/results/configs_check_*.json"
 # What a training run, its resume and its eval read besides the config file (bench/_harness.py's CODE_PATHS less bench/
 # and configs/: a row's config is compared on its own, and the other configs do not change it).
 RUN_PATHS = ["finetune", "recipes", "optimizers", "eval"]
@@ -67,41 +69,57 @@ def same_settings(root: Path, commit: str, path: str) -> bool:
     return yaml.safe_load(before.stdout) == yaml.safe_load((root / path).read_text())
 
 
-def status(root: Path, results: Path) -> Dict[str, dict]:
-    """Per config: ``state`` (shipped, stale, missing, several_gpus, unknown_code), the row's code, tok/s and the
-    changed files."""
-    rows = json.loads(results.read_text())["rows"] if results.is_file() else []
-    passing = {r["config"]: r for r in rows if r.get("passed")}
+def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
+    """Per config: ``state`` (shipped, stale, missing, several_gpus, unknown_code), the row's code, tok/s, file and the
+    changed files. Of several passing rows (files of other GPUs, rows of other calls) the best tells: a current one,
+    else a stale one."""
+    passing: Dict[str, List[tuple]] = {}
+    for path in results:
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("passed"):
+                passing.setdefault(row["config"], []).append((path.name, row))
+    rank = {"shipped": 0, "stale": 1, "unknown_code": 2}
     out = {}
     for config in shipped_configs(root):
-        row = passing.get(config)
-        entry = {"code": row and row.get("code"), "tok_s": row and row.get("tok_s"), "changed": []}
         if config.endswith("_distributed"):
-            entry["state"] = "several_gpus"
-        elif row is None:
-            entry["state"] = "missing"
-        else:
-            changed = changed_since(root, row.get("code") or "", config) if row.get("code") else None
-            if changed is None:
-                entry["state"] = "unknown_code"
-            else:
-                entry["state"], entry["changed"] = ("stale" if changed else "shipped"), changed
-        out[config] = entry
+            out[config] = {"state": "several_gpus", "code": None, "tok_s": None, "file": None, "changed": []}
+            continue
+        entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
+        for name, row in passing.get(config, []):
+            changed = changed_since(root, row["code"], config) if row.get("code") else None
+            state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
+            entries.append(
+                {
+                    "state": state,
+                    "code": row.get("code"),
+                    "tok_s": row.get("tok_s"),
+                    "file": name,
+                    "changed": changed or [],
+                }
+            )
+        out[config] = min(entries, key=lambda e: rank.get(e["state"], 3))
     return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", type=Path, default=RESULTS, help="bench/configs_check.py's results file")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        action="append",
+        help=f"bench/configs_check.py's results file (repeat for several; default: every {RESULTS_GLOB})",
+    )
     ap.add_argument("--strict", action="store_true", help="exit 1 while a config has no passing row from this code")
     args = ap.parse_args(argv)
-    if not args.results.is_file():
-        print(f"error: --results {args.results}: no such file (bench/configs_check.py --out writes one)", flush=True)
-        return 2
-    table = status(REPO_ROOT, args.results)
+    results = args.results or sorted(REPO_ROOT.glob(RESULTS_GLOB))
+    for path in results:
+        if not path.is_file():
+            print(f"error: --results {path}: no such file (bench/configs_check.py --out writes one)", flush=True)
+            return 2
+    table = status(REPO_ROOT, results)
     for config, e in table.items():
         detail = {
-            "shipped": f"row of {e['code']}, {e['tok_s']} tok/s",
+            "shipped": f"row of {e['code']} in {e['file']}, {e['tok_s']} tok/s",
             "stale": f"row of {e['code']}; changed since: {', '.join(e['changed'][:4])}"
             + (f" and {len(e['changed']) - 4} more" if len(e["changed"]) > 4 else ""),
             "missing": "no passing row",

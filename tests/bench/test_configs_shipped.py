@@ -53,7 +53,7 @@ def test_a_row_is_current_until_what_the_run_reads_changes(repo):
         {"config": "a/1B_full_80gb", "passed": True, "code": first, "tok_s": 100},
         {"config": "a/1B_full_12gb", "passed": False, "code": first},
     )
-    states = {c: e["state"] for c, e in configs_shipped.status(repo, path).items()}
+    states = {c: e["state"] for c, e in configs_shipped.status(repo, [path]).items()}
     assert states == {
         "a/1B_full_12gb": "missing",  # (its row failed)
         "a/1B_full_24gb": "missing",
@@ -62,9 +62,9 @@ def test_a_row_is_current_until_what_the_run_reads_changes(repo):
     }
     (repo / "bench" / "tool.py").write_text("x = 2\n")  # a benchmark's change keeps the row
     (repo / "configs" / "a" / "1B_full_24gb.yaml").write_text("name: changed\n")  # (another config's too)
-    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "shipped"
+    assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "shipped"
     (repo / "finetune" / "train.py").write_text("x = 2\n")  # uncommitted: the working tree is what runs
-    entry = configs_shipped.status(repo, path)["a/1B_full_80gb"]
+    entry = configs_shipped.status(repo, [path])["a/1B_full_80gb"]
     assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
 
 
@@ -73,16 +73,31 @@ def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_no
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("# measured: 100 tok/s\nname: a/1B_full_80gb  # (why)\n")
     git(repo, "commit", "-qam", "figures")
     path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first})
-    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "shipped"
+    assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "shipped"
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("name: tuned\n")
     git(repo, "commit", "-qam", "tune")
-    entry = configs_shipped.status(repo, path)["a/1B_full_80gb"]
+    entry = configs_shipped.status(repo, [path])["a/1B_full_80gb"]
     assert entry["state"] == "stale" and entry["changed"] == ["configs/a/1B_full_80gb.yaml"]
+
+
+def test_of_several_files_a_current_row_ships_the_config(repo):
+    """An H200's file beside the H100's: a stale row in one and a current row in the other ship the config."""
+    old = git(repo, "rev-parse", "HEAD")
+    (repo / "finetune" / "train.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "fix")
+    new = git(repo, "rev-parse", "HEAD")
+    h100 = repo / "configs_check_h100.json"
+    h100.write_text(json.dumps({"rows": [{"config": "a/1B_full_80gb", "passed": True, "code": old}]}))
+    h200 = repo / "configs_check_h200.json"
+    h200.write_text(json.dumps({"rows": [{"config": "a/1B_full_80gb", "passed": True, "code": new, "tok_s": 7}]}))
+    entry = configs_shipped.status(repo, [h100, h200])["a/1B_full_80gb"]
+    assert (entry["state"], entry["file"], entry["tok_s"]) == ("shipped", "configs_check_h200.json", 7)
+    assert configs_shipped.status(repo, [h100])["a/1B_full_80gb"]["state"] == "stale"
 
 
 def test_a_commit_the_checkout_lacks_is_said_not_taken_for_current(repo):
     path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": "0123abc"})
-    assert configs_shipped.status(repo, path)["a/1B_full_80gb"]["state"] == "unknown_code"
+    assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "unknown_code"
 
 
 def test_the_report_names_the_next_calls_configs_and_strict_fails_while_any_is_needed(repo, monkeypatch, capsys):
