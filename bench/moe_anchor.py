@@ -19,6 +19,10 @@ the model's real config.json written tensor by tensor on the GPU (``python -m fi
 - ``ours_depth``: ``configs/qwen3_moe/30B_A3B_full_80gb.yaml`` on the same depth's folder;
 - ``ours_full``: the same config on the 48-layer folder.
 
+``--set KEY=VALUE`` overrides our config in our rows (each row records its ``overrides``): a setting to try, such as
+``stream_optimizer_states=False`` where a reduced depth's states fit the GPU, or a larger ``--batch-size`` (both
+rows): a speed figure of that setting, not of the shipped config.
+
 Per row: ``tok_s`` (median trained tokens/s of the steps after ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``
 (torch's allocator), ``gpu_mib_peak`` (nvidia-smi, the CUDA context included) and ``host_gb_peak`` (MemAvailable's
 drop), sampled by bench/_runner.py's Footprint; ``vs_anchor``: over the anchor row of the same depth. The
@@ -84,6 +88,7 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
         f"batch_size={args.batch_size}",
         f"tokenizer.max_seq_len={args.seq_len}",
         *(TOY_OURS if args.toy else [harness.CAP["80gb"]]),
+        *args.set,
     )
 
 
@@ -117,6 +122,7 @@ def run_row(row: str, args) -> dict:
         command=run.command,
         wall_s=run.wall_s,
         config=None if row == "anchor" else CONFIG,
+        overrides=None if row == "anchor" else args.set,
         gpu_mib_peak=peaks["gpu_mib_peak"],
         host_gb_peak=peaks["host_gb_peak"],
     )
@@ -232,6 +238,14 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--batch-size", type=int, default=16, help="rows a step (the config's)")
     ap.add_argument("--seq-len", type=int, default=512, help="tokens a row (the config's pack length)")
     ap.add_argument("--split", default="train[:4000]", help="the Alpaca records our rows pack")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override of our config in our rows (e.g. stream_optimizer_states=False at a depth whose states fit "
+        "the GPU); recorded in each row's overrides. Give such rows an --out of their own",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row before it is stopped as an error")
     ap.add_argument("--work-dir", default="/tmp/moe_anchor", help="folders, runs, pack cache")
     ap.add_argument("--keep-folders", action="store_true", help="keep the random folders after their rows")

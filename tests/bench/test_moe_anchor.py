@@ -76,3 +76,11 @@ def test_gpu_rows_of_ours_run_as_on_an_80gb_card(tmp_path):
         assert "device_memory_limit_gib=78" in moe_anchor.row_command(row, tmp_path / "f", tmp_path / "o", gpu)
     toy = moe_anchor.parse_args(["--toy", "--data-dir", str(DATA_DIR)])
     assert not any("device_memory_limit_gib" in a for a in moe_anchor.row_command("ours_full", tmp_path, tmp_path, toy))
+
+
+def test_a_setting_to_try_reaches_our_rows_last_and_not_the_anchor(tmp_path):
+    args = moe_anchor.parse_args(["--data-dir", str(DATA_DIR), "--set", "stream_optimizer_states=False"])
+    ours = moe_anchor.row_command("ours_depth", tmp_path / "f", tmp_path / "o", args)
+    assert ours[-1] == "stream_optimizer_states=False"  # (after the config's and the cap's: it wins)
+    anchor = moe_anchor.row_command("anchor", tmp_path / "f", tmp_path / "o", args)
+    assert not any("stream_optimizer_states" in a for a in anchor)
