@@ -3,10 +3,10 @@
     python bench/configs_shipped.py [--results bench/results/configs_check_h100.json ...] [--strict]
 
 A config is shipped when a results file (by default each ``bench/results/configs_check_*.json``: one per GPU) has a
-passing row of it whose code is the current code: nothing a run
-reads changed between the row's commit (its ``code``) and the working tree, in the recipes, the library
-(``finetune/``, ``optimizers/``, ``eval/``) and the config's own settings (its comments, where the measured figures
-go, may change). A row from older code is ``stale`` (the changed files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
+passing row of it whose code is the current code: nothing a run reads changed between the row's commit (its ``code``)
+and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``) and the config's own
+settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
+files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
 ``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
 should take them (each model's configs together, so its folder is made once). ``--strict`` exits 1 while any config
 needs a row. Configs the single-device check cannot run (``*_distributed``) are listed apart: they need a machine of
