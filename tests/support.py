@@ -1,6 +1,7 @@
 """What tests build besides conftest's fixtures: toy Hugging Face folders of each model family (the library's builder,
 finetune/toy_folder.py: a model made by transformers from the family's config.json at toy sizes, a stand-in
-tokenizer saved by transformers), the tiny Llama folder the eval tests read, and the batch runner of fine-tunes.
+tokenizer saved by transformers), the tiny Llama folder the eval tests read, the batch runner of fine-tunes, and git
+in a test's own repository.
 (A run's offline wandb files are read back by the library's reader, finetune.reporting.wandb_run.read_runs.)
 
 Import it from any test module (tests/ is on sys.path, as conftest's folder): ``import support``. It imports only
@@ -10,6 +11,7 @@ recipe process it runs in.
 """
 
 import json
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,3 +341,15 @@ def dataset_settings(section: Dict[str, Any], packed: bool = False, key: str = "
         pack_cache_dir=None,
         packed_attention="flex",
     )
+
+
+def git(repo: Path, *args: str) -> str:
+    """git in a test's own repository, with an author given (a machine without a git identity can commit); its
+    output, stripped. A failing command raises."""
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()

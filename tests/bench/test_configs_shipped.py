@@ -3,7 +3,6 @@ run reads since the row's commit makes it stale, a change elsewhere (bench/, doc
 row is missing; the distributed config is listed apart. Run on a small git repository of its own."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,16 +12,7 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import configs_shipped
-
-
-def git(root, *args):
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+from support import git
 
 
 @pytest.fixture

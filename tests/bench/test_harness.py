@@ -27,6 +27,7 @@ from conftest import (
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness
+from support import git
 
 SCRIPTS = ["compare", "e2e", "pipeline", "loss_parity", "loss_parity_width2048", "optimizer_step", "checkpoint_save"]
 # The fewest arguments each script needs to start a run (compare's config: the real one, by absolute path, so that
@@ -36,16 +37,6 @@ MINIMAL = {
     "e2e": ["--checkpoint-dir", "/nonexistent", "--rows", "ours_24gb"],
     "checkpoint_save": ["--toy"],
 }
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        cwd=repo,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
 
 
 @pytest.fixture
