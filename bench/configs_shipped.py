@@ -6,8 +6,9 @@ A config is shipped when a results file (by default each ``bench/results/configs
 passing row of it whose code is the current code: nothing a run reads changed between the row's commit (its ``code``)
 and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``) and the config's own
 settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
-files are named: a fix in the checkpoint writer can break a save the row proved); a config without a passing row is
-``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
+files are named: a fix in the checkpoint writer can break a save the row proved); a config whose row from the current
+code failed (in ``rows`` or the file's ``failed`` list) is ``failing`` (the failed checks are named), though an older
+row passed: the current code is what a user runs; a config without a passing row is ``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
 should take them (each model's configs together, so its folder is made once). ``--strict`` exits 1 while any config
 needs a row. Configs the single-device check cannot run (``*_distributed``) are listed apart: they need a machine of
 several GPUs.
@@ -70,15 +71,16 @@ def same_settings(root: Path, commit: str, path: str) -> bool:
 
 
 def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
-    """Per config: ``state`` (shipped, stale, missing, several_gpus, unknown_code), the row's code, tok/s, file and the
-    changed files. Of several passing rows (files of other GPUs, rows of other calls) the best tells: a current one,
-    else a stale one."""
+    """Per config: ``state`` (shipped, failing, stale, missing, several_gpus, unknown_code), the row's code, tok/s,
+    file, the changed files and (failing) the failed checks. Of several rows (files of other GPUs, rows of other calls)
+    the best tells: a current passing one, else a current failing one, else a stale passing one."""
     passing: Dict[str, List[tuple]] = {}
+    failing: Dict[str, List[tuple]] = {}
     for path in results:
-        for row in json.loads(path.read_text())["rows"]:
-            if row.get("passed"):
-                passing.setdefault(row["config"], []).append((path.name, row))
-    rank = {"shipped": 0, "stale": 1, "unknown_code": 2}
+        data = json.loads(path.read_text())
+        for row in data["rows"] + data.get("failed", []):
+            (passing if row.get("passed") else failing).setdefault(row["config"], []).append((path.name, row))
+    rank = {"shipped": 0, "failing": 1, "stale": 2, "unknown_code": 3}
     out = {}
     for config in shipped_configs(root):
         if config.endswith("_distributed"):
@@ -97,7 +99,20 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                     "changed": changed or [],
                 }
             )
-        out[config] = min(entries, key=lambda e: rank.get(e["state"], 3))
+        for name, row in failing.get(config, []):
+            if row.get("code") and changed_since(root, row["code"], config) == []:  # (an old failure may be fixed)
+                failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
+                entries.append(
+                    {
+                        "state": "failing",
+                        "code": row["code"],
+                        "tok_s": None,
+                        "file": name,
+                        "changed": [],
+                        "failed": failed,
+                    }
+                )
+        out[config] = min(entries, key=lambda e: rank.get(e["state"], 4))
     return out
 
 
@@ -122,12 +137,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             "shipped": f"row of {e['code']} in {e['file']}, {e['tok_s']} tok/s",
             "stale": f"row of {e['code']}; changed since: {', '.join(e['changed'][:4])}"
             + (f" and {len(e['changed']) - 4} more" if len(e["changed"]) > 4 else ""),
+            "failing": f"row of {e['code']} in {e['file']} failed: {', '.join(e.get('failed', []))}",
             "missing": "no passing row",
             "unknown_code": f"row of {e['code']}, a commit this checkout does not have",
             "several_gpus": "needs a machine of several GPUs (bench/configs_check.py runs the single-device recipe)",
         }[e["state"]]
         print(f"{config:34s} {e['state']:12s} {detail}")
-    need = [c for c, e in table.items() if e["state"] in ("stale", "missing", "unknown_code")]
+    need = [c for c, e in table.items() if e["state"] in ("failing", "stale", "missing", "unknown_code")]
     counts = {
         s: sum(e["state"] == s for e in table.values()) for s in dict.fromkeys(e["state"] for e in table.values())
     }

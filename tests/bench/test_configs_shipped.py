@@ -1,6 +1,6 @@
 """bench/configs_shipped.py: a config is shipped by a passing row from the code of the working tree; a change to what a
 run reads since the row's commit makes it stale, a change elsewhere (bench/, docs) does not; a config without a passing
-row is missing; the distributed config is listed apart. Run on a small git repository of its own."""
+row is missing, one whose row from the current code failed is failing; the distributed config is listed apart. Run on a small git repository of its own."""
 
 import json
 import sys
@@ -45,7 +45,7 @@ def test_a_row_is_current_until_what_the_run_reads_changes(repo):
     )
     states = {c: e["state"] for c, e in configs_shipped.status(repo, [path]).items()}
     assert states == {
-        "a/1B_full_12gb": "missing",  # (its row failed)
+        "a/1B_full_12gb": "failing",  # (its row from this code failed)
         "a/1B_full_24gb": "missing",
         "a/1B_full_80gb": "shipped",
         "b/2B_full_distributed": "several_gpus",
@@ -85,6 +85,30 @@ def test_of_several_files_a_current_row_ships_the_config(repo):
     assert configs_shipped.status(repo, [h100])["a/1B_full_80gb"]["state"] == "stale"
 
 
+def test_a_failure_from_the_current_code_outweighs_an_older_pass_and_an_older_failure_does_not(repo):
+    """The results file keeps a config's older passing row in ``rows`` and the current code's failures in ``failed``:
+    the config is failing, its failed check named, until the code changes (the failure may be fixed: the older pass
+    is then as stale as any)."""
+    old = git(repo, "rev-parse", "HEAD")
+    (repo / "finetune" / "train.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "change")
+    new = git(repo, "rev-parse", "HEAD")
+    path = repo / "results.json"
+    checks = {"saved": True, "resumed_first_step_exact": False}
+    path.write_text(
+        json.dumps(
+            {
+                "rows": [{"config": "a/1B_full_80gb", "passed": True, "code": old, "tok_s": 100}],
+                "failed": [{"config": "a/1B_full_80gb", "passed": False, "code": new, "checks": checks}],
+            }
+        )
+    )
+    entry = configs_shipped.status(repo, [path])["a/1B_full_80gb"]
+    assert (entry["state"], entry["code"], entry["failed"]) == ("failing", new, ["resumed_first_step_exact"])
+    (repo / "finetune" / "train.py").write_text("x = 3\n")
+    assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "stale"
+
+
 def test_a_commit_the_checkout_lacks_is_said_not_taken_for_current(repo):
     path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": "0123abc"})
     assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "unknown_code"
@@ -97,7 +121,7 @@ def test_the_report_names_the_next_calls_configs_and_strict_fails_while_any_is_n
     assert configs_shipped.main(["--results", str(path)]) == 0
     assert configs_shipped.main(["--results", str(path), "--strict"]) == 1
     out = capsys.readouterr().out
-    assert "need a row: --configs a/1B_full_12gb,a/1B_full_24gb\n" in out
+    assert "need a row: --configs a/1B_full_12gb,a/1B_full_24gb\n" in out  # (no row of either)
     assert "1 shipped" in out and "2 missing" in out and "1 several_gpus" in out
     assert configs_shipped.main(["--results", str(repo / "none.json")]) == 2
     assert capsys.readouterr().out.startswith("error: --results")
