@@ -7,11 +7,11 @@ passing row of it whose code is the current code: nothing a run reads changed be
 and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``) and the config's own
 settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
 files are named: a fix in the checkpoint writer can break a save the row proved); a config whose row from the current
-code failed (in ``rows`` or the file's ``failed`` list) is ``failing`` (the failed checks are named), though an older
-row passed: the current code is what a user runs; a config without a passing row is ``missing``. Prints one line per config, then the ``--configs`` of those that need a row, in the order a device call
-should take them (each model's configs together, so its folder is made once). ``--strict`` exits 1 while any config
-needs a row. Configs the single-device check cannot run (``*_distributed``) are listed apart: they need a machine of
-several GPUs.
+code failed (in ``rows`` or the file's ``failed`` list) is ``failing``, the failed checks named, though an older row
+passed: the current code is what a user runs; a config without a passing row is ``missing``. Prints one line per
+config, then the ``--configs`` of those that need a row, in the order a device call should take them (each model's
+configs together, so its folder is made once). ``--strict`` exits 1 while any config needs a row. Configs the
+single-device check cannot run (``*_distributed``) are listed apart: they need a machine of several GPUs.
 
 Rows span device calls and days, so "current" is decided by the code, not the date: a change to bench/ or docs/ keeps
 every row, a change to ``finetune/`` makes every row stale until it runs again.

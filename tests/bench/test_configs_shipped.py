@@ -1,6 +1,7 @@
 """bench/configs_shipped.py: a config is shipped by a passing row from the code of the working tree; a change to what a
 run reads since the row's commit makes it stale, a change elsewhere (bench/, docs) does not; a config without a passing
-row is missing, one whose row from the current code failed is failing; the distributed config is listed apart. Run on a small git repository of its own."""
+row is missing, one whose row from the current code failed is failing; the distributed config is listed apart. Run on
+a small git repository of its own."""
 
 import json
 import sys
@@ -121,7 +122,7 @@ def test_the_report_names_the_next_calls_configs_and_strict_fails_while_any_is_n
     assert configs_shipped.main(["--results", str(path)]) == 0
     assert configs_shipped.main(["--results", str(path), "--strict"]) == 1
     out = capsys.readouterr().out
-    assert "need a row: --configs a/1B_full_12gb,a/1B_full_24gb\n" in out  # (no row of either)
+    assert "need a row: --configs a/1B_full_12gb,a/1B_full_24gb\n" in out
     assert "1 shipped" in out and "2 missing" in out and "1 several_gpus" in out
     assert configs_shipped.main(["--results", str(repo / "none.json")]) == 2
     assert capsys.readouterr().out.startswith("error: --results")
