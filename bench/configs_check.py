@@ -73,6 +73,7 @@ ROW_SECONDS_3B = {"12gb": 120, "24gb": 130, "80gb": 160}
 FOLDER_SECONDS = 60
 MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
 BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
+SAVE_FIGURES = ("checkpoint_blocked_s", "checkpoint_staged_gpu_gib", "checkpoint_staged_host_gib", "host_pinned_gib")
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
 
@@ -229,6 +230,11 @@ def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
     # (host memory a save leaves behind in torch's pinned pool: a rise after the step's save that stays)
     row["pinned_pool_gib_per_step"] = [m.get("pinned_pool_gib") for m in metrics]
     row["losses"] = [m["loss"] for m in metrics]
+    # (what each step save cost training, from the record of the step after it: the snapshot's copy, and where it went;
+    # a save whose host buffer the first step's plan did not fit allocates and pins one while training waits)
+    row["saves_blocked_s"] = {
+        m["step"] - 1: {k: m.get(k) for k in SAVE_FIGURES} for m in metrics if m.get("checkpoint_blocked_s") is not None
+    }
     row["peak_reserved_gib"] = harness.peak(metrics, "peak_memory_reserved_gib")
     row["alloc_retries"] = metrics[-1].get("alloc_retries")  # a count that grows: the memory cap slows the steps
     anchor = args.anchors.get(config.split("/")[0])

@@ -104,12 +104,15 @@ def check_toy(tmp_path, *flags: str) -> dict:
 
 def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     """The whole check on the CPU, as on the GPU with a toy's sizes: a run that saves at step 2 and at its end, the
-    resume from step_2/ in the other save mode beside transformers' load and the eval, and a passing row."""
+    resume from step_2/ in the other save mode beside transformers' load and the eval, and a passing row, with what
+    the step save cost training and where its copy went."""
     row = check_toy(tmp_path, "--save-every", "2", "--eval-limit", "2", "--eval-set", "batch_size=2")
     assert row["passed"], row.get("error") or row.get("resume_error") or row["checks"]
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
     assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
+    (saved,) = row["saves_blocked_s"].items()  # (the step save's cost to training; the epoch's has no step after it)
+    assert saved[0] == "2" and saved[1]["checkpoint_blocked_s"] >= 0 and saved[1]["checkpoint_staged_host_gib"] > 0
     phases = row["phases_s"]  # (the step lines' and saves' seconds, as the series' samples: training ends at step 3)
     assert [step for step, _ in phases["steps"]] == [1, 2, 3] and phases["trained"] == phases["steps"][-1][1]
     assert len(phases["saves"]) == 2 and all(start <= end for start, end in phases["saves"])
