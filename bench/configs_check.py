@@ -99,15 +99,21 @@ def class_card(config: str, args) -> List[str]:
     return [harness.CAP[cls]]
 
 
+def recipe_command(config: str, folder, out: Path, args, steps: int, save_every, extra: List[str]) -> List[str]:
+    """The recipe run of ``config`` on ``folder`` into ``out`` as a user types it: only the folders, the run's length
+    and its saves set, metrics every step and no logger, on a card of the config's class, then --set and ``extra``."""
+    cmd = [sys.executable, RECIPE, "--config", f"configs/{config}.yaml"]
+    cmd += [f"checkpoint_dir={folder}", f"data_dir={args.data_dir}", f"output_dir={out}"]
+    cmd += [f"max_steps_per_epoch={steps}", f"save_every_n_steps={save_every}", "log_every_n_steps=1"]
+    return cmd + ["metric_logger=null", *class_card(config, args), *args.set, *extra]
+
+
 def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves: bool = True):
     """One recipe run with the footprint sampled; the save spans from its output ("Saved checkpoint" lines mark their
     ends; a save starts at the step before). ``saves=False``: no step save, and the run is stopped once its last
     step is logged, before the epoch's save."""
-    cmd = [sys.executable, RECIPE, "--config", f"configs/{config}.yaml"]
-    cmd += [f"checkpoint_dir={args.resolved[config]}", f"data_dir={args.data_dir}", f"output_dir={out}"]
     save_every = args.save_every if saves else "null"
-    cmd += [f"max_steps_per_epoch={args.steps}", f"save_every_n_steps={save_every}", "log_every_n_steps=1"]
-    cmd += ["metric_logger=null", *class_card(config, args), *args.set, *extra]
+    cmd = recipe_command(config, args.resolved[config], out, args, args.steps, save_every, extra)
     lines: List[tuple] = []
     fp = runner.Footprint()
     until = None if saves else (lambda: len(harness.read_metrics(out)) >= args.steps)

@@ -87,20 +87,17 @@ def sample(variant: Tuple[str, Dict[str, str], List[str]], index: int, folder: s
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     logs = Path(args.logs_dir) if args.logs_dir else None
-    base = [sys.executable, configs_check.RECIPE, "--config", f"configs/{args.config}.yaml"]
-    base += [f"checkpoint_dir={folder}", f"data_dir={args.data_dir}", "log_every_n_steps=1", "metric_logger=null"]
-    # (both runs take the same length: the lr schedule follows max_steps_per_epoch)
-    base += [f"max_steps_per_epoch={args.save_at + 2}", *configs_check.class_card(args.config, args), *args.set]
+    steps = args.save_at + 2  # (both runs take the same length: the lr schedule follows max_steps_per_epoch)
     step = f"step_{args.save_at}"
     lines: List[str] = []
     a_dir = work / "a"
     a = harness.run(
-        base + [f"output_dir={a_dir}", f"save_every_n_steps={args.save_at}", *overrides],
+        configs_check.recipe_command(args.config, folder, a_dir, args, steps, args.save_at, overrides),
         work / "a.log",
         timeout=args.timeout,
         env=env,
         until=lambda: len(harness.read_metrics(a_dir)) > args.save_at
-        and any("Saved checkpoint" in ln and f"/{step} " in ln for ln in lines),
+        and any((m := configs_check.SAVED_LINE.search(ln)) and m.group(1) == step for ln in lines),
         on_line=lambda line, t: lines.append(line),
     )
     a_losses = [m["loss"] for m in harness.read_metrics(a_dir)]
@@ -115,10 +112,9 @@ def sample(variant: Tuple[str, Dict[str, str], List[str]], index: int, folder: s
         resumed: List[Optional[float]] = []
         for r in range(args.resumes):
             b_dir = work / f"resumed_{r}"
+            resume = [f"resume_from_checkpoint={a_dir / step}", *overrides]
             b = harness.run(
-                base
-                + [f"output_dir={b_dir}", "save_every_n_steps=null", f"resume_from_checkpoint={a_dir / step}"]
-                + overrides,
+                configs_check.recipe_command(args.config, folder, b_dir, args, steps, "null", resume),
                 work / f"resumed_{r}.log",
                 timeout=args.timeout,
                 env=env,
