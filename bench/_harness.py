@@ -4,8 +4,10 @@ A benchmark script parses its flags, calls ``provenance()`` first (which refuses
 (``run()`` for a recipe or any command in a subprocess, or in-process code), and writes one JSON with
 ``write_json()``. Every result file then carries:
 
-    command   the bench command as typed (``python bench/....py --flags``); each recipe run's own command is in its
-              record
+    command   the bench command as typed (``python bench/....py --flags``), led by the variables of the environment
+              that steered the runs (``TORCHINDUCTOR_DETERMINISTIC=0 python ...``); each recipe run's own command is
+              in its record
+    env       those variables by name (STEERING_PREFIXES), where any was set
     hardware  the GPU(s) by name and memory, or the CPU model; and the core count
     versions  python, torch, triton, torchtune, torchao, bitsandbytes, transformers, lm_eval (null: not installed)
     date      UTC, when the benchmark started
@@ -188,16 +190,51 @@ def versions() -> Dict[str, Optional[str]]:
     return found
 
 
+# Environment variables that change what a run computes, or how fast: Inductor's and torch's settings
+# (TORCHINDUCTOR_DETERMINISTIC, TORCH_COMPILE_DISABLE, PYTORCH_CUDA_ALLOC_CONF), Triton's, cuBLAS's, NCCL's, the
+# fused cross-entropy's (CCE_AUTOTUNE), the CPU kernels' (ATEN_CPU_CAPABILITY), CUDA_LAUNCH_BLOCKING. Where a
+# result's runs were steered by one, the result must say so: two rows told apart only by an exported variable
+# otherwise read as the same command. What does not steer a run: where things are kept (``*_DIR``, ``*_PATH``,
+# ``*_HOME``), what an image was built with (``*_VERSION``, TORCH_CUDA_ARCH_LIST), and the switches the GPU machine
+# sets for every program there (NVLink multicast off: STEERING_IGNORED).
+STEERING_PREFIXES = (
+    "TORCHINDUCTOR_",
+    "TORCH_",
+    "PYTORCH_",
+    "TRITON_",
+    "CUBLAS_",
+    "CUBLASLT_",
+    "NCCL_",
+    "CCE_",
+    "ATEN_",
+)
+STEERING_NAMES = ("CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE")
+STEERING_IGNORED = ("TORCH_CUDA_ARCH_LIST", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+
+
+def steering_env() -> Dict[str, str]:
+    """The variables of this process's environment that steer the runs it starts (STEERING_PREFIXES), by name."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if (k.startswith(STEERING_PREFIXES) or k in STEERING_NAMES)
+        and k not in STEERING_IGNORED
+        and not k.endswith(("_DIR", "_PATH", "_HOME", "_VERSION"))
+    }
+
+
 def provenance(script: str, argv: List[str], allow_dirty: bool) -> dict:
     """The fields every result starts with (module docstring). Call it before any work: on a dirty tree it exits
-    with status 2 unless allow_dirty."""
+    with status 2 unless allow_dirty. Variables of the environment that steer the runs (``steering_env``) are kept
+    as ``env`` and lead the command, as a shell would take them."""
     try:
         code, note = code_version(REPO_ROOT, allow_dirty)
     except DirtyTree as e:
         refuse(str(e))
     rel = Path(script).resolve().relative_to(REPO_ROOT)
+    env = steering_env()
     record = {
-        "command": shlex.join(["python", str(rel), *argv]),
+        "command": shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", str(rel), *argv]),
         "hardware": hardware(),
         "versions": versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -205,6 +242,8 @@ def provenance(script: str, argv: List[str], allow_dirty: bool) -> dict:
     }
     if note:
         record["code_note"] = note
+    if env:
+        record["env"] = env
     return record
 
 

@@ -538,6 +538,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             row = {"config": config, "class": card_class(config), "checks": {}, "error": f"folder: {error}"}
         else:
             row = check_config(config, args)
+        if doc.get("env"):  # (a row merged into another file keeps what steered it)
+            row["env"] = doc["env"]
         row["wall_s"] = round(time.monotonic() - start)  # the whole check: what a device call must budget for it
         row["folder_s"] = round(folder_s)  # (its model's folder made first: 0 where it was there)
         kind = row_kind(config)

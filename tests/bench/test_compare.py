@@ -64,7 +64,8 @@ def test_compare_runs_and_reports(bench_run):
     for key in ("command", "hardware", "versions", "date", "code", "records", "config", "steps"):
         assert key in result
     assert result["versions"]["torch"]
-    assert result["command"].startswith("python bench/compare.py --config configs/tiny.yaml")
+    lead = "".join(f"{k}={v} " for k, v in result.get("env", {}).items())  # (what steered the runs, e.g. TRITON_*)
+    assert result["command"].startswith(lead + "python bench/compare.py --config configs/tiny.yaml")
     assert [r["variant"] for r in result["records"]] == [FUSED, OURS, BROKEN]
     # each record: the recipe command it ran, and the code (a --merge file can mix commits)
     for rec in result["records"]:

@@ -119,9 +119,13 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
 
 
-def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path):
+def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path, monkeypatch):
+    """A speed row's runs take the tool's environment; a variable that steers them (here the fused loss's
+    autotuning, which the CPU run does not use) is named in the row, which may be merged into another file."""
+    monkeypatch.setenv("CCE_AUTOTUNE", "0")
     row = check_toy(tmp_path, "--speed-only", "--keep")
     assert row["speed_only"] and "passed" not in row and not row.get("error"), row
+    assert row["env"]["CCE_AUTOTUNE"] == "0"
     assert len(row["tok_s_per_step"]) == 3 and row["tok_s"] > 0 and "save_every_n_steps=null" in row["command"]
     assert "device_memory_limit_gib" not in row["command"]  # (device=cpu: no card to emulate)
     run = tmp_path / "work" / "llama3_2_3B_full_24gb" / "run"

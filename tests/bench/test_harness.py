@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -107,8 +108,10 @@ def test_every_benchmark_refuses_a_dirty_tree(repo, script):
 
 
 def test_provenance_fields(monkeypatch):
+    for name in harness.steering_env():  # (the test session's own, e.g. TRITON_INTERPRET)
+        monkeypatch.delenv(name)
     prov = harness.provenance(str(REPO_ROOT / "bench" / "e2e.py"), ["--rows", "a b"], allow_dirty=True)
-    assert prov["command"] == "python bench/e2e.py --rows 'a b'"
+    assert prov["command"] == "python bench/e2e.py --rows 'a b'" and "env" not in prov
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", prov["date"])
     assert re.search(r"\d+ CPU cores$", prov["hardware"])
     if not torch.cuda.is_available():
@@ -128,6 +131,34 @@ def test_provenance_fields(monkeypatch):
     with pytest.raises(SystemExit) as e:
         harness.provenance(str(REPO_ROOT / "bench" / "e2e.py"), [], allow_dirty=False)
     assert e.value.code == 2
+
+
+def test_provenance_names_the_environment_that_steered_the_runs(monkeypatch):
+    """A result measured with an exported variable that changes the computation (Inductor's deterministic mode
+    off, say) names it, and its command carries it: otherwise two results told apart only by the variable read
+    as the same command. Where caches and tools live, an image's versions and the machine's own switches are not
+    such variables."""
+    for name in harness.steering_env():
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "0")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:512")
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/inductor")
+    monkeypatch.setenv("TRITON_HOME", "/tmp/triton")
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setenv("NCCL_VERSION", "2.27.3")  # (an image's build, and the GPU machine's multicast switch)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    prov = harness.provenance(str(REPO_ROOT / "bench" / "e2e.py"), ["--rows", "a"], allow_dirty=True)
+    assert prov["env"] == {
+        "CUDA_LAUNCH_BLOCKING": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512",
+        "TORCHINDUCTOR_DETERMINISTIC": "0",
+    }
+    assert prov["command"] == (
+        "CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:512 "
+        "TORCHINDUCTOR_DETERMINISTIC=0 python bench/e2e.py --rows a"
+    )
+    assert shlex.split(prov["command"])[:3] == [f"{k}={v}" for k, v in prov["env"].items()]
 
 
 def _paths(args) -> list:

@@ -29,7 +29,8 @@ def test_toy_mode_runs_the_anchor_and_ours_at_both_depths(tmp_path, one_thread):
     out, work = tmp_path / "anchor.json", tmp_path / "work"
     moe_anchor.main(["--toy", "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"])
     doc = json.loads(out.read_text())
-    assert doc["command"].startswith("python bench/moe_anchor.py --toy") and doc["hardware"] and doc["date"]
+    lead = "".join(f"{k}={v} " for k, v in doc.get("env", {}).items())  # (what steered the runs, e.g. TRITON_*)
+    assert doc["command"].startswith(lead + "python bench/moe_anchor.py --toy") and doc["hardware"] and doc["date"]
     rows = {r["name"]: r for r in doc["records"]}
     assert list(rows) == ["anchor", "ours_depth", "ours_full"], rows
     for r in rows.values():
