@@ -29,7 +29,6 @@ random-valued folder is made once.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -42,6 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 import _harness as harness
 import configs_check
+from finetune.data.packing import file_digest
 
 ENV_KEY = re.compile(r"^[A-Z][A-Z0-9_]*$")
 BLOCKED = re.compile(r"training blocked ([\d.]+) s")
@@ -73,14 +73,6 @@ def summarize(a_losses: List[float], resumed: List[Optional[float]], save_at: in
     return {"expected": expected, "resumed_first": resumed, "exact": exact, "rel_diff": rel}
 
 
-def sha16(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 def sample(variant: Tuple[str, Dict[str, str], List[str]], index: int, folder: str, args) -> dict:
     name, env, overrides = variant
     work = Path(args.work_dir) / f"{name}_{index}"
@@ -108,7 +100,7 @@ def sample(variant: Tuple[str, Dict[str, str], List[str]], index: int, folder: s
     if not saved.is_file() or len(a_losses) <= args.save_at:
         row["error"] = f"run A: {a.error() or 'no ' + step}"
     else:
-        row["step_sha"] = sha16(saved)
+        row["step_sha"] = file_digest(saved)[:16]
         resumed: List[Optional[float]] = []
         for r in range(args.resumes):
             b_dir = work / f"resumed_{r}"
