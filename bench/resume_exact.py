@@ -92,7 +92,9 @@ def sample(variant: Tuple[str, Dict[str, str], List[str]], index: int, folder: s
         and any((m := configs_check.SAVED_LINE.search(ln)) and m.group(1) == step for ln in lines),
         on_line=lambda line, t: lines.append(line),
     )
-    a_losses = [m["loss"] for m in harness.read_metrics(a_dir)]
+    # Through step N+1, the sample's end: the stop reaches a fast run (a toy on the CPU) after it logged step N+2 too,
+    # sometimes, so a loss past it would make the same sample's record differ from one run to the next.
+    a_losses = [m["loss"] for m in harness.read_metrics(a_dir)][: args.save_at + 1]
     row = {"variant": name, "sample": index, "env": env, "overrides": overrides, "a_losses": a_losses}
     blocked = [float(m.group(1)) for ln in lines if (m := BLOCKED.search(ln))]
     row["a_blocked_s"] = blocked[0] if blocked else None  # (the save's copy, where the log says it)
