@@ -21,6 +21,8 @@ Where the snapshot lives, tensor by tensor in the order the checkpoint lists the
 - else host memory: one buffer the size of what did not fit on the GPU, allocated and pinned (cudaHostRegister) once
   and reused by every save; a pinned copy runs about 55 GB/s on an H200 (a 20.6 GB 7B checkpoint: ~0.4 s). Pinning
   new memory costs ~1 s per 10 GB, so ``Checkpointer.prepare`` allocates it in the background after the first step.
+  Where the first save finds less spare GPU memory than that step's estimate, only the storages moved off the GPU
+  get a buffer of their own, at that save; the first buffer stays as it was cut.
 - if the host has not that much memory available (MemAvailable less a reserve), the checkpointer (one process)
   copies only the larger of the checkpoint's two files whose copy fits and writes the other before training goes
   on; where neither fits, the save is written synchronously, as with async_checkpoint=False (it warns once).
@@ -203,7 +205,9 @@ class Staging:
         # at the first snapshot (``settle``); later plans keep it: by then the peak counts the snapshots too
         self._gpu_budget = gpu_budget
         self._settled = gpu_budget is not None
-        self._host: Optional[torch.Tensor] = None  # the host buffer, and the plan it was cut for
+        # The host buffers (the first plan's, and one per later plan that moved storages off the GPU), the plan
+        # their regions were cut for, and each storage's region (None: it goes to the GPU)
+        self._buffers: List[torch.Tensor] = []
         self._host_key: Optional[tuple] = None
         self._regions: List[Optional[torch.Tensor]] = []
         self._pinned: List[int] = []  # registered addresses, for cudaHostUnregister
@@ -238,18 +242,31 @@ class Staging:
         sizes, cuda, _ = self._leaves(obj)
         if self._gpu_budget is None:
             self._gpu_budget = spare_gpu_bytes(self.device, self._limit)
+        # A storage that has its slot in the host buffer already keeps it: on the GPU it would only take memory.
+        slotted = self._held_slots(sizes)
         budget, on_gpu = self._gpu_budget, []
-        for n, c in zip(sizes, cuda):
-            gpu = c and n <= budget
+        for n, c, slot in zip(sizes, cuda, slotted):
+            gpu = c and n <= budget and not slot
             budget -= n if gpu else 0
             on_gpu.append(gpu)
         layout = Layout(sizes, on_gpu)
         if layout.key != self._host_key and layout.host_bytes:
             free = self.free_host_bytes()
-            held = 0 if self._host is None else self._host.numel()
-            if free is not None and layout.host_bytes > free + held:
+            if free is not None and layout.host_bytes > free + self.held_bytes:
                 return None
         return layout
+
+    def _held_slots(self, sizes: List[int]) -> List[bool]:
+        """Which of a checkpoint's storages (``sizes``) have a slot in the host buffers: those of the allocated plan,
+        where the checkpoint has that plan's storages."""
+        if self._host_key is None or self._host_key[0] != tuple(sizes):
+            return [False] * len(sizes)
+        return [r is not None for r in self._regions]
+
+    @property
+    def held_bytes(self) -> int:
+        """The host memory the staging buffers hold now."""
+        return sum(b.numel() for b in self._buffers)
 
     def settle(self) -> None:
         """Fix the GPU budget from the peak the training has reached by the first snapshot, before it is planned;
@@ -287,44 +304,58 @@ class Staging:
 
     def allocate(self, layout: Layout) -> None:
         """The host buffer for ``layout``: touched, pinned, cut into one region per host-held storage. Safe on a
-        background thread (Checkpointer.prepare); a no-op while the layout is the one already allocated."""
+        background thread (Checkpointer.prepare); a no-op while the layout is the one already allocated.
+
+        A layout that only moves storages off the GPU (the first save's ``settle`` found less spare GPU memory than
+        the first step's estimate) keeps the buffer and its regions, and gets a buffer for the moved storages alone:
+        made again whole, the buffer (~9 GB for a 3B model's checkpoint) was allocated, touched and pinned on the
+        training thread inside that save, which then waited 2-16 s instead of ~0.2 s."""
         if layout.key == self._host_key:
             return
-        self.release()
-        if layout.host_bytes:
-            host = torch.empty(layout.host_bytes, dtype=torch.uint8)
+        regions = self._regions if any(self._held_slots(layout.sizes)) else []
+        if not regions or any(r is not None and gpu for r, gpu in zip(regions, layout.on_gpu)):
+            self.release()
+            regions = [None] * len(layout.sizes)
+        new = [i for i, (r, gpu) in enumerate(zip(regions, layout.on_gpu)) if r is None and not gpu]
+        if new:
+            offsets, end = [], 0
+            for i in new:
+                offsets.append(end)
+                end += -(-layout.sizes[i] // ALIGN) * ALIGN
+            host = torch.empty(end, dtype=torch.uint8)
             host.zero_()  # first touch now (in parallel), not page by page inside the copies
             array = host.numpy()
-            regions = [
-                None
-                if o is None
-                else (torch.frombuffer(array[o : o + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8))
-                for n, o in zip(layout.sizes, layout.offsets)
-            ]
-            self._host = host
-            self._pin(layout)
-        else:
-            regions = [None] * len(layout.sizes)
-        # Each region is a storage of its own (torch.frombuffer), so torch.save writes that storage, not the buffer.
+            regions = list(regions)
+            for i, o in zip(new, offsets):
+                n = layout.sizes[i]
+                # each region a storage of its own (torch.frombuffer): torch.save writes that storage, not the buffer
+                regions[i] = (
+                    torch.frombuffer(array[o : o + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+                )
+            if end:
+                self._buffers.append(host)
+                self._pin(host, offsets + [end])
         self._regions, self._host_key = regions, layout.key
 
-    def _pin(self, layout: Layout) -> None:
-        """Page-lock the host buffer (cudaHostRegister: copies into it run at full PCIe speed), in groups of whole
-        slots. Where that fails the buffer stays pageable: correct, only slower (about 12 GB/s on an H200)."""
+    def _pin(self, host: torch.Tensor, starts: List[int]) -> None:
+        """Page-lock a host buffer (cudaHostRegister: copies into it run at full PCIe speed), in groups of whole
+        slots (``starts``: each slot's offset, then the end). Where that fails the buffers stay pageable: correct,
+        only slower (about 12 GB/s on an H200)."""
         if self.device.type != "cuda" or self.transient:  # (a buffer per save: pinning it would cost ~1 s per 10 GB)
             return
-        cudart, base = torch.cuda.cudart(), self._host.data_ptr()
-        starts = [o for o in layout.offsets if o is not None] + [layout.host_bytes]
-        group = 0
+        cudart, base, end = torch.cuda.cudart(), host.data_ptr(), starts[-1]
+        group, ranges = 0, []
         for start in starts[1:]:
-            if start == group or (start - group < PIN_GROUP_BYTES and start != layout.host_bytes):
+            if start == group or (start - group < PIN_GROUP_BYTES and start != end):
                 continue
             if int(cudart.cudaHostRegister(base + group, start - group, 0)) != 0:
-                self._unpin()
+                for address, _ in ranges:  # (this buffer stays pageable; the others keep their pins)
+                    cudart.cudaHostUnregister(address)
                 return
-            self._pinned.append(base + group)
-            self.pinned_bytes += start - group
+            ranges.append((base + group, start - group))
             group = start
+        self._pinned += [address for address, _ in ranges]
+        self.pinned_bytes += sum(n for _, n in ranges)
 
     def _unpin(self) -> None:
         for address in self._pinned:
@@ -334,7 +365,7 @@ class Staging:
     def release(self) -> None:
         """Give the host buffer back (the end of the run, or a new layout)."""
         self._unpin()
-        self._host, self._host_key, self._regions = None, None, []
+        self._buffers, self._host_key, self._regions = [], None, []
 
     # -- the copy ------------------------------------------------------------------------------------
 

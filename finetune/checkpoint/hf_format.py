@@ -23,7 +23,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -549,6 +549,13 @@ def misfit_error(
     )
 
 
+def _keys_error(kind: str, keys: List[str]) -> KeyError:
+    """load_state_dict's wording for keys the model lacks (``kind``: Unexpected) or the folder lacks (Missing): the
+    first eight, and how many in all."""
+    names = ", ".join(f'"{k}"' for k in keys[:8])
+    return KeyError(f"{kind} key(s) in state_dict: {names} ({len(keys)} in all)")
+
+
 def load_weights(
     model: torch.nn.Module,
     folder: Path,
@@ -571,14 +578,12 @@ def load_weights(
                 tune = {k: v.to(dtypes.get(k, v.dtype)) for k, v in tune.items()}
             unexpected = model.load_state_dict(tune, assign=assign, strict=False).unexpected_keys
             if unexpected:
-                names = ", ".join(f'"{k}"' for k in unexpected[:8])
-                raise KeyError(f"Unexpected key(s) in state_dict: {names} ({len(unexpected)} in all)")
+                raise _keys_error("Unexpected", unexpected)
             loaded.update(tune)
             del part, tune  # (before the next layer is read)
         missing = sorted(set(dtypes) - loaded)
         if missing:
-            names = ", ".join(f'"{k}"' for k in missing[:8])
-            raise KeyError(f"Missing key(s) in state_dict: {names} ({len(missing)} in all)")
+            raise _keys_error("Missing", missing)
     except (RuntimeError, KeyError) as e:
         raise misfit_error(folder, " ".join(str(e).split())[:600], family, config_json) from None
 

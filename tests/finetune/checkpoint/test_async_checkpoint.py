@@ -314,7 +314,7 @@ def test_a_host_with_room_for_part_of_the_copy_stages_that_part(runs, tmp_path, 
 
     def allocate_and_count(self, layout):
         allocate(self, layout)
-        held[0] = 0 if self._host is None else self._host.numel()
+        held[0] = self.held_bytes
 
     monkeypatch.setattr(async_save.Staging, "allocate", allocate_and_count)
     monkeypatch.setattr(async_save, "available_host_bytes", lambda: limit - held[0])
@@ -345,7 +345,7 @@ def test_host_memory_limit_stages_what_fits_beside_the_process_and_gives_it_back
     held, release = [], async_save.Staging.release
 
     def release_and_count(self):
-        held.append(0 if self._host is None else self._host.numel())
+        held.append(self.held_bytes)
         release(self)
 
     monkeypatch.setattr(async_save.Staging, "release", release_and_count)
@@ -484,6 +484,45 @@ def test_a_snapshot_is_a_copy_that_keeps_views_sharing_and_subclasses(tmp_path):
     assert torch.equal(again["a"], flat[:4]) and not torch.equal(again["a"], state["a"] - 1)
 
 
+def test_a_plan_that_moves_storages_off_the_gpu_keeps_the_host_slots_cut_before():
+    """The first save may find less spare GPU memory than the first step's estimate (``settle``): the storages that
+    no longer fit on the GPU get a buffer of their own, and the buffer cut before keeps its slots (made again whole,
+    ~9 GB were allocated and touched inside that save). A plan that moves a host-held storage to the GPU starts over."""
+    from finetune.checkpoint import async_save
+
+    staging = async_save.Staging(torch.device("cpu"))
+    sizes = [3 * async_save.ALIGN, 5000, 0, 7]
+    first = async_save.Layout(sizes, [True, True, False, False])
+    staging.allocate(first)
+    slots = [staging._regions[2], staging._regions[3]]
+    assert staging._regions[:2] == [None, None] and staging.held_bytes == async_save.ALIGN
+    staging._regions[3].fill_(7)
+
+    settled = async_save.Layout(sizes, [False, True, False, False])
+    staging.allocate(settled)
+    assert staging._regions[2] is slots[0] and staging._regions[3] is slots[1]  # the same regions, values kept
+    assert torch.equal(staging._regions[3], torch.full((7,), 7, dtype=torch.uint8))
+    assert staging._regions[0].numel() == sizes[0] and staging._regions[1] is None
+    assert staging.held_bytes == async_save.ALIGN + 3 * async_save.ALIGN  # the moved storage's buffer alone
+
+    parts = {  # the snapshot copies into the kept and the new regions alike
+        "a": torch.arange(sizes[0], dtype=torch.uint8),
+        "b": torch.ones(5000, dtype=torch.uint8),
+        "c": torch.empty(0),
+        "d": torch.arange(7, dtype=torch.uint8),
+    }
+    snap, _ = staging.snapshot(parts, settled)
+    assert all(torch.equal(snap[k], parts[k]) for k in parts)
+    assert snap["d"].untyped_storage().data_ptr() == slots[1].data_ptr()
+    assert snap["a"].untyped_storage().data_ptr() == staging._regions[0].data_ptr()
+
+    staging.allocate(async_save.Layout(sizes, [False, True, True, False]))  # a slotted storage to the GPU: anew
+    assert staging._regions[2] is None and staging._regions[3] is not slots[1]
+    assert staging.held_bytes == 4 * async_save.ALIGN
+    staging.release()
+    assert staging.held_bytes == 0 and staging._regions == []
+
+
 # ------------------------------------------------------------------------------------------------
 # on a GPU
 # ------------------------------------------------------------------------------------------------
@@ -543,6 +582,41 @@ def test_gpu_share_of_a_snapshot_is_settled_from_the_peak_at_the_first_save():
     del higher
     staging.settle()  # a later save: settled once
     assert staging.plan(tensors).on_gpu == [True, True, False, False]
+    staging.release()
+
+
+@pytest.mark.gpu
+def test_gpu_first_save_that_settles_a_smaller_share_keeps_the_prepared_host_buffer():
+    """After the first step (``Checkpointer.prepare``) two of four storages fit the GPU's estimated share and the
+    other two get pinned slots; the first save settles a share of one storage: only the storage moved off the GPU
+    gets a new buffer, the prepared slots stay (no 9 GB allocated and pinned again inside the save), and a slotted
+    storage is never planned onto the GPU. The snapshot still holds the values."""
+    from finetune.checkpoint import async_save
+
+    mib = 2**20
+    tensors = {f"w{i}": torch.full((64 * mib,), i, dtype=torch.uint8, device="cuda") for i in range(4)}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    room = torch.cuda.max_memory_reserved() + 160 * mib  # two 64 MiB copies and 32 MiB to spare
+    cap = max(room + async_save.GPU_MARGIN_MIN, math.ceil(room / (1 - async_save.GPU_MARGIN_FRACTION)))
+    staging = async_save.Staging(torch.device("cuda"), memory_limit_gib=cap / 2**30)
+    prepared = staging.plan(tensors)
+    assert prepared.on_gpu == [True, True, False, False]
+    staging.allocate(prepared)
+    slots = [staging._regions[2].data_ptr(), staging._regions[3].data_ptr()]
+    pinned = staging.pinned_bytes
+    assert pinned >= 128 * mib
+    peak = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")  # the steady steps' higher peak
+    del peak
+    staging.settle()
+    settled = staging.plan(tensors)
+    assert settled.on_gpu == [True, False, False, False]
+    snap, ready = staging.snapshot(tensors, settled)
+    ready.synchronize()
+    assert [staging._regions[2].data_ptr(), staging._regions[3].data_ptr()] == slots
+    assert staging.held_bytes == 3 * 64 * mib and staging.pinned_bytes == pinned + 64 * mib
+    assert [int(snap[k][-1]) for k in tensors] == [0, 1, 2, 3]
+    assert [v.is_cuda for v in snap.values()] == [True, False, False, False]
     staging.release()
 
 
