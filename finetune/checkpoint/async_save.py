@@ -168,16 +168,18 @@ def spare_gpu_bytes(device: torch.device, limit_gib: Optional[float]) -> int:
     return max(0, reachable - torch.cuda.max_memory_reserved(device) - margin)
 
 
+def _slot_bytes(n: int) -> int:
+    """A host slot of ``n`` bytes, rounded up to a page (each slot starts on one)."""
+    return -(-n // ALIGN) * ALIGN
+
+
 class Layout:
-    """Where each storage of one checkpoint's snapshot goes: ``on_gpu[i]`` or the host buffer at ``offsets[i]``."""
+    """Where each storage of one checkpoint's snapshot goes: the GPU (``on_gpu[i]``) or a slot in host memory;
+    what each side holds, host slots page-aligned."""
 
     def __init__(self, sizes: List[int], on_gpu: List[bool]):
         self.sizes, self.on_gpu = sizes, on_gpu
-        self.offsets, end = [], 0
-        for n, gpu in zip(sizes, on_gpu):
-            self.offsets.append(None if gpu else end)
-            end += 0 if gpu else -(-n // ALIGN) * ALIGN
-        self.host_bytes = end
+        self.host_bytes = sum(_slot_bytes(n) for n, gpu in zip(sizes, on_gpu) if not gpu)
         self.gpu_bytes = sum(n for n, gpu in zip(sizes, on_gpu) if gpu)
 
     @property
@@ -321,7 +323,7 @@ class Staging:
             offsets, end = [], 0
             for i in new:
                 offsets.append(end)
-                end += -(-layout.sizes[i] // ALIGN) * ALIGN
+                end += _slot_bytes(layout.sizes[i])
             host = torch.empty(end, dtype=torch.uint8)
             host.zero_()  # first touch now (in parallel), not page by page inside the copies
             array = host.numpy()
