@@ -64,12 +64,13 @@ GPU_LIMIT_MIB = {"16gb": 15_400, "12gb": 11_400, "24gb": 24_166, "32gb": 32_153,
 HOST_LIMIT_GB = {"16gb": 24.0, "12gb": 24.0}
 EVAL_WORK_GIB = 4  # the eval's GPU memory beside its weights (activations of a batch of choices, the CUDA context)
 RESUME_RTOL = 2e-3  # (the run-to-run spread of a 7B config's loss over its first steps: 7e-4 measured)
-# A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06: 3B 12 GB 103-120 s, 3B 24 GB 99 s,
-# 7-8B 16 GB 187-276 s; the 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making
-# (35 s, and the BPE's 18 s once): what --budget-s plans with until a row of the class and size has run. A 3B row takes
-# about half a 7-8B one (its saves, loads and eval move 6 GB, not 15), so the two are planned apart.
+# A row's wall time by class on one H100 (configs_check rows' wall_s, 2026-12-06 and 07: 3B 12 GB 103-152 s, 3B 24 GB
+# 99-141 s, 3B 80 GB 99-107 s for Llama 3.2 while Qwen2.5's 80 GB FP8 row did not end within ~170 s, 7-8B 16 GB
+# 187-276 s; the 7-8B 32 and 80 GB figures are estimates from the runs' lengths), and a 7-8B folder's making (35 s, and
+# the BPE's 18 s once): what --budget-s plans with until a row of the class and size has run. A 3B row takes about half
+# a 7-8B one (its saves, loads and eval move 6 GB, not 15), so the two are planned apart.
 ROW_SECONDS = {"12gb": 120, "16gb": 230, "24gb": 180, "32gb": 240, "80gb": 300}
-ROW_SECONDS_3B = {"12gb": 120, "24gb": 130, "80gb": 160}
+ROW_SECONDS_3B = {"12gb": 155, "24gb": 145, "80gb": 190}
 FOLDER_SECONDS = 60
 MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
 BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
@@ -192,6 +193,7 @@ def check_config(config: str, args) -> dict:
     expected = row["losses"][args.save_every :]
     checks["resumed_first_step_exact"] = not second.error() and again_losses[:1] == expected[:1]
     row["resumed_losses"] = again_losses
+    row["resumed_compiled_graphs"] = [m.get("compiled_graphs") for m in resumed]
     row["resumed_max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(again_losses, expected)), default=None)
     checks["resumed_within_repeatability"] = (
         len(again_losses) == len(expected) and row["resumed_max_rel_diff"] <= RESUME_RTOL
@@ -235,6 +237,9 @@ def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
     row["gc_ms_per_step"] = [round(m["gc_ms"]) if m.get("gc_ms") is not None else None for m in metrics]
     # (host memory a save leaves behind in torch's pinned pool: a rise after the step's save that stays)
     row["pinned_pool_gib_per_step"] = [m.get("pinned_pool_gib") for m in metrics]
+    # (graphs torch.compile has built by each step, None without compile: a count still growing after step 1 means a
+    # recompile, so a resumed process's first step may run another graph than the run it continues ran there)
+    row["compiled_graphs_per_step"] = [m.get("compiled_graphs") for m in metrics]
     row["losses"] = [m["loss"] for m in metrics]
     # (what each step save cost training, from the record of the step after it: the snapshot's copy, and where it went;
     # a save whose host buffer the first step's plan did not fit allocates and pins one while training waits)
