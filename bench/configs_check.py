@@ -436,6 +436,37 @@ def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
     return {"truthfulqa_mc2": next(v for k, v in scores.items() if k.startswith("acc") and "stderr" not in k)}
 
 
+# The host link's copy rates, pinned memory to the GPU and back: a streamed config moves its weights over this link
+# every step, so its tokens/s follows the machine's link (the lent machines' PCIe 5.0 x16 gave ~55 GB/s, but rows of
+# one config on two machines have differed by 2x): each row keeps the rates its call measured.
+_LINK = """
+import json, time, torch
+x = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+y = torch.empty_like(x, device="cuda")
+rates = {}
+for name, dst, src in (("host_to_gpu_gbs", y, x), ("gpu_to_host_gbs", x, y)):
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    rates[name] = round(4 * x.numel() / (time.perf_counter() - t) / 1e9, 1)
+print(json.dumps(rates))
+"""
+
+
+def link_rates(args) -> Optional[Dict[str, float]]:
+    """The copy rates of this machine's host link (_LINK), measured in a process of its own before the rows; None off
+    CUDA (--set device=cpu) or where the measurement fails (a row does not depend on it)."""
+    if any(o.startswith("device=") and not o.startswith("device=cuda") for o in args.set):
+        return None
+    try:
+        proc = subprocess.run([sys.executable, "-c", _LINK], capture_output=True, text=True, timeout=120)
+        return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def read_anchor(family: str, path: Path) -> dict:
     """The stock low-memory row of a results file measured in the same device call (bench/e2e.py's rows are Llama2's;
     bench/model_families.py's name their family, e.g. llama3_1_8b for configs/llama3_1/)."""
@@ -532,6 +563,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     doc = {**harness.provenance(__file__, argv, args.allow_dirty), "weights": "random values", "rows": []}
     started, walls, not_run = time.monotonic(), {}, []
+    link = link_rates(args)
+    if link:
+        doc["link"] = link
     for config in args.configs:
         if not_run or not budget_left(config, args, started, walls):
             not_run.append(config)  # (in order: the next call starts where this one stopped)
@@ -545,6 +579,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             row = check_config(config, args)
         if doc.get("env"):  # (a row merged into another file keeps what steered it)
             row["env"] = doc["env"]
+        if link:  # (and its call's host link: a streamed config's tokens/s follows it)
+            row["link"] = link
         row["wall_s"] = round(time.monotonic() - start)  # the whole check: what a device call must budget for it
         row["folder_s"] = round(folder_s)  # (its model's folder made first: 0 where it was there)
         kind = row_kind(config)
