@@ -246,9 +246,10 @@ def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_pat
     assert "Stopped by SIGTERM after step 2" in run.stderr + run.stdout
 
 
-def test_ctrl_c_during_validation_keeps_the_trained_steps_record(tmp_path, monkeypatch):
+def test_ctrl_c_during_validation_keeps_the_trained_steps_record(tmp_path, monkeypatch, python_ctrl_c):
     """Ctrl-C in the middle of a validation pass stops the run at once (exit 130, as anywhere), and the step it
-    follows, trained, keeps its record in metrics.jsonl (val_stopped, no val_loss): before, that record was lost."""
+    follows, trained, keeps its record in metrics.jsonl (val_stopped, no val_loss): before, that record was lost.
+    (python_ctrl_c: under a suite started as a background job SIGINT is ignored, and the Ctrl-C would not come.)"""
     import os
     import signal
 
