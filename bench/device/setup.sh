@@ -1,6 +1,8 @@
 # Sourced at the start of a device call (nvidia-h200): the carried site folder (bench/make_device_site.sh, with
 # lm-eval unpacked into it), the data under /tmp/data, and an HF-format Llama2-7B with random values under /tmp/llama2-7b-random.
 export PYTHONPATH=$PWD:$PWD/.devsite/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# (the tests read the data beside the checkout, which the device copy has not: they take /tmp/data, made below)
+export TEST_DATA_DIR=/tmp/data
 mkdir -p /tmp/data/alpaca /tmp/data/llama2_tokenizer /tmp/data/truthfulqa
 [ -s /tmp/data/alpaca/alpaca_data.json ] || xz -dc .devsite/data/alpaca_data.json.xz > /tmp/data/alpaca/alpaca_data.json
 cp .devsite/data/tokenizer.model /tmp/data/llama2_tokenizer/
