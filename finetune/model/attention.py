@@ -12,7 +12,11 @@ later.
 
 ``collate_varlen`` hands the model ``mask={"cu_seqlens": ...}`` instead of a BlockMask; ``use_varlen_attention``
 points each attention layer's attention call at ``varlen_attention``. The number of samples in a batch changes from
-batch to batch: torch.compile recompiles once, at the second step, with that size dynamic.
+batch to batch, so that size is marked dynamic before the first compile: every step of every process then runs one
+graph, and no step after the first compiles. Left to torch.compile, the first step compiled a graph for its own count
+and the second step a dynamic one, so a run resumed from a checkpoint took its first step with a graph the run it
+continues no longer ran: the lead for such a first step's loss differing from that run's in the last bits
+(docs/models.md, "Configs by card").
 """
 
 import functools
@@ -79,13 +83,23 @@ def varlen_attention(
 
 
 def use_varlen_attention(model: nn.Module) -> int:
-    """Point every attention layer of ``model`` at ``varlen_attention``; returns how many."""
+    """Point every attention layer of ``model`` at ``varlen_attention``, and have the model's forward mark the
+    number of samples dynamic (``_samples_dynamic``); returns how many layers."""
     count = 0
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module._attention_call = varlen_attention
             count += 1
+    model.register_forward_pre_hook(_samples_dynamic, with_kwargs=True)
     return count
+
+
+def _samples_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before the model's forward, outside the compiled layers: the batch's ``cu_seqlens`` has a dynamic length for
+    torch.compile from the first batch on (a hint: a layer that needs the length fixed still gets it)."""
+    mask = kwargs.get("mask")
+    if isinstance(mask, dict) and isinstance(mask.get("cu_seqlens"), torch.Tensor):
+        torch._dynamo.maybe_mark_dynamic(mask["cu_seqlens"], 0)
 
 
 def collate_varlen(batch: List[Dict[str, torch.Tensor]]) -> Dict[str, object]:

@@ -86,6 +86,56 @@ def test_varlen_attention_matches_the_block_causal_mask(monkeypatch, kv_heads):
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@torch.library.custom_op("finetune_tests::varlen", mutates_args=())
+def opaque_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """reference_varlen as torch.compile sees FlashAttention's varlen kernel: one opaque operator."""
+    return reference_varlen(q, k, v, cu_seqlens, max_len)
+
+
+@opaque_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_len):
+    return torch.empty_like(q)
+
+
+def test_compiled_layers_take_batches_of_any_sample_count_with_the_graph_of_the_first(monkeypatch):
+    """A run and a run resumed from its checkpoint take each step with one graph: the batch's number of samples (the
+    length of cu_seqlens) is dynamic from the first compile, so a batch with another count compiles nothing. Left to
+    torch.compile, the second count compiled a second graph, which the resumed run's first step did not run. The
+    model's outputs are those of eager varlen attention."""
+    from torch._dynamo.utils import counters
+
+    from finetune.model import attention as _attention
+
+    monkeypatch.setattr(_attention, "_flash_varlen", opaque_varlen)
+
+    def compiled_graphs(hook: bool) -> tuple:
+        # (batches of their own: a mark stays on the tensor it was put on)
+        batches = [_attention.collate_varlen(packed_items(r)) for r in ([[5, 7, 4], [16]], [[9, 3, 4], [6, 6, 4]])]
+        assert [len(b["mask"]["cu_seqlens"]) for b in batches] == [5, 7]
+        model, eager = tiny_model(), tiny_model()
+        for m in (model, eager):
+            _attention.use_varlen_attention(m)
+        if not hook:
+            model._forward_pre_hooks.clear()
+        for layer in model.layers:
+            layer.compile(backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
+        counts = []
+        for b in batches:
+            with torch.no_grad():
+                out = model(b["tokens"], mask=b["mask"], input_pos=b["input_pos"])
+                torch.testing.assert_close(out, eager(b["tokens"], mask=b["mask"], input_pos=b["input_pos"]))
+            counts.append(int(counters["stats"]["unique_graphs"]))
+        return tuple(counts)
+
+    without, with_hook = compiled_graphs(False), compiled_graphs(True)
+    assert with_hook[0] >= 1 and with_hook[1] == with_hook[0]
+    assert without[1] > without[0]  # (what the hook prevents: a second graph for the second count)
+
+
 def test_varlen_attention_refuses_another_mask():
     from finetune.model.attention import varlen_attention
 
