@@ -15,9 +15,10 @@ Where the snapshot lives, tensor by tensor in the order the checkpoint lists the
 - spare GPU memory, while there is some: a device-to-device copy, about 2 TB/s on an H200 (milliseconds for a 7B
   checkpoint). "Spare" is the run's cap (device_memory_limit_gib, else the card) minus the peak memory the run has
   reserved by the first save (not by the first step, when the host buffer is planned: a compiled run's first steps
-  peak lower than its steady ones), minus a margin (a tenth of the cap, at least 2 GiB): the copy stays allocated
-  while the next steps run, until the writer has drained it. The writer drains it to the disk through one reused
-  pinned buffer of BOUNCE_BYTES, so this costs the host almost nothing.
+  peak lower than its steady ones; a save before the third step is written synchronously, ``checkpointer.STEADY_STEP``),
+  minus a margin (a tenth of the cap, at least 2 GiB): the copy stays allocated while the next steps run, until the
+  writer has drained it. The writer drains it to the disk through one reused pinned buffer of BOUNCE_BYTES, so this
+  costs the host almost nothing.
 - else host memory: one buffer the size of what did not fit on the GPU, allocated and pinned (cudaHostRegister) once
   and reused by every save; a pinned copy runs about 55 GB/s on an H200 (a 20.6 GB 7B checkpoint: ~0.4 s). Pinning
   new memory costs ~1 s per 10 GB, so ``Checkpointer.prepare`` allocates it in the background after the first step.

@@ -38,6 +38,11 @@ from finetune.run_files import RUN_FILE
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 RANK_STATE_FILE = "recipe_state_rank{rank}.pt"
+# A background save on a GPU takes spare GPU memory, sized from the peak the process's steps have reached by then. A
+# compiled run's first steps peak lower than its steady ones (under a 24 GB card's cap: 17.6 GiB at step 1, 20.7 from
+# step 3 on), so a save before its STEADY_STEP-th step is written synchronously: sized from those steps, its copy took
+# the memory a later step needed (out of memory). Counted per process: a resumed run compiles again.
+STEADY_STEP = 3
 
 
 def check_finite_weights(
@@ -158,6 +163,8 @@ class Checkpointer:
         self._writes: List[async_save.Job] = []  # recent writes, to tell which steps ran beside one
         self._record: Dict[str, Any] = {}  # figures for the next metrics record
         self._stream, self._bounce, self._told = None, None, False
+        self._steps = 0  # step boundaries this process has passed (``poll``)
+        self._told_early = False
 
     # -- saving ------------------------------------------------------------------------------------
 
@@ -178,7 +185,17 @@ class Checkpointer:
         the save (the time since is what training was blocked)."""
         started = time.perf_counter() if started is None else started
         parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
-        if self.background:
+        if self.background and self._device.type == "cuda" and self._steps < STEADY_STEP:
+            self.wait()
+            if self._log is not None and not self._told_early:
+                self._log.info(
+                    f"async_checkpoint=True: {name} is written before training goes on: a background save's share "
+                    f"of GPU memory is sized from the steps' peak, which this process's steps reach from step "
+                    f"{STEADY_STEP} on (torch.compile's first steps peak lower); later saves are written in the "
+                    "background"
+                )
+                self._told_early = True
+        elif self.background:
             self.wait()  # at most one save in flight: the previous one is published (or fails) first
             self._staging.settle()  # (the GPU's share from the steps' peak so far, not the first step's)
             layout, now = self._plan(parts)
@@ -394,9 +411,10 @@ class Checkpointer:
         return self._job is not None and self._job.alive
 
     def poll(self, all_written: Optional[bool] = None) -> None:
-        """At a step boundary: publish the checkpoint in flight if every rank has written its part, or raise the
-        error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds
+        """At a step boundary (every one: the process's steps are counted here, for STEADY_STEP): publish the
+        checkpoint in flight if every rank has written its part, or raise the error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds
         ``writing`` into its step's all-reduce); left out, this process's own writer decides."""
+        self._steps += 1
         if self._inflight is None:
             return
         if self._job.done if all_written is None else all_written:

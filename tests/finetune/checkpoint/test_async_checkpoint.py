@@ -635,3 +635,23 @@ def test_gpu_bf16_run_in_the_background_writes_the_synchronous_folders(tmp_path)
             assert (background.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
     saves = [m for m in background.metrics if "checkpoint_staged_gpu_gib" in m]
     assert saves and all(m["checkpoint_staged_gpu_gib"] > 0 for m in saves)
+
+
+@pytest.mark.gpu
+def test_gpu_saves_before_the_third_step_are_written_before_training_goes_on(tmp_path):
+    """A save after a process's first or second step is written synchronously on a GPU: a background save's GPU share
+    is sized from the steps' peak, which torch.compile's first steps keep lower than the later ones (a share sized
+    then took the memory a later step needed). From the third step on the saves are staged and written in the
+    background, and every folder holds what a synchronous run writes."""
+    args = ("device=cuda", "dtype=bf16", "save_every_n_steps=1", "max_steps_per_epoch=4")
+    background = run_here(tmp_path / "async", *args)
+    sync = run_here(tmp_path / "sync", *args, "async_checkpoint=False")
+    assert background.ok and sync.ok, background.stderr[-3000:] + sync.stderr[-3000:]
+    assert "step_1 is written before training goes on" in background.stderr
+    after = {m["step"]: m for m in background.metrics}  # (a save's figures are in the record of the step after it)
+    for step in (2, 3):
+        assert after[step]["checkpoint_saved"] == f"step_{step - 1}" and "checkpoint_staged_gpu_gib" not in after[step]
+    assert "checkpoint_staged_gpu_gib" in after[4]  # (step_3, in the background)
+    for name in ("step_1", "step_2", "step_3", "epoch_0"):
+        for f in (sync.output_dir / name).iterdir():
+            assert (background.output_dir / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
