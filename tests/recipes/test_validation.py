@@ -249,7 +249,8 @@ def test_a_stop_signal_during_validation_ends_the_pass_and_saves_at_once(tmp_pat
 def test_ctrl_c_during_validation_keeps_the_trained_steps_record(tmp_path, monkeypatch, python_ctrl_c):
     """Ctrl-C in the middle of a validation pass stops the run at once (exit 130, as anywhere), and the step it
     follows, trained, keeps its record in metrics.jsonl (val_stopped, no val_loss): before, that record was lost.
-    (python_ctrl_c: under a suite started as a background job SIGINT is ignored, and the Ctrl-C would not come.)"""
+    (python_ctrl_c: the Ctrl-C needs Python's SIGINT handler, which a process started with SIGINT ignored, as a
+    shell's background job is, does not have.)"""
     import os
     import signal
 
