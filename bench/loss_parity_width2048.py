@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 import _harness as harness
 import _parity_report as report
-from finetune.model import moe
+from finetune.model.loss import training_loss
 
 REGIME = dict(vocab_size=32000, num_layers=8, num_heads=16, num_kv_heads=16, embed_dim=2048, max_seq_len=512)
 # --arch: (builder, its keywords beyond the vocabulary, depth and width, which --width and --layers set; a description)
@@ -260,7 +260,7 @@ class Regime:
         t = time.perf_counter()
         first = None
         for i, b in enumerate(batches):
-            loss, _ = moe.training_loss(self.model, self.loss(b))  # (a mixture of experts': + its routers' loss)
+            loss, _ = training_loss(self.model, self.loss(b))  # (a mixture of experts': + its routers' loss)
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)

@@ -76,8 +76,8 @@ from finetune.data.loading import skip_to
 from finetune.data.packing import count_trained_tokens
 from finetune.data.tokenizer import check_fits_model
 from finetune.host_memory import compile_without_workers, end_compile_workers
-from finetune.model import moe
 from finetune.model.attention import use_varlen_attention
+from finetune.model.loss import training_loss
 from finetune.model.prepare import (
     apply_activation_checkpointing,
     convert_to_fp8,
@@ -381,7 +381,7 @@ class FullFinetuneRecipeSingleDevice:
                 for batch, ntok in zip(micro_batches, counts):
                     utils.batch_to_device(batch, self._device)
                     # the mean over this micro-batch's tokens (with a mixture of experts' load-balancing term)
-                    loss, aux = moe.training_loss(self._model, self._loss_step(batch))
+                    loss, aux = training_loss(self._model, self._loss_step(batch))
                     (loss if ntok == num_tokens else loss * (ntok / max(num_tokens, 1))).backward()
                     running_loss += loss.detach() * ntok
                     if aux is not None:

@@ -30,8 +30,6 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from finetune.model.moe import MoeDecoder, SparseMoe
-
 
 class QKNormAttention(MultiHeadAttention):
     """torchtune's MultiHeadAttention with each head's query and key normalised before RoPE (Qwen3's order).
@@ -111,6 +109,10 @@ def decoder(
     load-balancing loss to the training loss.
     """
     dense_layers = set(mlp_only_layers)
+    if num_experts > 0:
+        # (imported here: a dense model's run never loads the MoE blocks, so the end-to-end rows of the dense configs,
+        # which name the files their runs imported, stay current across changes to them)
+        from finetune.model import moe
     if rotate_half:
         rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
     elif rope_scaling:
@@ -148,7 +150,7 @@ def decoder(
             **norms,
         )
         if num_experts > 0 and i not in dense_layers and (i + 1) % decoder_sparse_step == 0:
-            mlp = SparseMoe(embed_dim, moe_intermediate_dim, num_experts, num_experts_per_tok, norm_topk_prob)
+            mlp = moe.SparseMoe(embed_dim, moe_intermediate_dim, num_experts, num_experts_per_tok, norm_topk_prob)
         else:
             mlp = FeedForward(
                 gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
@@ -186,7 +188,7 @@ def decoder(
         mlp_only_layers=sorted(dense_layers),
         router_aux_loss_coef=float(router_aux_loss_coef),
     )
-    return MoeDecoder(moe_fields=moe_fields, **parts)
+    return moe.MoeDecoder(moe_fields=moe_fields, **parts)
 
 
 def qwen3(

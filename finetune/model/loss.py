@@ -24,7 +24,7 @@ for Qwen) and in backward their gradient of the same size, besides one chunk's f
 measures the paths against it per family (``--loss-rows``).
 """
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,3 +112,15 @@ class LinearCrossEntropyLoss(nn.Module):
         for h, y in zip(hidden.chunk(self.num_chunks), labels.chunk(self.num_chunks)):
             total = total + checkpoint(self._chunk, h, weight, y, self.ignore_index, use_reentrant=False)
         return total / count
+
+
+def training_loss(model: nn.Module, loss: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The loss a step trains on after ``model``'s last forward: ``loss`` (its cross-entropy) plus
+    ``router_aux_loss_coef`` times the load-balancing loss for a mixture of experts (transformers' training loss), and
+    that loss unscaled and detached for the metrics (``aux_loss``); a dense model's ``loss`` and None. (Here, not in
+    finetune/model/moe.py, which only a mixture of experts' run imports: a dense config's end-to-end row names the
+    files its run imported, and a change to the MoE blocks leaves it current.)"""
+    aux = getattr(model, "aux_loss", None)
+    if aux is None:
+        return loss, None
+    return loss + model.router_aux_loss_coef * aux, aux.detach()

@@ -29,7 +29,7 @@ does for any zero gradient (docs/models.md, "Mixture of experts").
 The load-balancing loss is transformers' (``load_balancing_loss_func``, the Switch Transformer's): over all sparse
 layers of one forward and every token position of the batch (padding included: the recipes pass no attention mask),
 ``num_experts * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e`` its mean router
-probability. ``MoeDecoder.aux_loss`` holds it after each forward; ``training_loss`` adds ``router_aux_loss_coef`` times
+probability. ``MoeDecoder.aux_loss`` holds it after each forward; ``loss.training_loss`` adds ``router_aux_loss_coef`` times
 it to the training loss, as transformers' ``Qwen3MoeForCausalLM`` does with ``output_router_logits``.
 """
 
@@ -172,13 +172,3 @@ class MoeDecoder(TransformerDecoder):
             load_balancing_loss(stats, fields["num_experts"], fields["num_experts_per_tok"]) if stats else None
         )
         return output
-
-
-def training_loss(model: nn.Module, loss: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The loss a step trains on after ``model``'s last forward: ``loss`` (its cross-entropy) plus
-    ``router_aux_loss_coef`` times the load-balancing loss for a mixture of experts (transformers' training loss), and
-    that loss unscaled and detached for the metrics (``aux_loss``); a dense model's ``loss`` and None."""
-    aux = getattr(model, "aux_loss", None)
-    if aux is None:
-        return loss, None
-    return loss + model.router_aux_loss_coef * aux, aux.detach()

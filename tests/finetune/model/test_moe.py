@@ -19,6 +19,7 @@ import support
 from finetune import toy_folder
 from finetune.checkpoint import hf_format
 from finetune.model import moe
+from finetune.model.loss import training_loss
 from finetune.model.prepare import apply_activation_checkpointing
 
 
@@ -103,12 +104,12 @@ def test_the_training_loss_is_transformers_with_router_logits(pair):
     ref = theirs(tokens, labels=labels, output_router_logits=True)
     logits = ours(tokens)
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, hf["vocab_size"]), labels[:, 1:].reshape(-1))
-    loss, aux = moe.training_loss(ours, ce)
+    loss, aux = training_loss(ours, ce)
     assert hf["router_aux_loss_coef"] == 0.001 and 1.5 < aux.item() < 3  # (2 per token: about 2 when even)
     assert aux.item() == pytest.approx(ref.aux_loss.item(), rel=1e-5)
     assert loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
     assert loss.item() == pytest.approx(ce.item() + 0.001 * aux.item(), rel=1e-6)
-    assert moe.training_loss(support.tiny_decoder(), ce) == (ce, None)  # a dense model: the loss as it was
+    assert training_loss(support.tiny_decoder(), ce) == (ce, None)  # a dense model: the loss as it was
 
 
 def test_activation_checkpointing_counts_each_layer_once(pair):
@@ -121,7 +122,7 @@ def test_activation_checkpointing_counts_each_layer_once(pair):
         model = make()
         if checkpointed:
             assert apply_activation_checkpointing(model) == 2
-        loss, aux = moe.training_loss(model, model(tokens).float().logsumexp(-1).mean())
+        loss, aux = training_loss(model, model(tokens).float().logsumexp(-1).mean())
         loss.backward()
         # (the same parameters in the same order, the wrapper's name aside)
         results.append(
