@@ -97,16 +97,20 @@ class Experts(nn.Module):
 class SparseMoe(nn.Module):
     """Qwen3-MoE's sparse block: softmax router, top-k, optional renormalisation, dropless experts.
 
-    While its decoder's forward runs, ``stats`` is a list the block appends its routing statistics to (the
-    load-balancing loss's inputs); otherwise None. (So activation checkpointing's recomputation in backward, which
-    runs the block again outside the decoder's forward, records nothing twice.)"""
+    While its decoder's forward runs, ``record`` is True and the block keeps its routing statistics (the
+    load-balancing loss's inputs) in ``routed``; otherwise it records nothing (so activation checkpointing's
+    recomputation in backward, which runs the block again outside the decoder's forward, counts nothing twice).
+    A flag and an attribute of the block's own, not a list shared by the layers: torch.compile guards on what a
+    compiled layer reads, and a shared list's length (the layer's index) would make one graph per layer, past
+    compile's limit of 8 recompilations at Qwen3-30B-A3B's 48; the flag makes two graphs for every layer."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, num_experts_per_tok: int, norm_topk_prob: bool):
         super().__init__()
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, hidden_dim)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, num_experts_per_tok, norm_topk_prob
-        self.stats: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+        self.record = False
+        self.routed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
@@ -120,8 +124,8 @@ class SparseMoe(nn.Module):
         # per expert, its routed copies (scatter_add on integers: no host sync, the same sums on every run)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))
-        if self.stats is not None:  # (tensors only: under compile nothing symbolic leaves the layer)
-            self.stats.append((counts, probs.sum(dim=0)))
+        if self.record:  # (tensors only: under compile nothing symbolic leaves the layer)
+            self.routed = (counts, probs.sum(dim=0))
         order = chosen.argsort(stable=True)  # the copies sorted by expert
         y = self.experts(x[order // self.top_k], counts)
         # back to token-major order, then each token's k outputs summed with its weights (one small GEMM per token,
@@ -159,14 +163,14 @@ class MoeDecoder(TransformerDecoder):
         self._sparse = [m for m in self.modules() if isinstance(m, SparseMoe)]
 
     def forward(self, tokens: torch.Tensor, **kwargs: Any):
-        stats: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for block in self._sparse:
-            block.stats = stats
+            block.record, block.routed = True, None
         try:
             output = super().forward(tokens, **kwargs)
+            stats = [block.routed for block in self._sparse if block.routed is not None]
         finally:
             for block in self._sparse:
-                block.stats = None
+                block.record, block.routed = False, None
         fields = self.moe_fields
         self.aux_loss = (
             load_balancing_loss(stats, fields["num_experts"], fields["num_experts_per_tok"]) if stats else None

@@ -140,6 +140,48 @@ def test_activation_checkpointing_counts_each_layer_once(pair):
         torch.testing.assert_close(grad_ac, grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_compiled_sparse_layers_take_two_graphs_at_any_depth(monkeypatch):
+    """Compiled as the recipe compiles (every layer checkpointed, then torch.compile per layer), a model of 10 sparse
+    layers makes two graphs for all of them (the forward, which records the routing, and the recomputation, which
+    does not), and trains the eager model's loss, aux term and gradients. Past compile's limit of 8 recompilations
+    the layers would run uncompiled: when the layers appended to one shared list, its length (the layer's index) was
+    part of each graph's guards, and this model made 8 graphs and ran its last layers eagerly."""
+    from torch._dynamo.utils import counters
+    from torchtune import training
+
+    from finetune.model import qwen3_moe
+
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "eager")  # (dynamo's graphs and guards without inductor's minutes)
+
+    def model():
+        torch.manual_seed(0)
+        m = qwen3_moe(
+            vocab_size=96, num_layers=10, num_heads=2, num_kv_heads=1, embed_dim=32, intermediate_dim=64,
+            moe_intermediate_dim=16, num_experts=6, num_experts_per_tok=2, max_seq_len=64, head_dim=16,
+        ).to(torch.bfloat16)  # fmt: skip
+        for b in m._sparse:
+            b.experts.path = "grouped_mm"  # (the GPU's path, traceable: the loop's counts leave the graph)
+        assert apply_activation_checkpointing(m) == 10
+        return m
+
+    eager, compiled = model(), model()
+    torch._dynamo.reset()
+    counters.clear()
+    training.compile_model(compiled, verbose=False)
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(7))
+    for _ in range(2):
+        results = []
+        for m in (eager, compiled):
+            loss, aux = training_loss(m, m(tokens).float().logsumexp(-1).mean())
+            loss.backward()
+            results.append((loss.detach(), aux, [p.grad.clone() for p in m.parameters()]))
+            m.zero_grad(set_to_none=True)
+        (loss, aux, grads), (loss_c, aux_c, grads_c) = results
+        assert torch.equal(loss_c, loss) and torch.equal(aux_c, aux)
+        assert all(torch.equal(g_c, g) for g_c, g in zip(grads_c, grads))
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.gpu
 def test_gpu_grouped_mm_kernel_matches_the_loop():
     """On a CUDA GPU of compute capability 9.0+, bf16: ``auto`` takes torch's grouped GEMM kernel, whose outputs and
