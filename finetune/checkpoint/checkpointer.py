@@ -185,22 +185,22 @@ class Checkpointer:
         the save (the time since is what training was blocked)."""
         started = time.perf_counter() if started is None else started
         parts = {"weights": weights, "recipe_state": recipe_state, "rank_state": rank_state}
-        if self.background and self._device.type == "cuda" and self._steps < STEADY_STEP:
-            self.wait()
-            if self._log is not None and not self._told_early:
-                self._log.info(
-                    f"async_checkpoint=True: {name} is written before training goes on: a background save's share "
-                    f"of GPU memory is sized from the steps' peak, which this process's steps reach from step "
-                    f"{STEADY_STEP} on (torch.compile's first steps peak lower); later saves are written in the "
-                    "background"
-                )
-                self._told_early = True
-        elif self.background:
+        if self.background:
             self.wait()  # at most one save in flight: the previous one is published (or fails) first
-            self._staging.settle()  # (the GPU's share from the steps' peak so far, not the first step's)
-            layout, now = self._plan(parts)
-            if layout is not None and self._start(name, parts, layout, need_bytes, started, now):
-                return
+            if self._device.type == "cuda" and self._steps < STEADY_STEP:
+                if self._log is not None and not self._told_early:
+                    self._log.info(
+                        f"async_checkpoint=True: {name} is written before training goes on: a background save's "
+                        f"share of GPU memory is sized from the steps' peak, which this process's steps reach from "
+                        f"step {STEADY_STEP} on (torch.compile's first steps peak lower); later saves are written in "
+                        "the background"
+                    )
+                    self._told_early = True
+            else:
+                self._staging.settle()  # (the GPU's share from the steps' peak so far, not the first step's)
+                layout, now = self._plan(parts)
+                if layout is not None and self._start(name, parts, layout, need_bytes, started, now):
+                    return
         self._save_now(name, async_save.materialize(parts), need_bytes, started)
 
     def _write_now(self, tmp: Path, parts: dict) -> None:
@@ -412,8 +412,9 @@ class Checkpointer:
 
     def poll(self, all_written: Optional[bool] = None) -> None:
         """At a step boundary (every one: the process's steps are counted here, for STEADY_STEP): publish the
-        checkpoint in flight if every rank has written its part, or raise the error of a write that failed. ``all_written``: the ranks' agreement (the distributed recipe folds
-        ``writing`` into its step's all-reduce); left out, this process's own writer decides."""
+        checkpoint in flight if every rank has written its part, or raise the error of a write that failed.
+        ``all_written``: the ranks' agreement (the distributed recipe folds ``writing`` into its step's all-reduce);
+        left out, this process's own writer decides."""
         self._steps += 1
         if self._inflight is None:
             return
