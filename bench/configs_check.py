@@ -30,6 +30,11 @@ beside the figures and a footprint over them fails the row. The checkpoint folde
 starts only the configs that should end in time, printing the rest as the next call's ``--configs``
 (docs/benchmarks.md, "Every shipped config, end to end").
 
+Each row names the repository files its runs imported (``imported``: the recipes and every module of finetune/,
+optimizers/ and eval/ that the run, the resume or the eval loaded, from Python's ``PYTHONPROFILEIMPORTTIME`` lines in
+their logs): bench/configs_shipped.py keeps a row current across changes to files its runs never loaded (the MoE
+blocks, for a dense config).
+
 ``--speed-only`` runs only the first run, without saves, stopped once its last step is logged, and records item 5's
 figures: to choose a setting (e.g. ``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked
 ``speed_only`` and never passes.
@@ -56,6 +61,12 @@ import _runner as runner
 
 RECIPE = "recipes/full_finetune_single_device.py"
 EVAL_RECIPE = "recipes/evaluate.py"
+# Python writes a line per module a process imports, on its stderr, when this is set (children inherit it): the
+# rows' runs set it so that each row can name the files they loaded. (A line may follow a progress bar's \r on the
+# same line of the log: searched for, not matched from the start.)
+IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}
+IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)")
+IMPORTED_PACKAGES = ("finetune", "optimizers", "eval", "recipes")  # (configs_shipped.RUN_PATHS, as packages)
 # What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
 # (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
 # mostly have 32 GB of RAM, of which the system and a desktop keep some. The 24 and 32 GB classes' cards (an RTX
@@ -118,7 +129,9 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves:
     lines: List[tuple] = []
     fp = runner.Footprint()
     until = None if saves else (lambda: len(harness.read_metrics(out)) >= args.steps)
-    result = harness.run(cmd, log, timeout=args.timeout, until=until, on_line=lambda line, t: lines.append((t, line)))
+    result = harness.run(
+        cmd, log, timeout=args.timeout, until=until, on_line=lambda line, t: lines.append((t, line)), env=IMPORT_TIMES
+    )
     fp.stop()
     metrics = harness.read_metrics(out)
     # A save runs (blocking, or beside the next steps) from the terminal line of the step it follows to its "Saved
@@ -204,6 +217,7 @@ def check_config(config: str, args) -> dict:
     if second.error():
         row["resume_error"] = second.error()
     checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
+    row["imported"] = imported_files([work / "run.log", work / "resumed.log", work / "eval.log"])
     _check_limits(row)
     row["passed"] = all(checks.values())
     _clean_up(config, work, args, again_dir)
@@ -251,6 +265,25 @@ def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
     anchor = args.anchors.get(config.split("/")[0])
     if anchor and row["tok_s"]:
         row["anchor"], row["vs_stock"] = anchor, round(row["tok_s"] / anchor["tok_s"], 3)
+
+
+def imported_files(logs: List[Path]) -> List[str]:
+    """The repository files the runs of these logs loaded: the recipes they ran as scripts, and each module of the
+    library's packages that a ``PYTHONPROFILEIMPORTTIME`` line names (its file, or its package's ``__init__.py``)."""
+    found = {RECIPE}
+    for log in logs:
+        if not log.is_file():
+            continue
+        if log.name.endswith("eval.log"):
+            found.add(EVAL_RECIPE)
+        for module in IMPORT_LINE.findall(log.read_text(errors="replace")):
+            if module.split(".")[0] not in IMPORTED_PACKAGES:
+                continue
+            base = harness.REPO_ROOT / module.replace(".", "/")
+            for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
+                if path.is_file():
+                    found.add(str(path.relative_to(harness.REPO_ROOT)))
+    return sorted(found)
 
 
 def _check_limits(row: dict) -> None:
@@ -426,7 +459,7 @@ def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
     cmd = [sys.executable, EVAL_RECIPE, "--config", "configs/eval/truthfulqa_mc2.yaml", f"checkpoint_dir={folder}"]
     cmd += [f"data_dir={args.data_dir}", f"limit={args.eval_limit}", "training_run=False", f"output_dir={log.parent}"]
     cmd += args.eval_set
-    result = harness.run(cmd, log, timeout=args.timeout)
+    result = harness.run(cmd, log, timeout=args.timeout, env=IMPORT_TIMES)
     if result.error():
         return {"error": result.error()}
     found = sorted(log.parent.rglob("results*.json"))

@@ -14,7 +14,10 @@ configs together, so its folder is made once). ``--strict`` exits 1 while any co
 single-device check cannot run (``*_distributed``) are listed apart: they need a machine of several GPUs.
 
 Rows span device calls and days, so "current" is decided by the code, not the date: a change to bench/ or docs/ keeps
-every row, a change to ``finetune/`` makes every row stale until it runs again.
+every row, a change to ``finetune/`` makes every row stale until it runs again, except where the row names the files
+its runs imported (``imported``, recorded by bench/configs_check.py): then a changed Python file that none of its runs
+loaded keeps it (the MoE blocks, for a dense config: code a process never imports cannot change what it did). Other
+changed files under those folders (not Python: a template, a .pth) make it stale as before.
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ def shipped_configs(root: Path) -> List[str]:
     )
 
 
-def changed_since(root: Path, commit: str, config: str) -> Optional[List[str]]:
+def changed_since(
+    root: Path, commit: str, config: str, imported: Optional[Sequence[str]] = None
+) -> Optional[List[str]]:
     """The files a run of ``config`` reads that differ between ``commit`` and the working tree; None where git does not
-    know the commit (a shallow clone, a row from another repository)."""
+    know the commit (a shallow clone, a row from another repository). ``imported``: the Python files the row's runs
+    loaded, where it names them; a changed Python file outside them is left out."""
     paths = RUN_PATHS + [f"configs/{config}.yaml"]
     proc = subprocess.run(
         ["git", "diff", "--name-only", commit, "--", *paths], cwd=root, capture_output=True, text=True, timeout=60
@@ -58,6 +64,9 @@ def changed_since(root: Path, commit: str, config: str) -> Optional[List[str]]:
     own = f"configs/{config}.yaml"
     if own in changed and same_settings(root, commit, own):
         changed.remove(own)  # (its header's figures, comments only: the run reads the same settings)
+    if imported is not None:
+        loaded = set(imported)
+        changed = [f for f in changed if f == own or not f.endswith(".py") or f in loaded]
     return changed
 
 
@@ -88,7 +97,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
             continue
         entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
         for name, row in passing.get(config, []):
-            changed = changed_since(root, row["code"], config) if row.get("code") else None
+            changed = changed_since(root, row["code"], config, row.get("imported")) if row.get("code") else None
             state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
             entries.append(
                 {
@@ -99,8 +108,8 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                     "changed": changed or [],
                 }
             )
-        for name, row in failing.get(config, []):
-            if row.get("code") and changed_since(root, row["code"], config) == []:  # (an old failure may be fixed)
+        for name, row in failing.get(config, []):  # (an old failure may be fixed)
+            if row.get("code") and changed_since(root, row["code"], config, row.get("imported")) == []:
                 failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
                 entries.append(
                     {

@@ -59,6 +59,30 @@ def test_a_row_is_current_until_what_the_run_reads_changes(repo):
     assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
 
 
+def test_a_row_that_names_its_imports_stays_current_across_python_files_its_runs_never_loaded(repo):
+    """A row of bench/configs_check.py names the files its runs imported: a changed Python file outside them (the
+    MoE blocks, for a dense config) keeps it; one of them, or a file under the run's folders that is not Python (a
+    template a run may read), makes it stale. A row without the list: any change under those folders."""
+    (repo / "finetune" / "moe.py").write_text("x = 1\n")
+    (repo / "finetune" / "template.jinja").write_text("{{ x }}\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "more")
+    first = git(repo, "rev-parse", "HEAD")
+    row = {"config": "a/1B_full_80gb", "passed": True, "code": first, "tok_s": 100}
+    named = results(repo, {**row, "imported": ["finetune/train.py"]})
+    plain = repo / "plain.json"
+    plain.write_text(json.dumps({"rows": [row]}))
+    (repo / "finetune" / "moe.py").write_text("x = 2\n")
+    assert configs_shipped.status(repo, [named])["a/1B_full_80gb"]["state"] == "shipped"
+    assert configs_shipped.status(repo, [plain])["a/1B_full_80gb"]["changed"] == ["finetune/moe.py"]
+    (repo / "finetune" / "template.jinja").write_text("{{ y }}\n")
+    assert configs_shipped.status(repo, [named])["a/1B_full_80gb"]["changed"] == ["finetune/template.jinja"]
+    git(repo, "checkout", "-q", "finetune/template.jinja")
+    (repo / "finetune" / "train.py").write_text("x = 2\n")
+    entry = configs_shipped.status(repo, [named])["a/1B_full_80gb"]
+    assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
+
+
 def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_not(repo):
     first = git(repo, "rev-parse", "HEAD")
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("# measured: 100 tok/s\nname: a/1B_full_80gb  # (why)\n")
