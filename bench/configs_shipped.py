@@ -4,8 +4,8 @@
 
 A config is shipped when a results file (by default each ``bench/results/configs_check_*.json``: one per GPU) has a
 passing row of it whose code is the current code: nothing a run reads changed between the row's commit (its ``code``)
-and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``) and the config's own
-settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
+and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``), the eval's settings
+(``configs/eval/``) and the config's own settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
 files are named: a fix in the checkpoint writer can break a save the row proved); a config whose row from the current
 code failed (in ``rows`` or the file's ``failed`` list) is ``failing``, the failed checks named, though an older row
 passed: the current code is what a user runs; a config without a passing row is ``missing``. Prints one line per
@@ -37,6 +37,8 @@ RESULTS_GLOB = "bench/results/configs_check_*.json"
 # What a training run, its resume and its eval read besides the config file (bench/_harness.py's CODE_PATHS less bench/
 # and configs/: a row's config is compared on its own, and the other configs do not change it).
 RUN_PATHS = ["finetune", "recipes", "optimizers", "eval"]
+# The eval's settings: every row's eval (bench/configs_check.py) reads them.
+EVAL_CONFIGS = "configs/eval"
 
 
 def shipped_configs(root: Path) -> List[str]:
@@ -54,7 +56,7 @@ def changed_since(
     """The files a run of ``config`` reads that differ between ``commit`` and the working tree; None where git does not
     know the commit (a shallow clone, a row from another repository). ``imported``: the Python files the row's runs
     loaded, where it names them; a changed Python file outside them is left out."""
-    paths = RUN_PATHS + [f"configs/{config}.yaml"]
+    paths = RUN_PATHS + [EVAL_CONFIGS, f"configs/{config}.yaml"]
     proc = subprocess.run(
         ["git", "diff", "--name-only", commit, "--", *paths], cwd=root, capture_output=True, text=True, timeout=60
     )

@@ -78,6 +78,9 @@ def test_a_row_that_names_its_imports_stays_current_across_python_files_its_runs
     (repo / "finetune" / "template.jinja").write_text("{{ y }}\n")
     assert configs_shipped.status(repo, [named])["a/1B_full_80gb"]["changed"] == ["finetune/template.jinja"]
     git(repo, "checkout", "-q", "finetune/template.jinja")
+    (repo / "configs" / "eval" / "score.yaml").write_text("name: changed\n")  # (the eval's settings: every row's)
+    assert configs_shipped.status(repo, [named])["a/1B_full_80gb"]["changed"] == ["configs/eval/score.yaml"]
+    git(repo, "checkout", "-q", "configs/eval/score.yaml")
     (repo / "finetune" / "train.py").write_text("x = 2\n")
     entry = configs_shipped.status(repo, [named])["a/1B_full_80gb"]
     assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
