@@ -62,6 +62,7 @@ console.quiet_known_noise()  # before torchtune imports torchao (see console.KNO
 from torchtune import config, modules, training, utils
 from tqdm import tqdm
 
+from finetune import streaming  # (its modules load when a config streams: streaming.stream_weights, ...)
 from finetune.base import BadInput, NonFiniteStop
 from finetune.checkpoint import hf_format, resume
 from finetune.checkpoint.checkpointer import (
@@ -91,7 +92,6 @@ from finetune.reporting.wandb_run import push_summary
 from finetune.services import build_data, build_reporting, report_out_of_memory
 from finetune.settings import KNOWN_CONFIG_KEYS, command_line, first_line, read_settings
 from finetune.stops import SkipCounter, StopSignal
-from finetune.streaming import StreamedStates, check_host_room, step_metrics, stream_weights
 
 log = utils.get_logger("INFO")
 
@@ -167,7 +167,7 @@ class FullFinetuneRecipeSingleDevice:
         self._family = hf_format.FAMILIES[s.model.family]
         self._hf_config = hf_format.hf_config(model, self._dtype, s.model.source_config, self._family, self._tokenizer)
         if s.memory.stream_states or s.memory.stream_layers:  # (before 13-16 GB of weights are read)
-            check_host_room(
+            streaming.check_host_room(
                 model,
                 build=s.training.optimizer.build,
                 states=s.memory.stream_states,
@@ -201,7 +201,9 @@ class FullFinetuneRecipeSingleDevice:
                 "enable_activation_offloading=True without activation checkpointing copies every activation "
                 "to the CPU and back: usually slower than enable_activation_checkpointing=True"
             )
-        self._weights = stream_weights(model, s.memory.stream_layers, self._device) if s.memory.stream_layers else None
+        self._weights = (
+            streaming.stream_weights(model, s.memory.stream_layers, self._device) if s.memory.stream_layers else None
+        )
         if self._weights:
             log.info(
                 f"stream_layers={s.memory.stream_layers}: {self._weights.host_bytes / 2**30:.1f} GiB of weights in "
@@ -223,7 +225,7 @@ class FullFinetuneRecipeSingleDevice:
 
     def _setup_optimizer(self) -> None:
         spec = self.settings.training.optimizer
-        self._streamed: Optional[StreamedStates] = None
+        self._streamed: Optional[streaming.StreamedStates] = None
         if self.settings.training.optimizer_in_bwd:
             # One optimizer per parameter, stepped by a hook as soon as that parameter's gradient is accumulated.
             optim_dict = {p: spec.build([p]) for p in self._model.parameters()}
@@ -231,7 +233,7 @@ class FullFinetuneRecipeSingleDevice:
                 self.settings.memory.stream_states
             ):  # the same hooks, with each state fetched for its step and written back
                 weights = self._weights  # (streamed weights share the copy streams and go down after each step)
-                self._streamed = StreamedStates(
+                self._streamed = streaming.StreamedStates(
                     self._model,
                     optim_dict,
                     self._device,
@@ -456,7 +458,8 @@ class FullFinetuneRecipeSingleDevice:
                     record["compiled_graphs"] = console.compiled_graphs()
                 record.update(collector.take())
                 record.update(self._checkpointer.metrics(since=t0))
-                record.update(step_metrics(self._streamed, self._weights))  # (bytes moved, waits on copies)
+                if self._streamed is not None or self._weights is not None:  # (bytes moved, waits on copies)
+                    record.update(streaming.step_metrics(self._streamed, self._weights))
                 if not math.isfinite(loss_value):
                     log.warning(f"loss is {loss_value} at step {self.global_step}")
                 pbar.update(1)

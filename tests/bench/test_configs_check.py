@@ -119,11 +119,13 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert len(phases["saves"]) == 2 and all(start <= end for start, end in phases["saves"])
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
     # the files its runs loaded: the recipes, the library's modules the run, the resume and the eval imported; not
-    # the MoE blocks, which a dense model's run never loads (a change to them leaves the row current)
+    # the MoE blocks, which a dense model's run never loads, nor the streaming modules, which a config that streams
+    # nothing never loads (a change to them leaves the row current)
     imported = set(row["imported"])
     assert {"recipes/full_finetune_single_device.py", "recipes/evaluate.py", "eval/truthfulqa.py"} <= imported
     assert {"finetune/checkpoint/checkpointer.py", "finetune/model/loss.py", "optimizers/adamw4bit.py"} <= imported
     assert "finetune/model/moe.py" not in imported and all((REPO_ROOT / f).is_file() for f in imported)
+    assert [f for f in imported if f.startswith("finetune/streaming/")] == ["finetune/streaming/__init__.py"]
 
 
 def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path, monkeypatch):
