@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 
@@ -64,7 +65,8 @@ def test_compare_runs_and_reports(bench_run):
     for key in ("command", "hardware", "versions", "date", "code", "records", "config", "steps"):
         assert key in result
     assert result["versions"]["torch"]
-    lead = "".join(f"{k}={v} " for k, v in result.get("env", {}).items())  # (what steered the runs, e.g. TRITON_*)
+    # (what steered the runs, e.g. TRITON_*, leads the command as a shell takes it: quoted where it needs to be)
+    lead = "".join(shlex.quote(f"{k}={v}") + " " for k, v in result.get("env", {}).items())
     assert result["command"].startswith(lead + "python bench/compare.py --config configs/tiny.yaml")
     assert [r["variant"] for r in result["records"]] == [FUSED, OURS, BROKEN]
     # each record: the recipe command it ran, and the code (a --merge file can mix commits)
