@@ -5,10 +5,11 @@
 A config is shipped when a results file (by default each ``bench/results/configs_check_*.json``: one per GPU) has a
 passing row of it whose code is the current code: nothing a run reads changed between the row's commit (its ``code``)
 and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``), the eval's settings
-(``configs/eval/``) and the config's own settings (its comments, where the measured figures go, may change). A row from older code is ``stale`` (the changed
-files are named: a fix in the checkpoint writer can break a save the row proved); a config whose row from the current
-code failed (in ``rows`` or the file's ``failed`` list) is ``failing``, the failed checks named, though an older row
-passed: the current code is what a user runs; a config without a passing row is ``missing``. Prints one line per
+(``configs/eval/``) and the config's own settings (its comments, where the measured figures go, may change). A row
+from older code is ``stale`` (the changed files are named: a fix in the checkpoint writer can break a save the row
+proved); a config whose row from the current code failed (in ``rows`` or the file's ``failed`` list) is
+``failing``, the failed checks named, though an older row passed: the current code is what a user runs; a config
+without a passing row is ``missing``. Prints one line per
 config, then the ``--configs`` of those that need a row, in the order a device call should take them (each model's
 configs together, so its folder is made once). ``--strict`` exits 1 while any config needs a row. Configs the
 single-device check cannot run (``*_distributed``) are listed apart: they need a machine of several GPUs.

@@ -29,8 +29,9 @@ does for any zero gradient (docs/models.md, "Mixture of experts").
 The load-balancing loss is transformers' (``load_balancing_loss_func``, the Switch Transformer's): over all sparse
 layers of one forward and every token position of the batch (padding included: the recipes pass no attention mask),
 ``num_experts * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e`` its mean router
-probability. ``MoeDecoder.aux_loss`` holds it after each forward; ``loss.training_loss`` adds ``router_aux_loss_coef`` times
-it to the training loss, as transformers' ``Qwen3MoeForCausalLM`` does with ``output_router_logits``.
+probability. ``MoeDecoder.aux_loss`` holds it after each forward; ``loss.training_loss`` adds
+``router_aux_loss_coef`` times it to the training loss, as transformers' ``Qwen3MoeForCausalLM`` does with
+``output_router_logits``.
 """
 
 import math
