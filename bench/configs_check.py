@@ -58,6 +58,7 @@ import yaml
 
 import _harness as harness
 import _runner as runner
+from configs_shipped import RUN_PATHS
 
 RECIPE = "recipes/full_finetune_single_device.py"
 EVAL_RECIPE = "recipes/evaluate.py"
@@ -66,7 +67,6 @@ EVAL_RECIPE = "recipes/evaluate.py"
 # same line of the log: searched for, not matched from the start.)
 IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)")
-IMPORTED_PACKAGES = ("finetune", "optimizers", "eval", "recipes")  # (configs_shipped.RUN_PATHS, as packages)
 # What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
 # (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
 # mostly have 32 GB of RAM, of which the system and a desktop keep some. The 24 and 32 GB classes' cards (an RTX
@@ -277,7 +277,7 @@ def imported_files(logs: List[Path]) -> List[str]:
         if log.name.endswith("eval.log"):
             found.add(EVAL_RECIPE)
         for module in IMPORT_LINE.findall(log.read_text(errors="replace")):
-            if module.split(".")[0] not in IMPORTED_PACKAGES:
+            if module.split(".")[0] not in RUN_PATHS:  # (what a row's code is judged by: folders, as packages)
                 continue
             base = harness.REPO_ROOT / module.replace(".", "/")
             for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
