@@ -11,6 +11,7 @@ recipe process it runs in.
 """
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -353,3 +354,9 @@ def git(repo: Path, *args: str) -> str:
         capture_output=True,
         text=True,
     ).stdout.strip()
+
+
+def command_lead(result: Dict[str, Any]) -> str:
+    """What leads a benchmark result's recorded ``command`` before ``python``: the variables that steered its runs
+    (``env``, e.g. TRITON_*), each quoted as a shell takes it (bench/_harness.py's provenance, shlex)."""
+    return "".join(shlex.quote(f"{k}={v}") + " " for k, v in result.get("env", {}).items())

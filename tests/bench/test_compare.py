@@ -8,7 +8,6 @@ import dataclasses
 import io
 import json
 import os
-import shlex
 import statistics
 import sys
 
@@ -19,6 +18,7 @@ from conftest import DATA_DIR, FAST, REPO_ROOT, THROWAWAY_COMPONENT, THROWAWAY_K
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import _harness as harness
 import compare
+import support
 
 # Ours at 16 bits: its CPU (plain-PyTorch) step is the quickest of our formats.
 FUSED, OURS = "torch.optim.AdamW(fused=True)", "optimizers.AdamW"
@@ -65,8 +65,7 @@ def test_compare_runs_and_reports(bench_run):
     for key in ("command", "hardware", "versions", "date", "code", "records", "config", "steps"):
         assert key in result
     assert result["versions"]["torch"]
-    # (what steered the runs, e.g. TRITON_*, leads the command as a shell takes it: quoted where it needs to be)
-    lead = "".join(shlex.quote(f"{k}={v}") + " " for k, v in result.get("env", {}).items())
+    lead = support.command_lead(result)
     assert result["command"].startswith(lead + "python bench/compare.py --config configs/tiny.yaml")
     assert [r["variant"] for r in result["records"]] == [FUSED, OURS, BROKEN]
     # each record: the recipe command it ran, and the code (a --merge file can mix commits)

@@ -4,7 +4,6 @@ its MFU uses."""
 
 import json
 import os
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torchtune
 
 import _family_rows as family_rows
 import model_families as mf
+import support
 
 STOCK_DIR = Path(torchtune.__file__).resolve().parents[1] / "recipes"
 KEYS = {
@@ -58,8 +58,7 @@ def test_toy_mode_runs_ours_and_the_stock_recipe_and_records_them(tmp_path, rows
     argv += [str(STOCK_DIR), "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
     mf.main(argv)
     doc = json.loads(out.read_text())
-    # (what steered the runs, e.g. TRITON_*, leads the command as a shell takes it: quoted where it needs to be)
-    lead = "".join(shlex.quote(f"{k}={v}") + " " for k, v in doc.get("env", {}).items())
+    lead = support.command_lead(doc)
     assert doc["command"].startswith(lead + "python bench/model_families.py --toy") and doc["hardware"] and doc["date"]
     records = {r["name"]: r for r in doc["records"]}
     assert set(records) == {"ours_24gb", "ours_24gb_fp8", "stock"}, records

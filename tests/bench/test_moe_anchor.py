@@ -4,7 +4,6 @@ parameter count its MFU uses."""
 
 import json
 import os
-import shlex
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from conftest import DATA_DIR, REPO_ROOT, recipe_env
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 import moe_anchor
+import support
 from finetune import toy_folder
 
 
@@ -30,8 +30,7 @@ def test_toy_mode_runs_the_anchor_and_ours_at_both_depths(tmp_path, one_thread):
     out, work = tmp_path / "anchor.json", tmp_path / "work"
     moe_anchor.main(["--toy", "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"])
     doc = json.loads(out.read_text())
-    # (what steered the runs, e.g. TRITON_*, leads the command as a shell takes it: quoted where it needs to be)
-    lead = "".join(shlex.quote(f"{k}={v}") + " " for k, v in doc.get("env", {}).items())
+    lead = support.command_lead(doc)
     assert doc["command"].startswith(lead + "python bench/moe_anchor.py --toy") and doc["hardware"] and doc["date"]
     rows = {r["name"]: r for r in doc["records"]}
     assert list(rows) == ["anchor", "ours_depth", "ours_full"], rows
