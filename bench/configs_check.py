@@ -21,6 +21,8 @@ configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_h
    and the host memory it took, as the drop of MemAvailable from just before the run (what a desktop must have
    free), both sampled every half second, and the peaks while training and while a checkpoint was written (the
    epoch's save and the exit after the last step count as saving; ``phases_s`` keeps the step and save times).
+   Of the resume, whose host memory is not sampled (the eval may run beside it), its process's peak resident set
+   (``resumed_peak_rss_gib``, from its metrics): reading a checkpoint back is a desktop's peak too.
 
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
@@ -207,6 +209,7 @@ def check_config(config: str, args) -> dict:
     checks["resumed_first_step_exact"] = not second.error() and again_losses[:1] == expected[:1]
     row["resumed_losses"] = again_losses
     row["resumed_compiled_graphs"] = [m.get("compiled_graphs") for m in resumed]
+    row["resumed_peak_rss_gib"] = harness.peak(resumed, "peak_rss_gib")  # (the load's peak included)
     row["resumed_max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(again_losses, expected)), default=None)
     checks["resumed_within_repeatability"] = (
         len(again_losses) == len(expected) and row["resumed_max_rel_diff"] <= RESUME_RTOL

@@ -111,6 +111,7 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
     assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["compiled_graphs_per_step"] == [None] * 3 and row["resumed_compiled_graphs"] == [None]  # (compile=False)
+    assert row["resumed_peak_rss_gib"] > 0  # (its load's peak: the resume's footprint a desktop must have)
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
     (saved,) = row["saves_blocked_s"].items()  # (the step save's cost to training; the epoch's has no step after it)
     assert saved[0] == "2" and saved[1]["checkpoint_blocked_s"] >= 0 and saved[1]["checkpoint_staged_host_gib"] > 0
