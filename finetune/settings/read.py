@@ -72,6 +72,7 @@ KNOWN_CONFIG_KEYS = (
     "ac_option",
     "enable_activation_offloading",
     "stream_optimizer_states",
+    "resident_states_gib",
     "stream_layers",
     "device_memory_limit_gib",
     "host_memory_limit_gib",
@@ -316,6 +317,12 @@ def read_memory(cfg: DictConfig, device: torch.device, *, optimizer_in_bwd: bool
             "stream_optimizer_states=True brings each parameter's optimizer state to the GPU for its step in "
             "backward and needs optimizer_in_bwd=True (with gradient_accumulation_steps=1 clip_grad_norm=null)"
         )
+    resident = number(cfg, "resident_states_gib", integer=False, low=0, strict=False, default=0, example=10)
+    if resident and not stream_states:
+        raise BadInput(
+            f"resident_states_gib={resident:g} keeps that much of the streamed optimizer states on the GPU; without "
+            "stream_optimizer_states=True every state is on the GPU already: set resident_states_gib=0"
+        )
     ac_every = activation_checkpointing(cfg)
     stream_layers = number(cfg, "stream_layers", integer=True, low=0, strict=False, default=0, example=12)
     if stream_layers and not (stream_states and ac_every == 1):
@@ -343,12 +350,18 @@ def read_memory(cfg: DictConfig, device: torch.device, *, optimizer_in_bwd: bool
                 f"device_memory_limit_gib={memory_limit} is more than this GPU's {total:.1f} GiB; set a "
                 "smaller value or null"
             )
+    if memory_limit is not None and resident >= memory_limit:
+        raise BadInput(
+            f"resident_states_gib={resident:g} is not less than device_memory_limit_gib={memory_limit}, which must also "
+            "hold the weights and a step's activations: set a smaller resident_states_gib"
+        )
     compile_ = bool(cfg.get("compile", False))
     return MemorySettings(
         ac_every=ac_every,
         offload_activations=offload_activations,
         stream_states=stream_states,
         stream_layers=stream_layers,
+        resident_states_gib=float(resident),
         memory_limit_gib=memory_limit,
         compile=compile_,
         fp8=read_fp8(cfg, device, compile_=compile_),

@@ -20,13 +20,20 @@ def _size(nbytes: int) -> str:
 
 
 def check_host_room(
-    model: torch.nn.Module, *, build: Callable, states: bool, layers: int, device: torch.device
+    model: torch.nn.Module,
+    *,
+    build: Callable,
+    states: bool,
+    layers: int,
+    device: torch.device,
+    resident: int = 0,
 ) -> Dict[str, int]:
     """The bytes the run pins in host memory ({what: bytes}); a BadInput naming them, what the machine has and the
-    fix where they do not fit its available memory (MemAvailable less a reserve)."""
+    fix where they do not fit its available memory (MemAvailable less a reserve). ``resident``: bytes of the states
+    kept on the GPU (at most that: whole parameters' states are kept, so the host may hold a little more)."""
     parts: Dict[str, int] = {}
     if states:
-        parts["optimizer states"] = state_bytes(build, model.parameters(), device)
+        parts["optimizer states"] = max(0, state_bytes(build, model.parameters(), device) - resident)
     per_layer = 0
     if layers:
         weights = streamed_bytes(model, streamed_indices(model, layers))

@@ -40,6 +40,18 @@ def test_streamed_states_train_the_resident_losses_and_resume_exactly(runs, tmp_
     )
     assert resumed.ok, resumed.stderr[-3000:]
     assert resumed.losses == streamed.losses[2:]
+    # Resumed with part of the states kept on the device (resident_states_gib): the same steps, less moved.
+    kept = run_here(
+        tmp_path / "kept",
+        *IN_BACKWARD,
+        "stream_optimizer_states=True",
+        "resident_states_gib=0.0005",
+        f"resume_from_checkpoint={streamed.output_dir / 'step_2'}",
+    )
+    assert kept.ok, kept.stderr[-3000:]
+    assert kept.losses == streamed.losses[2:]
+    assert all(0 < m["resident_state_gib"] <= 0.0005 for m in kept.metrics)
+    assert all(0 < k["host_copy_gb"] < r["host_copy_gb"] for k, r in zip(kept.metrics, resumed.metrics))
 
 
 def test_streaming_without_optimizer_in_backward_is_one_error_line(tmp_path):

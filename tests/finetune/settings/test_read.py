@@ -200,6 +200,7 @@ def test_read_memory_reads_the_tiny_config_and_each_ac_mode():
         offload_activations=False,
         stream_states=False,
         stream_layers=0,
+        resident_states_gib=0.0,
         memory_limit_gib=None,
         compile=False,
         fp8=None,
@@ -212,6 +213,8 @@ def test_read_memory_reads_the_tiny_config_and_each_ac_mode():
     streamed = [*on, "stream_optimizer_states=True", "stream_layers=2", "compile=True", "fp8=rowwise"]
     m = read.read_memory(tiny(*streamed), CPU, optimizer_in_bwd=True)
     assert (m.stream_states, m.stream_layers, m.compile, m.fp8) == (True, 2, True, "rowwise")
+    m = read.read_memory(tiny(*streamed, "resident_states_gib=1.5"), CPU, optimizer_in_bwd=True)
+    assert m.resident_states_gib == 1.5
 
 
 def test_read_memory_caps_a_gpu_below_its_size(gpu_of):
@@ -227,6 +230,8 @@ def test_read_memory_caps_a_gpu_below_its_size(gpu_of):
         (["enable_activation_checkpointing=True", "ac_mode=most"], "ac_mode='most' is not an activation checkpointing"),
         (["ac_mode=selective", "ac_option=0"], "ac_mode=selective needs ac_option=N, a positive integer"),
         (["stream_layers=-1"], "stream_layers=-1 must be a non-negative integer"),
+        (["resident_states_gib=-1"], "resident_states_gib=-1 must be a finite number >= 0"),
+        (["resident_states_gib=2"], ["resident_states_gib=2 keeps", "without stream_optimizer_states=True"]),
         (["stream_layers=2"], ["stream_layers=2 brings those layers' weights", "stream_optimizer_states=True"]),
         (
             ["enable_activation_offloading=True"],
@@ -239,6 +244,16 @@ def test_read_memory_caps_a_gpu_below_its_size(gpu_of):
 )
 def test_read_memory_refuses(overrides, words):
     refuses(read.read_memory, overrides, words, device=CPU, optimizer_in_bwd=False)
+
+
+def test_read_memory_refuses_resident_states_that_fill_the_cap(gpu_of):
+    refuses(
+        read.read_memory,
+        ["stream_optimizer_states=True", "device_memory_limit_gib=16", "resident_states_gib=16"],
+        ["resident_states_gib=16 is not less than device_memory_limit_gib=16.0", "set a smaller resident_states_gib"],
+        device=gpu_of(80),
+        optimizer_in_bwd=True,
+    )
 
 
 def test_read_memory_refuses_a_cap_above_the_card(gpu_of):

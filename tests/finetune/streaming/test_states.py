@@ -132,6 +132,53 @@ def test_a_checkpoint_of_streamed_states_resumes_exactly_and_equals_the_resident
     assert losses == full_losses[3:]
 
 
+def test_states_kept_on_the_device_within_the_budget_never_travel_and_the_steps_stay_identical():
+    build = OPTIMIZERS["AdamW4bit"]
+    _, all_streamed, every, _ = train(build, streamed=True, steps=3)
+    sizes = sorted(every._bytes.values(), reverse=True)
+    budget = sum(sizes[:3]) + sizes[-1]  # room for a few parameters' states, not all
+    trace = []
+    model, losses, states, _ = train(build, streamed=True, steps=4, resident_bytes=budget, trace=trace)
+    resident_model, resident_losses, _, _ = train(build, streamed=False, steps=4)
+    assert losses == resident_losses and losses[:3] == all_streamed
+    for a, b in zip(resident_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    kept = {states._name[p] for p in states._resident}
+    assert kept and 0 < sum(states._resident.values()) <= budget
+    # the first parameters the first backward stepped, while their states fit; the others still travel
+    first = [n for op, n in trace if op == "step"]
+    streamed = {n for n, p in states._by_name.items() if states._pairs.get(p)}
+    assert streamed and not kept & streamed
+    assert first.index(min(kept, key=first.index)) < first.index(min(streamed, key=first.index))
+    assert not [n for op, n in trace if op in ("fetch", "write") and n in kept]
+    # kept ones hold their bytes between steps and take no host slot; the host holds only the streamed ones
+    assert all(s.nbytes() > 0 for p in states._resident for s in every_storage(states, p))
+    host = sum(h.numel() for pairs in states._pairs.values() for _, h in pairs)
+    assert host == sum(states._bytes.values()) == sum(every._bytes.values()) - sum(states._resident.values())
+    assert states.metrics()["resident_state_gib"] == sum(states._resident.values()) / 2**30
+    # A checkpoint holds the kept states as they are; a run that streams everything resumes from it exactly.
+    saved = states.state_dict()
+    fresh = StreamedStates(model, {p: build([p]) for p in model.parameters()}, torch.device("cpu"), min_bytes=1024)
+    fresh.load_state_dict(saved)
+    again = fresh.state_dict()
+    for name, sd in saved.items():
+        for pid, entry in sd["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(again[name]["state"][pid][key]))
+
+
+def every_storage(states: StreamedStates, p):
+    return {t.untyped_storage() for t in _state_tensors(states._optims[p].state) if t.numel() >= 256}
+
+
+def _state_tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _state_tensors(v)]
+    return []
+
+
 def test_the_host_bytes_of_the_streamed_states_come_from_the_configured_format():
     """(The refusal of a machine without the room: tests/finetune/streaming/test_weights.py, with the weights'.)"""
     model = support.tiny_decoder()
