@@ -91,13 +91,17 @@ def figures(records: List[dict], steady: List[dict], parameters: float) -> dict:
 
 class Footprint:
     """Samples, every ``every`` seconds while a run lives: MemAvailable's drop from its value at the start (bytes),
-    the GPU memory nvidia-smi lists for the run's processes (MiB), and the proportional set size of torch.compile's
-    worker processes (GB: part of the host drop, which a machine with fewer cores pays less of)."""
+    the GPU memory nvidia-smi lists for the run's processes (MiB), the proportional set size of torch.compile's
+    worker processes (GB: part of the host drop, which a machine with fewer cores pays less of), and two parts of the
+    drop that are the kernel's rather than the run's own: file pages not yet written out (Dirty and Writeback, GB:
+    a checkpoint on its way to the disk) and shared memory's change from the start (Shmem, GB: files in /dev/shm)."""
 
     def __init__(self, every: float = 0.5):
-        self.every, self.samples = every, []  # (seconds, host GB taken, GPU MiB, compile workers GB)
+        # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB)
+        self.every, self.samples = every, []
         self._stop = threading.Event()
         self._base = self._available()
+        self._base_shmem = (host_memory.meminfo() or {}).get("Shmem", 0)
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -139,8 +143,11 @@ class Footprint:
     def _loop(self) -> None:
         while not self._stop.is_set():
             t = time.monotonic() - self._start
+            info = host_memory.meminfo() or {}
             taken = (self._base - self._available()) / 1e9
-            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb()))
+            dirty = round((info.get("Dirty", 0) + info.get("Writeback", 0)) / 1e9, 2)
+            shmem = round((info.get("Shmem", 0) - self._base_shmem) / 1e9, 2)
+            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb(), dirty, shmem))
             self._stop.wait(self.every)
 
     def stop(self) -> None:

@@ -118,6 +118,8 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     phases = row["phases_s"]  # (the step lines' and saves' seconds, as the series' samples: training ends at step 3)
     assert [step for step, _ in phases["steps"]] == [1, 2, 3] and phases["trained"] == phases["steps"][-1][1]
     assert len(phases["saves"]) == 2 and all(start <= end for start, end in phases["saves"])
+    # each sample: seconds, host GB taken, GPU MiB, compile workers GB, the kernel's dirty pages, shared memory
+    assert all(len(sample) == 6 and sample[4] >= 0 for sample in row["series"])
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
     # the files its runs loaded: the recipes, the library's modules the run, the resume and the eval imported; not
     # the MoE blocks, which a dense model's run never loads, nor the streaming modules, which a config that streams
