@@ -69,7 +69,7 @@ class MemorySettings:
     offload_activations: bool
     stream_states: bool  # optimizer states in host memory, streamed around each step in backward
     stream_layers: int  # transformer layers whose weights live in host memory (finetune/streaming/weights.py)
-    resident_states_gib: float  # of the streamed states, what stays on the GPU (first in backward's order); 0 = none
+    resident_state_bytes: int  # resident_states_gib: of the streamed states, what stays on the GPU; 0 = none
     memory_limit_gib: Optional[float]  # device_memory_limit_gib: the CUDA allocator's cap; None = the whole card
     compile: bool
     fp8: Optional[str]  # FP8 matmuls in the transformer layers: None (bf16), "tensorwise" or "rowwise"

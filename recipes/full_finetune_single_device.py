@@ -173,7 +173,7 @@ class FullFinetuneRecipeSingleDevice:
                 states=s.memory.stream_states,
                 layers=s.memory.stream_layers,
                 device=self._device,
-                resident=int(s.memory.resident_states_gib * 2**30),
+                resident=s.memory.resident_state_bytes,
             )
         if weights is not None:
             hf_format.load_weights(
@@ -238,7 +238,7 @@ class FullFinetuneRecipeSingleDevice:
                     self._model,
                     optim_dict,
                     self._device,
-                    resident_bytes=int(self.settings.memory.resident_states_gib * 2**30),
+                    resident_bytes=self.settings.memory.resident_state_bytes,
                     link=weights and weights.link,
                     after_step=weights and weights.after_step,
                 )
@@ -255,8 +255,8 @@ class FullFinetuneRecipeSingleDevice:
             + (" (in backward, one per parameter)" if self.settings.training.optimizer_in_bwd else "")
             + (", states in host memory" if self._streamed else "")
             + (
-                f" (up to {self.settings.memory.resident_states_gib:g} GiB of them kept on the GPU)"
-                if self._streamed and self.settings.memory.resident_states_gib
+                f" (up to {self.settings.memory.resident_state_bytes / 2**30:g} GiB of them kept on the GPU)"
+                if self._streamed and self.settings.memory.resident_state_bytes
                 else ""
             )
         )

@@ -361,7 +361,7 @@ def read_memory(cfg: DictConfig, device: torch.device, *, optimizer_in_bwd: bool
         offload_activations=offload_activations,
         stream_states=stream_states,
         stream_layers=stream_layers,
-        resident_states_gib=float(resident),
+        resident_state_bytes=int(resident * 2**30),
         memory_limit_gib=memory_limit,
         compile=compile_,
         fp8=read_fp8(cfg, device, compile_=compile_),

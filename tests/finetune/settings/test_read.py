@@ -200,7 +200,7 @@ def test_read_memory_reads_the_tiny_config_and_each_ac_mode():
         offload_activations=False,
         stream_states=False,
         stream_layers=0,
-        resident_states_gib=0.0,
+        resident_state_bytes=0,
         memory_limit_gib=None,
         compile=False,
         fp8=None,
@@ -214,7 +214,7 @@ def test_read_memory_reads_the_tiny_config_and_each_ac_mode():
     m = read.read_memory(tiny(*streamed), CPU, optimizer_in_bwd=True)
     assert (m.stream_states, m.stream_layers, m.compile, m.fp8) == (True, 2, True, "rowwise")
     m = read.read_memory(tiny(*streamed, "resident_states_gib=1.5"), CPU, optimizer_in_bwd=True)
-    assert m.resident_states_gib == 1.5
+    assert m.resident_state_bytes == 1.5 * 2**30
 
 
 def test_read_memory_caps_a_gpu_below_its_size(gpu_of):
