@@ -12,7 +12,7 @@ from torchtune import training
 import optimizers
 import support
 from finetune.streaming import StreamedStates
-from finetune.streaming.states import state_bytes
+from finetune.streaming.states import _tensors, state_bytes
 
 OPTIMIZERS = {
     "torch-AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
@@ -168,15 +168,7 @@ def test_states_kept_on_the_device_within_the_budget_never_travel_and_the_steps_
 
 
 def every_storage(states: StreamedStates, p):
-    return {t.untyped_storage() for t in _state_tensors(states._optims[p].state) if t.numel() >= 256}
-
-
-def _state_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _state_tensors(v)]
-    return []
+    return {t.untyped_storage() for t in _tensors(states._optims[p].state) if t.numel() >= 256}
 
 
 def test_the_host_bytes_of_the_streamed_states_come_from_the_configured_format():
