@@ -28,8 +28,7 @@ The manual is docs/recipes.md (--help=all prints it, then the config's keys). Th
     epochs, max_steps_per_epoch      passes over the data; optimizer steps per epoch (null = the whole epoch)
     clip_grad_norm                   clip the global grad norm to this; null = no clipping
     optimizer_in_bwd                 step and free each gradient in backward (no clipping, no accumulation)
-    stream_optimizer_states          with optimizer_in_bwd: states in host memory, on the GPU for their step only
-    resident_states_gib              of the streamed states, up to this many GiB stay on the GPU (default 0)
+    stream_optimizer_states, resident_states_gib   with optimizer_in_bwd: states in host memory; N GiB stay on the GPU
     stream_layers                    with streamed states and AC: N layers' weights in host memory (default 0)
     compile                          torch.compile per layer and on the loss (default False)
     enable_activation_checkpointing  recompute layers in backward: less memory, ~1/3 more compute
