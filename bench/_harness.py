@@ -297,6 +297,25 @@ class Run:
     stopped: bool = False  # killed because its work was done (``until``): a success
     last_output_s: Optional[float] = None
     tail: deque = field(default_factory=lambda: deque(maxlen=40))
+    # The process's resident memory at its peaks, GiB, from /proc/PID/status while it ran (None where that cannot be
+    # read): its own (RssAnon + RssShmem: what the kernel cannot drop, pinned memory included) and its mapped file
+    # pages (RssFile: a checkpoint read through a map, which the kernel can drop). VmRSS, the recipes' peak_rss_gib,
+    # counts both, so a resume that maps its state file shows there as large as one that reads it whole.
+    own_gib_peak: Optional[float] = None
+    file_gib_peak: Optional[float] = None
+
+    def sample_memory(self, pid: int) -> None:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return
+        kib = {k: int(v) for k, v in re.findall(r"^(RssAnon|RssFile|RssShmem):\s+(\d+) kB", text, re.M)}
+        if "RssAnon" not in kib:
+            return
+        own = round((kib["RssAnon"] + kib.get("RssShmem", 0)) / 2**20, 2)
+        mapped = round(kib.get("RssFile", 0) / 2**20, 2)
+        self.own_gib_peak = max(own, self.own_gib_peak or 0.0)
+        self.file_gib_peak = max(mapped, self.file_gib_peak or 0.0)
 
     def error(self) -> Optional[str]:
         """One line on why it failed, None if it did not: the recipe's own ``error:`` line, else the last exception
@@ -360,6 +379,7 @@ def run(
         reader.start()
         try:
             while proc.poll() is None:
+                result.sample_memory(proc.pid)
                 if timeout is not None and time.monotonic() - start > timeout:
                     result.timed_out = True
                     break

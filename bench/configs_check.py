@@ -22,7 +22,10 @@ configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_h
    free), both sampled every half second, and the peaks while training and while a checkpoint was written (the
    epoch's save and the exit after the last step count as saving; ``phases_s`` keeps the step and save times).
    Of the resume, whose host memory is not sampled (the eval may run beside it), its process's peak resident set
-   (``resumed_peak_rss_gib``, from its metrics): reading a checkpoint back is a desktop's peak too.
+   (``resumed_peak_rss_gib``, from its metrics): reading a checkpoint back is a desktop's peak too. Of both
+   processes, their own memory and their mapped file pages at their peaks (``own_gib_peak``, ``file_gib_peak`` and
+   the ``resumed_`` pair, sampled from /proc: bench/_harness.py's Run), which tell a memory need from pages the
+   kernel can drop.
 
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
@@ -171,6 +174,7 @@ def check_config(config: str, args) -> dict:
         return row
     _speed_figures(row, metrics, config, args)
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
+    row["own_gib_peak"], row["file_gib_peak"] = first.own_gib_peak, first.file_gib_peak
     step = f"step_{args.save_every}"
     checks["saved"] = all((work / "run" / n / "model.safetensors").is_file() for n in (step, "epoch_0"))
     # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.
@@ -210,6 +214,7 @@ def check_config(config: str, args) -> dict:
     row["resumed_losses"] = again_losses
     row["resumed_compiled_graphs"] = [m.get("compiled_graphs") for m in resumed]
     row["resumed_peak_rss_gib"] = harness.peak(resumed, "peak_rss_gib")  # (the load's peak included)
+    row["resumed_own_gib_peak"], row["resumed_file_gib_peak"] = second.own_gib_peak, second.file_gib_peak
     row["resumed_max_rel_diff"] = max((abs(a - b) / abs(b) for a, b in zip(again_losses, expected)), default=None)
     checks["resumed_within_repeatability"] = (
         len(again_losses) == len(expected) and row["resumed_max_rel_diff"] <= RESUME_RTOL

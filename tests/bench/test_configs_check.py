@@ -112,6 +112,9 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["compiled_graphs_per_step"] == [None] * 3 and row["resumed_compiled_graphs"] == [None]  # (compile=False)
     assert row["resumed_peak_rss_gib"] > 0  # (its load's peak: the resume's footprint a desktop must have)
+    # each process's own memory and its mapped file pages (its libraries at least), sampled while it ran
+    for prefix in ("", "resumed_"):
+        assert row[f"{prefix}own_gib_peak"] > 0.1 and row[f"{prefix}file_gib_peak"] > 0.01
     assert row["eval_beside_resume"] and 0.0 <= row["eval"]["truthfulqa_mc2"] <= 1.0
     (saved,) = row["saves_blocked_s"].items()  # (the step save's cost to training; the epoch's has no step after it)
     assert saved[0] == "2" and saved[1]["checkpoint_blocked_s"] >= 0 and saved[1]["checkpoint_staged_host_gib"] > 0
