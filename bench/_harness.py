@@ -305,15 +305,13 @@ class Run:
     file_gib_peak: Optional[float] = None
 
     def sample_memory(self, pid: int) -> None:
-        try:
-            text = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+        from finetune.host_memory import process_status  # (here, not at the top: it imports torch)
+
+        status = process_status(str(pid))
+        if status is None or "RssAnon" not in status:
             return
-        kib = {k: int(v) for k, v in re.findall(r"^(RssAnon|RssFile|RssShmem):\s+(\d+) kB", text, re.M)}
-        if "RssAnon" not in kib:
-            return
-        own = round((kib["RssAnon"] + kib.get("RssShmem", 0)) / 2**20, 2)
-        mapped = round(kib.get("RssFile", 0) / 2**20, 2)
+        own = round((status["RssAnon"] + status.get("RssShmem", 0)) / 2**30, 2)
+        mapped = round(status.get("RssFile", 0) / 2**30, 2)
         self.own_gib_peak = max(own, self.own_gib_peak or 0.0)
         self.file_gib_peak = max(mapped, self.file_gib_peak or 0.0)
 

@@ -32,17 +32,20 @@ def available_host_bytes() -> Optional[int]:
     return info["MemAvailable"] - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * info["MemTotal"]))
 
 
+def process_status(pid: str = "self") -> Optional[Dict[str, int]]:
+    """The memory fields of /proc/PID/status (those counted in kB: VmRSS, VmHWM, RssAnon, RssFile, ...) in bytes; None
+    where it cannot be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if v.endswith(" kB\n")}
+    except (OSError, ValueError):
+        return None
+
+
 def resident_bytes(peak: bool = False) -> Optional[int]:
     """This process's resident set now (VmRSS) or at its peak (VmHWM), pinned pages included; None where
     /proc/self/status cannot tell."""
-    field = "VmHWM:" if peak else "VmRSS:"
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return (process_status() or {}).get("VmHWM" if peak else "VmRSS")
 
 
 def compile_without_workers() -> bool:
