@@ -303,8 +303,11 @@ class Run:
     # counts both, so a resume that maps its state file shows there as large as one that reads it whole.
     own_gib_peak: Optional[float] = None
     file_gib_peak: Optional[float] = None
+    # The same over time, a sample each half second or more: (seconds since the start, own GiB, mapped file GiB), to
+    # set beside a footprint's MemAvailable drop (bench/_runner.py's Footprint) and tell the run's share of it.
+    memory_series: List[tuple] = field(default_factory=list)
 
-    def sample_memory(self, pid: int) -> None:
+    def sample_memory(self, pid: int, seconds: float = 0.0) -> None:
         from finetune.host_memory import process_status  # (here, not at the top: it imports torch)
 
         status = process_status(str(pid))
@@ -314,6 +317,8 @@ class Run:
         mapped = round(status.get("RssFile", 0) / 2**30, 2)
         self.own_gib_peak = max(own, self.own_gib_peak or 0.0)
         self.file_gib_peak = max(mapped, self.file_gib_peak or 0.0)
+        if not self.memory_series or seconds - self.memory_series[-1][0] >= 0.5:
+            self.memory_series.append((round(seconds, 1), own, mapped))
 
     def error(self) -> Optional[str]:
         """One line on why it failed, None if it did not: the recipe's own ``error:`` line, else the last exception
@@ -377,7 +382,7 @@ def run(
         reader.start()
         try:
             while proc.poll() is None:
-                result.sample_memory(proc.pid)
+                result.sample_memory(proc.pid, time.monotonic() - start)
                 if timeout is not None and time.monotonic() - start > timeout:
                     result.timed_out = True
                     break

@@ -94,14 +94,18 @@ class Footprint:
     the GPU memory nvidia-smi lists for the run's processes (MiB), the proportional set size of torch.compile's
     worker processes (GB: part of the host drop, which a machine with fewer cores pays less of), and two parts of the
     drop that are the kernel's rather than the run's own: file pages not yet written out (Dirty and Writeback, GB:
-    a checkpoint on its way to the disk) and shared memory's change from the start (Shmem, GB: files in /dev/shm)."""
+    a checkpoint on its way to the disk) and shared memory's change from the start (Shmem, GB: files in /dev/shm);
+    last, MemTotal's change from the start (GB): a virtual machine whose memory grows as it is used (the device
+    machines) gives the kernel more pages mid-run, and their descriptors (64 bytes per 4 KiB page) come out of
+    MemAvailable, a cost a desktop's fixed memory does not have."""
 
     def __init__(self, every: float = 0.5):
-        # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB)
+        # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB, MemTotal's change GB)
         self.every, self.samples = every, []
         self._stop = threading.Event()
         self._base = self._available()
-        self._base_shmem = (host_memory.meminfo() or {}).get("Shmem", 0)
+        start = host_memory.meminfo() or {}
+        self._base_shmem, self._base_total = start.get("Shmem", 0), start.get("MemTotal", 0)
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -147,7 +151,8 @@ class Footprint:
             taken = (self._base - self._available()) / 1e9
             dirty = round((info.get("Dirty", 0) + info.get("Writeback", 0)) / 1e9, 2)
             shmem = round((info.get("Shmem", 0) - self._base_shmem) / 1e9, 2)
-            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb(), dirty, shmem))
+            total = round((info.get("MemTotal", 0) - self._base_total) / 1e9, 2)
+            self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb(), dirty, shmem, total))
             self._stop.wait(self.every)
 
     def stop(self) -> None:

@@ -25,7 +25,9 @@ configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_h
    (``resumed_peak_rss_gib``, from its metrics): reading a checkpoint back is a desktop's peak too. Of both
    processes, their own memory and their mapped file pages at their peaks (``own_gib_peak``, ``file_gib_peak`` and
    the ``resumed_`` pair, sampled from /proc: bench/_harness.py's Run), which tell a memory need from pages the
-   kernel can drop.
+   kernel can drop; the first run's over time too (``own_series``: seconds, own GiB, mapped GiB), on the clock of
+   ``series``, whose samples end with MemTotal's change: set beside the drop, they tell the run's share of it from
+   the kernel's and the machine's.
 
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
@@ -175,6 +177,7 @@ def check_config(config: str, args) -> dict:
     _speed_figures(row, metrics, config, args)
     row["peak_rss_gib"] = harness.peak(metrics, "peak_rss_gib")
     row["own_gib_peak"], row["file_gib_peak"] = first.own_gib_peak, first.file_gib_peak
+    row["own_series"] = first.memory_series[:: max(1, len(first.memory_series) // 400)]
     step = f"step_{args.save_every}"
     checks["saved"] = all((work / "run" / n / "model.safetensors").is_file() for n in (step, "epoch_0"))
     # The resume, in the other save mode: both modes write a step and an epoch checkpoint between the two runs.

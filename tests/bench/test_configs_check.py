@@ -121,8 +121,12 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     phases = row["phases_s"]  # (the step lines' and saves' seconds, as the series' samples: training ends at step 3)
     assert [step for step, _ in phases["steps"]] == [1, 2, 3] and phases["trained"] == phases["steps"][-1][1]
     assert len(phases["saves"]) == 2 and all(start <= end for start, end in phases["saves"])
-    # each sample: seconds, host GB taken, GPU MiB, compile workers GB, the kernel's dirty pages, shared memory
-    assert all(len(sample) == 6 and sample[4] >= 0 for sample in row["series"])
+    # each sample: seconds, host GB taken, GPU MiB, compile workers GB, the kernel's dirty pages, shared memory and
+    # MemTotal's change; the run's own memory beside it on the same clock, half a second apart or more
+    assert all(len(sample) == 7 and sample[4] >= 0 for sample in row["series"])
+    own = row["own_series"]
+    assert len(own) > 2 and all(b[0] - a[0] >= 0.5 for a, b in zip(own, own[1:]))
+    assert 0.1 < max(s[1] for s in own) <= row["own_gib_peak"] and own[-1][2] > 0  # (its libraries, mapped)
     assert not (tmp_path / "work" / "llama3_2_3B_full_24gb").exists()  # (the run folders go after each config)
     # the files its runs loaded: the recipes, the library's modules the run, the resume and the eval imported; not
     # the MoE blocks, which a dense model's run never loads, nor the streaming modules, which a config that streams

@@ -27,3 +27,16 @@ def test_after_the_last_step_the_host_memory_counts_as_saving_not_training():
     assert peaks["gpu_mib_peak"] == 30 and peaks["compile_workers_gb_peak"] == 0.5
     assert fp.peaks([(5.5, 6.5)])["host_gb_peak_training"] == 7.0  # (no end given: the exit's samples train)
     assert fp.peaks([])["host_gb_peak_saving"] is None
+
+
+def test_each_sample_holds_the_kernels_parts_of_the_drop_and_memtotals_change():
+    """A real sample, read from /proc/meminfo: the drop, then the GPU (none here), the compile workers, the dirty
+    pages, shared memory's change and MemTotal's change (a machine whose memory grows pays for the new pages'
+    descriptors out of MemAvailable)."""
+    fp = runner.Footprint(every=0.05)
+    while len(fp.samples) < 2:
+        fp._stop.wait(0.05)
+    fp.stop()
+    for sample in fp.samples:
+        assert len(sample) == 7 and sample[2] >= 0 and sample[4] >= 0
+        assert all(isinstance(x, (int, float)) for x in sample)
