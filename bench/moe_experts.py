@@ -138,7 +138,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def measure(tokens: int, args, cuda: bool) -> List[dict]:
     from finetune.model.moe import Experts
 
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.bfloat16)
+    device, dtype = "cuda" if cuda else "cpu", torch.bfloat16  # (the dtype the config trains in, on the CPU too)
     dim, width, n_experts = (64, 32, 8) if args.toy else (DIM, WIDTH, EXPERTS)
     top_k = 2 if args.toy else TOP_K
     g = torch.Generator().manual_seed(0)
@@ -148,8 +148,13 @@ def measure(tokens: int, args, cuda: bool) -> List[dict]:
     experts.path = "grouped_mm"
     x = (torch.randn(routed, dim, generator=g) * 0.5).to(device=device, dtype=dtype).requires_grad_()
     grad = (torch.randn(routed, dim, generator=g) * 1e-3).to(device=device, dtype=dtype)
-    fp8 = fp8_experts(fp8_grouped_mm_emulated() if args.toy else fp8_grouped_mm_torchao())
-    runs = {"bf16": lambda inp: experts(inp, counts), "fp8_rowwise": lambda inp: fp8(experts, inp, counts)}
+
+    def make(path: str) -> Callable:
+        if path == "bf16":
+            return lambda inp: experts(inp, counts)
+        fp8 = fp8_experts(fp8_grouped_mm_emulated() if args.toy else fp8_grouped_mm_torchao())
+        return lambda inp: fp8(experts, inp, counts)
+
     reference = None
     records = []
     for path in args.paths:
@@ -158,7 +163,8 @@ def measure(tokens: int, args, cuda: bool) -> List[dict]:
             for p in experts.parameters():
                 p.grad = None
             x.grad = None
-            out = runs[path](x)
+            run = make(path)  # (torchao's prototype is imported here: a failed import is this row's error)
+            out = run(x)
             out.backward(grad)
             got = (out.detach(), experts.gate_up_proj.grad.detach().clone(), x.grad.detach().clone())
             if path == "bf16":
@@ -167,7 +173,7 @@ def measure(tokens: int, args, cuda: bool) -> List[dict]:
                 record["out_rel_err"] = round(rel_err(got[0], reference[0]), 5)
                 record["gate_up_grad_rel_err"] = round(rel_err(got[1], reference[1]), 5)
                 record["input_grad_rel_err"] = round(rel_err(got[2], reference[2]), 5)
-            ms = time_path(runs[path], x, grad, experts, args.steps, args.warmup, cuda)
+            ms = time_path(run, x, grad, experts, args.steps, args.warmup, cuda)
             record["ms"] = round(ms, 3)
             record["tflops"] = round(18 * routed * dim * width / (ms / 1e3) / 1e12, 1)
         except Exception as e:  # a path that fails is a row, not a crash (torchao's prototype, a kernel's limits)

@@ -39,3 +39,18 @@ def test_fp8_and_bf16_paths_agree_within_fp8s_rounding(tmp_path):
         # e4m3's 3 mantissa bits: a few percent; a wrong layout or scale axis would be of the order of 1
         assert r["emulated"] and 0 < r["out_rel_err"] < 0.1 and 0 < r["gate_up_grad_rel_err"] < 0.1
         assert 0 < r["input_grad_rel_err"] < 0.1 and r["vs_bf16"] > 0
+
+
+def test_a_path_that_fails_is_a_row_with_its_error(tmp_path, monkeypatch):
+    """torchao's float8 grouped GEMM is a prototype: where it cannot be imported or run, the row says why and the
+    bf16 row stands."""
+
+    def broken():
+        raise ImportError("no float8 grouped GEMM here")
+
+    monkeypatch.setattr(moe_experts, "fp8_grouped_mm_emulated", broken)
+    out = tmp_path / "experts.json"
+    argv = ["--toy", "--tokens", "32", "--steps", "1", "--warmup", "0", "--out", str(out), "--allow-dirty"]
+    bf16, fp8 = moe_experts.main(argv)
+    assert bf16["ms"] > 0 and "error" not in bf16
+    assert fp8["error"] == "ImportError: no float8 grouped GEMM here" and "ms" not in fp8
