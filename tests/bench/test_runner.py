@@ -1,6 +1,7 @@
 """bench/_runner.py's footprint: which samples are the training's and which the saves'."""
 
 import sys
+import time
 
 from conftest import REPO_ROOT
 
@@ -35,7 +36,7 @@ def test_each_sample_holds_the_kernels_parts_of_the_drop_and_memtotals_change():
     descriptors out of MemAvailable)."""
     fp = runner.Footprint(every=0.05)
     while len(fp.samples) < 2:
-        fp._stop.wait(0.05)
+        time.sleep(0.05)
     fp.stop()
     for sample in fp.samples:
         assert len(sample) == 7 and sample[2] >= 0 and sample[4] >= 0
