@@ -21,7 +21,9 @@ the model's real config.json written tensor by tensor on the GPU (``python -m fi
 
 ``--set KEY=VALUE`` overrides our config in our rows (each row records its ``overrides``): a setting to try, such as
 ``stream_optimizer_states=False`` where a reduced depth's states fit the GPU, or a larger ``--batch-size`` (both
-rows): a speed figure of that setting, not of the shipped config.
+rows): a speed figure of that setting, not of the shipped config. ``--anchor-batch-size`` gives the anchor its own:
+each side at the batch it fits at that depth (the anchor's 8 bytes a parameter leave it less room for a step's
+tokens than ours), so ``vs_anchor`` then says what the memory buys; each row records its ``batch_size``.
 
 Per row: ``tok_s`` (median trained tokens/s of the steps after ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``
 (torch's allocator), ``gpu_mib_peak`` (nvidia-smi, the CUDA context included) and ``host_gb_peak`` (MemAvailable's
@@ -70,7 +72,7 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
     if row == "anchor":
         return [
             sys.executable, str(Path(__file__).resolve()), "--anchor-run", str(folder), "--anchor-out", str(out),
-            "--data-dir", args.data_dir, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+            "--data-dir", args.data_dir, "--steps", str(args.steps), "--batch-size", str(batch_size(row, args)),
             "--seq-len", str(args.seq_len), *(["--toy"] if args.toy else []),
         ]  # fmt: skip
     return harness.recipe_command(
@@ -92,6 +94,11 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
     )
 
 
+def batch_size(row: str, args) -> int:
+    """The rows a step of ``row``: the anchor's own where --anchor-batch-size gives one."""
+    return args.anchor_batch_size if row == "anchor" and args.anchor_batch_size else args.batch_size
+
+
 def depth_of(row: str, args) -> int:
     return args.full_depth if row == "ours_full" else args.depth
 
@@ -101,6 +108,7 @@ def run_row(row: str, args) -> dict:
     depth = depth_of(row, args)
     folder = Path(args.work_dir) / f"folder_{depth}_layers"
     record = {"name": row, "kind": "anchor" if row == "anchor" else "ours", "depth": depth}
+    record["batch_size"] = batch_size(row, args)
     if not (folder / "config.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)
         made = harness.run(folder_command(folder, depth, args), Path(args.work_dir) / f"make_{depth}.log")
@@ -153,7 +161,7 @@ def finish(records: List[dict]) -> None:
 
 def table(records: List[dict]) -> str:
     rows = [
-        [r["name"], str(r["depth"])]
+        [r["name"], str(r["depth"]), str(r.get("batch_size", ""))]
         + (
             [f"error: {r['error'][:100]}", "", "", "", ""]
             if r.get("error")
@@ -167,7 +175,16 @@ def table(records: List[dict]) -> str:
         )
         for r in records
     ]
-    headers = ["row", "layers", "tokens/s", "vs anchor", "peak alloc / reserved GiB", "nvidia-smi MiB", "host GB"]
+    headers = [
+        "row",
+        "layers",
+        "rows a step",
+        "tokens/s",
+        "vs anchor",
+        "peak alloc / reserved GiB",
+        "nvidia-smi MiB",
+        "host GB",
+    ]
     return harness.table(headers, rows)
 
 
@@ -236,6 +253,9 @@ def parse_args(argv: Optional[List[str]] = None):
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per row")
     ap.add_argument("--skip-steps", type=int, default=4, help="steps left out of the median (warm-up)")
     ap.add_argument("--batch-size", type=int, default=16, help="rows a step (the config's)")
+    ap.add_argument(
+        "--anchor-batch-size", type=int, default=None, help="the anchor's rows a step (default: --batch-size)"
+    )
     ap.add_argument("--seq-len", type=int, default=512, help="tokens a row (the config's pack length)")
     ap.add_argument("--split", default="train[:4000]", help="the Alpaca records our rows pack")
     ap.add_argument(

@@ -86,3 +86,15 @@ def test_a_setting_to_try_reaches_our_rows_last_and_not_the_anchor(tmp_path):
     assert ours[-1] == "stream_optimizer_states=False"  # (after the config's and the cap's: it wins)
     anchor = moe_anchor.row_command("anchor", tmp_path / "f", tmp_path / "o", args)
     assert not any("stream_optimizer_states" in a for a in anchor)
+
+
+def test_the_anchor_can_take_its_own_batch(tmp_path):
+    """Each side at the batch it fits at a depth: --anchor-batch-size reaches the anchor's process only, and each
+    row records its rows a step."""
+    args = moe_anchor.parse_args(["--data-dir", str(DATA_DIR), "--batch-size", "64", "--anchor-batch-size", "16"])
+    anchor = moe_anchor.row_command("anchor", tmp_path / "f", tmp_path / "o", args)
+    assert anchor[anchor.index("--batch-size") + 1] == "16"
+    assert "batch_size=64" in moe_anchor.row_command("ours_depth", tmp_path / "f", tmp_path / "o", args)
+    assert [moe_anchor.batch_size(r, args) for r in moe_anchor.ROWS] == [16, 64, 64]
+    same = moe_anchor.parse_args(["--data-dir", str(DATA_DIR), "--batch-size", "32"])
+    assert [moe_anchor.batch_size(r, same) for r in moe_anchor.ROWS] == [32, 32, 32]
