@@ -12,8 +12,9 @@ for the tokens a step routes (``--tokens``: 8,192 is the config's batch of 16 x 
   weights and output gradients cast to float8 e4m3 with a scale per row, as ``fp8=rowwise`` does for the dense
   layers), the same function. Its kernel takes each expert's run of tokens at a multiple of 16 rows, so each run is
   padded with zero rows first (into a buffer of the largest size padding can reach, so the host never waits for
-  the GPU's counts) and the outputs gathered back, inside the timed step: a path in the model would pay that too. Every step casts the whole stacked weights again (0.6 GB of bf16 read per layer and pass), which is the
-  price it pays against the GEMMs' saving; more tokens a step amortise it.
+  the GPU's counts) and the outputs gathered back, inside the timed step: a path in the model would pay that too.
+  Every pass casts the whole stacked weights again (1.2 GB of bf16 read per layer), the price it pays against the
+  GEMMs' saving; more tokens a step amortise it.
 
 The tokens are routed at random (each to 8 distinct experts, so the runs are roughly even, as a trained router's
 load-balancing loss keeps them). Per path and token count: ``ms`` (median of ``--steps`` forward+backward passes timed
@@ -66,7 +67,8 @@ def padded_rows(counts: torch.Tensor, routed: int, align: int = ALIGN) -> torch.
 
 
 def fp8_grouped_mm_torchao() -> Callable:
-    """torchao's differentiable dynamic rowwise float8 grouped GEMM (A row-major [rows, K], B column-major [E, K, N])."""
+    """torchao's differentiable dynamic rowwise float8 grouped GEMM (A row-major [rows, K], B column-major
+    [E, K, N])."""
     from torchao.prototype.moe_training.conversion_utils import MoEScalingType
     from torchao.prototype.moe_training.scaled_grouped_mm import _quantize_then_scaled_grouped_mm
 

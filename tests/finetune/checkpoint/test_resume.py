@@ -1,6 +1,7 @@
 """finetune/checkpoint/resume.py: what a resume refused for its samples per step suggests instead. batch_size is per
 rank, so on another rank count the checkpoint's own batch_size would be refused again: the suggestion is the
-per-rank value that makes the checkpoint's samples per step. (The recipes' refusals: tests/recipes/test_reliability.py.)"""
+per-rank value that makes the checkpoint's samples per step. (The recipes' refusals:
+tests/recipes/test_reliability.py.)"""
 
 import pytest
 
