@@ -103,19 +103,20 @@ class Footprint:
         # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB, MemTotal's change GB)
         self.every, self.samples = every, []
         self._stop = threading.Event()
-        self._base = self._available()
-        start = host_memory.meminfo() or {}
+        start = self._meminfo()
+        self._base = start["MemAvailable"]
         self._base_shmem, self._base_total = start.get("Shmem", 0), start.get("MemTotal", 0)
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _available() -> int:
+    def _meminfo() -> dict:
+        """/proc/meminfo, read once a sample: the drop and the kernel's parts of it come from the same instant."""
         info = host_memory.meminfo()
         if info is None or "MemAvailable" not in info:
             raise RuntimeError("no MemAvailable in /proc/meminfo")
-        return info["MemAvailable"]
+        return info
 
     @staticmethod
     def _gpu_mib() -> int:
@@ -147,8 +148,8 @@ class Footprint:
     def _loop(self) -> None:
         while not self._stop.is_set():
             t = time.monotonic() - self._start
-            info = host_memory.meminfo() or {}
-            taken = (self._base - self._available()) / 1e9
+            info = self._meminfo()
+            taken = (self._base - info["MemAvailable"]) / 1e9
             dirty = round((info.get("Dirty", 0) + info.get("Writeback", 0)) / 1e9, 2)
             shmem = round((info.get("Shmem", 0) - self._base_shmem) / 1e9, 2)
             total = round((info.get("MemTotal", 0) - self._base_total) / 1e9, 2)
