@@ -95,15 +95,17 @@ class Footprint:
     worker processes (GB: part of the host drop, which a machine with fewer cores pays less of), and two parts of the
     drop that are the kernel's rather than the run's own: file pages not yet written out (Dirty and Writeback, GB:
     a checkpoint on its way to the disk) and shared memory's change from the start (Shmem, GB: files in /dev/shm);
-    last, MemTotal's change from the start (GB): a virtual machine whose memory grows as it is used (the device
-    machines) gives the kernel more pages mid-run, and their descriptors (64 bytes per 4 KiB page) come out of
-    MemAvailable, a cost a desktop's fixed memory does not have."""
+    last, MemTotal's change from the start (GB): a virtual machine whose memory grew mid-run would pay for the new
+    pages' descriptors out of MemAvailable, a cost a desktop's fixed memory does not have (the device machines' did
+    not change in the rows that recorded it). Each sample's whole /proc/meminfo is kept (``infos``) so that
+    ``peaks`` can say which of the kernel's fields moved at each peak: the drop's part that is not the run's own."""
 
     def __init__(self, every: float = 0.5):
         # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB, MemTotal's change GB)
-        self.every, self.samples = every, []
+        self.every, self.samples, self.infos = every, [], []
         self._stop = threading.Event()
         start = self._meminfo()
+        self._start_info = start
         self._base = start["MemAvailable"]
         self._base_shmem, self._base_total = start.get("Shmem", 0), start.get("MemTotal", 0)
         self._start = time.monotonic()
@@ -154,6 +156,7 @@ class Footprint:
             shmem = round((info.get("Shmem", 0) - self._base_shmem) / 1e9, 2)
             total = round((info.get("MemTotal", 0) - self._base_total) / 1e9, 2)
             self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb(), dirty, shmem, total))
+            self.infos.append(info)
             self._stop.wait(self.every)
 
     def stop(self) -> None:
@@ -173,13 +176,31 @@ class Footprint:
 
         saving = [s for s in self.samples if within(s[0])]
         training = [s for s in self.samples if not within(s[0])]
+        before_saves = [s for s in training if not spans or s[0] < spans[0][0]]
         return {
             "host_gb_peak": peak(self.samples, 1),
             "host_gb_peak_training": peak(training, 1),
             "host_gb_peak_saving": peak(saving, 1) if saving else None,
             "gpu_mib_peak": int(peak(self.samples, 2)),
             "compile_workers_gb_peak": peak(self.samples, 3),
+            "meminfo_change_gb": {
+                name: self.meminfo_change(max(rows, key=lambda r: r[1]))
+                for name, rows in (
+                    ("training_peak", training),
+                    ("training_peak_before_saves", before_saves),
+                    ("saving_peak", saving),
+                )
+                if rows and len(self.infos) == len(self.samples)
+            },
         }
+
+    def meminfo_change(self, sample: tuple, at_least: float = 0.01) -> dict:
+        """The /proc/meminfo fields that moved by ``at_least`` GB or more from the start to ``sample`` (GB, signed,
+        the sample's time beside them): where a peak's drop went (the run's anonymous and shared pages, page cache,
+        slab, page tables, ...)."""
+        info = self.infos[self.samples.index(sample)]
+        change = {k: (v - self._start_info.get(k, 0)) / 1e9 for k, v in info.items()}
+        return {"t": sample[0], **{k: round(v, 2) for k, v in change.items() if abs(v) >= at_least}}
 
 
 # -- the results file -----------------------------------------------------------------------------------------------

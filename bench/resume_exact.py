@@ -5,7 +5,7 @@ it continues.
         --variant base --variant static:TORCH_DYNAMO_AUTOMATIC_DYNAMIC_SHAPES=0 \\
         --variant sync:async_checkpoint=False --repeat 2 --parallel 4 --out outputs/bench/resume_exact.json
 
-bench/configs_check.py checks a config's resume once (``resumed_first_step_exact``), beside its other checks; where
+bench/configs_check.py checks a config's resume once (``resumed_first_step_equal``), beside its other checks; where
 that fails, this tells the causes apart. Per sample of a variant:
 
 1. run A: the config with a save at ``--save-at`` N (the config's save mode unless the variant sets

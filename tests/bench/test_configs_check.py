@@ -10,6 +10,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,6 +110,7 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     row = check_toy(tmp_path, "--save-every", "2", "--eval-limit", "2", "--eval-set", "batch_size=2")
     assert row["passed"], row.get("error") or row.get("resume_error") or row["checks"]
     assert row["resumed_losses"] == row["losses"][2:] and len(row["tok_s_per_step"]) == 3
+    assert row["checks"]["resumed_first_step_equal"] and row["resumed_first_step_ulps"] == 0.0  # (the CPU: exact)
     assert len(row["gc_ms_per_step"]) == 3 and all(ms is not None and ms >= 0 for ms in row["gc_ms_per_step"])
     assert row["compiled_graphs_per_step"] == [None] * 3 and row["resumed_compiled_graphs"] == [None]  # (compile=False)
     assert row["resumed_peak_rss_gib"] > 0  # (its load's peak: the resume's footprint a desktop must have)
@@ -124,6 +126,9 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     # each sample: seconds, host GB taken, GPU MiB, compile workers GB, the kernel's dirty pages, shared memory and
     # MemTotal's change; the run's own memory beside it on the same clock, half a second apart or more
     assert all(len(sample) == 7 and sample[4] >= 0 for sample in row["series"])
+    # where each peak's drop went: /proc/meminfo's fields that moved, at the training peak and the saving peak
+    assert {"training_peak", "saving_peak"} <= set(row["meminfo_change_gb"])
+    assert all("t" in change for change in row["meminfo_change_gb"].values())
     own = row["own_series"]
     assert len(own) > 2 and all(b[0] - a[0] >= 0.5 for a, b in zip(own, own[1:]))
     assert 0.1 < max(s[1] for s in own) <= row["own_gib_peak"] and own[-1][2] > 0  # (its libraries, mapped)
@@ -136,6 +141,21 @@ def test_a_config_is_checked_end_to_end_on_a_toy_folder(tmp_path):
     assert {"finetune/checkpoint/checkpointer.py", "finetune/model/loss.py", "optimizers/adamw4bit.py"} <= imported
     assert "finetune/model/moe.py" not in imported and all((REPO_ROOT / f).is_file() for f in imported)
     assert [f for f in imported if f.startswith("finetune/streaming/")] == ["finetune/streaming/__init__.py"]
+
+
+def test_a_resumes_first_loss_may_sit_a_float32_step_from_the_run_it_continues_and_no_further():
+    """The first resumed loss is one forward of the restored weights; cut-cross-entropy sums a row's vocabulary blocks
+    in the order they take a lock, so the same forward can land a float32 step away (Mistral's 16 GB FP8 row: 2**-20
+    at a loss of 9.6). A resume that restored something else is hundreds of steps off; a missing loss is not equal."""
+    run = [9.6187162399292, 9.263671875]
+    assert configs_check.float32_steps(9.618717193603516, run[0]) == 1.0
+    assert configs_check.first_step_equal([9.618717193603516, 9.263258934020996], run)
+    assert configs_check.first_step_equal(run, run) and configs_check.float32_steps(run[0], run[0]) == 0.0
+    three_steps_off = float(np.nextafter(np.nextafter(np.nextafter(np.float32(run[0]), 99), 99), 99))
+    assert configs_check.float32_steps(three_steps_off, run[0]) == 3.0
+    assert not configs_check.first_step_equal([three_steps_off], run)
+    assert not configs_check.first_step_equal([run[0] * (1 + 1e-5)], run)  # (~100 steps: a resume gone wrong)
+    assert not configs_check.first_step_equal([], run) and not configs_check.first_step_equal(run, [])
 
 
 def test_speed_only_runs_the_steps_without_a_save_and_never_passes(tmp_path, monkeypatch):

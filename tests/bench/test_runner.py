@@ -41,3 +41,30 @@ def test_each_sample_holds_the_kernels_parts_of_the_drop_and_memtotals_change():
     for sample in fp.samples:
         assert len(sample) == 7 and sample[2] >= 0 and sample[4] >= 0
         assert all(isinstance(x, (int, float)) for x in sample)
+
+
+def test_each_peak_names_the_meminfo_fields_that_moved_from_the_start():
+    """Where a peak's drop went: the fields of /proc/meminfo at the training peak (before the first save and over the
+    whole run) and at the saving peak, as changes from the start in GB; fields that moved less than 0.01 GB left out."""
+    fp = runner.Footprint(every=60)
+    fp.stop()
+    gb = 10**9
+    fp._start_info = {"MemAvailable": 50 * gb, "Cached": 2 * gb, "Slab": gb, "AnonPages": gb}
+    fp.samples = [
+        (t, gb_taken, 0, 0.0, 0.0, 0.0, 0.0) for t, gb_taken in ((0.0, 0.0), (4.0, 3.0), (6.0, 9.0), (8.0, 4.0))
+    ]
+    fp.infos = [
+        dict(fp._start_info),
+        {"MemAvailable": 47 * gb, "Cached": 2 * gb, "Slab": gb, "AnonPages": 4 * gb},
+        {"MemAvailable": 41 * gb, "Cached": 8 * gb, "Slab": 2 * gb, "AnonPages": 4 * gb},
+        {"MemAvailable": 46 * gb, "Cached": 2 * gb, "Slab": gb + 5 * 10**6, "AnonPages": 5 * gb},
+    ]
+    change = fp.peaks([(5.0, 7.0)])["meminfo_change_gb"]
+    assert change["saving_peak"] == {"t": 6.0, "MemAvailable": -9.0, "Cached": 6.0, "Slab": 1.0, "AnonPages": 3.0}
+    assert change["training_peak"] == {"t": 8.0, "MemAvailable": -4.0, "AnonPages": 4.0}  # (Slab's 5 MB left out)
+    assert change["training_peak_before_saves"] == {"t": 4.0, "MemAvailable": -3.0, "AnonPages": 3.0}
+    real = runner.Footprint(every=0.05)
+    while len(real.samples) < 2:
+        time.sleep(0.05)
+    real.stop()
+    assert set(real.peaks([])["meminfo_change_gb"]) == {"training_peak", "training_peak_before_saves"}
