@@ -29,7 +29,8 @@ configs run as on a card of their class, ``device_memory_limit_gib`` at bench/_h
    the ``resumed_`` pair, sampled from /proc: bench/_harness.py's Run), which tell a memory need from pages the
    kernel can drop; the first run's over time too (``own_series``: seconds, own GiB, mapped GiB), on the clock of
    ``series``, whose samples end with MemTotal's change: set beside the drop, they tell the run's share of it from
-   the kernel's and the machine's.
+   the kernel's and the machine's; and at the training and saving peaks, the /proc/meminfo fields that moved
+   (``meminfo_change_gb``): where the part of the drop that is not the run's own went.
 
 A row passes when all of that holds; ``limits`` (the class's card, --gpu-limit-mib/--host-limit-gb) are recorded
 beside the figures and a footprint over them fails the row. The checkpoint folders are deleted after each config
