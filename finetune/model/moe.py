@@ -21,6 +21,8 @@ grouped GEMM per projection. The tokens are sorted by expert, so each expert's t
 
 Both compute the same function (tests/finetune/model/test_moe.py holds them equal, forward and backward; the GPU-marked
 test there does it on the CUDA kernel). ``Experts.path`` forces one (``"grouped_mm"``, ``"loop"``; ``"auto"``).
+The reorderings around them (the tokens' copies into expert order and the outputs back) are gathers whose backward
+is a gather too (``_Dispatch``, ``_Permute``), not torch's index_put with its sort and accumulation.
 
 An expert that receives no token in a step gets a zero gradient slice (its rows of the stacked tensors took no part),
 not "no gradient": every AdamW variant then decays its moments and moves it by the decayed momentum, as torch's AdamW
@@ -57,6 +59,43 @@ def grouped_mm_suits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor)
         and gate_up.shape[-1] % 8 == 0
         and down.shape[-1] % 8 == 0
     )
+
+
+class _Dispatch(torch.autograd.Function):
+    """The tokens' routed copies in expert order, ``x[order // top_k]``, with a backward that gathers.
+
+    torch's backward of an indexing is index_put with accumulation: a sort of the indices and a sum of duplicates, on
+    ``top_k`` times the tokens, every sparse layer. Here the index's shape is known: copy ``order[p]`` of token
+    ``order[p] // top_k`` sits at ``p``, so a token's gradient is its ``top_k`` copies' gradients, gathered back to
+    token-major order (``position``, the inverse of ``order``) and summed: a gather and a sum (accumulated in fp32 by
+    torch's sum for bf16), deterministic, no sort."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, position: torch.Tensor, top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(position)
+        ctx.top_k = top_k
+        return x[order // top_k]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (position,) = ctx.saved_tensors
+        summed = grad[position].view(position.numel() // ctx.top_k, ctx.top_k, grad.shape[-1]).sum(dim=1)
+        return summed, None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``rows[index]`` for an ``index`` that is a permutation (each row read once), whose backward is the gather by
+    the ``inverse`` permutation rather than index_put's sort and accumulation."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
 
 
 class Experts(nn.Module):
@@ -128,10 +167,12 @@ class SparseMoe(nn.Module):
         if self.record:  # (tensors only: under compile nothing symbolic leaves the layer)
             self.routed = (counts, probs.sum(dim=0))
         order = chosen.argsort(stable=True)  # the copies sorted by expert
-        y = self.experts(x[order // self.top_k], counts)
+        position = torch.empty_like(order)  # where each copy (token-major) sits in that order: order's inverse
+        position[order] = torch.arange(order.numel(), device=order.device)
+        y = self.experts(_Dispatch.apply(x, order, position, self.top_k), counts)
         # back to token-major order, then each token's k outputs summed with its weights (one small GEMM per token,
         # accumulated in fp32 inside it: deterministic, unlike an atomic index_add)
-        y = y[order.argsort()].view(tokens, self.top_k, shape[-1])
+        y = _Permute.apply(y, position, order).view(tokens, self.top_k, shape[-1])
         out = torch.bmm(weights.to(y.dtype).unsqueeze(1), y)
         return out.view(shape)
 

@@ -51,6 +51,31 @@ def test_both_expert_paths_compute_the_same(norm):
     assert set(loop[2]) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
 
 
+def test_dispatch_and_combine_have_indexings_gradients_without_its_sort():
+    """The block's two reorderings, the routed copies in expert order and back to token-major order, compute what
+    indexing computes, forward and backward: the combine (a permutation) exactly, the dispatch (each token read
+    top_k times: its copies' gradients summed) within fp32 rounding of index_put's sum in another order."""
+    tokens, top_k, dim = 13, 3, 8
+    gen = torch.Generator().manual_seed(3)
+    chosen = torch.randint(0, 5, (tokens * top_k,), generator=gen)
+    order = chosen.argsort(stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel())
+    assert torch.equal(position, order.argsort())
+    x = torch.randn(tokens, dim, generator=gen, requires_grad=True)
+    grad = torch.randn(tokens * top_k, dim, generator=gen)
+    ours = moe._Dispatch.apply(x, order, position, top_k)
+    (ours_grad,) = torch.autograd.grad(ours, x, grad)
+    plain = x[order // top_k]
+    (plain_grad,) = torch.autograd.grad(plain, x, grad)
+    assert torch.equal(ours, plain)
+    torch.testing.assert_close(ours_grad, plain_grad, rtol=1e-6, atol=1e-6)
+    y = torch.randn(tokens * top_k, dim, generator=gen, requires_grad=True)
+    (ours_grad,) = torch.autograd.grad(moe._Permute.apply(y, position, order), y, grad)
+    (plain_grad,) = torch.autograd.grad(y[position], y, grad)
+    assert torch.equal(moe._Permute.apply(y, position, order), y[position]) and torch.equal(ours_grad, plain_grad)
+
+
 @pytest.mark.parametrize("path", ["loop", "grouped_mm"])
 def test_an_expert_without_tokens_gets_a_zero_gradient_slice(path):
     """Expert 3's router row points away from every (positive) input: it is never chosen, and its slices of the
