@@ -51,29 +51,40 @@ def test_both_expert_paths_compute_the_same(norm):
     assert set(loop[2]) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
 
 
-def test_dispatch_and_combine_have_indexings_gradients_without_its_sort():
-    """The block's two reorderings, the routed copies in expert order and back to token-major order, compute what
-    indexing computes, forward and backward: the combine (a permutation) exactly, the dispatch (each token read
-    top_k times: its copies' gradients summed) within fp32 rounding of index_put's sum in another order."""
-    tokens, top_k, dim = 13, 3, 8
+def check_reorderings(device, dtype, tokens, top_k, dim, experts, tol):
     gen = torch.Generator().manual_seed(3)
-    chosen = torch.randint(0, 5, (tokens * top_k,), generator=gen)
+    chosen = torch.randint(0, experts, (tokens * top_k,), generator=gen).to(device)
     order = chosen.argsort(stable=True)
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel())
+    position[order] = torch.arange(order.numel(), device=device)
     assert torch.equal(position, order.argsort())
-    x = torch.randn(tokens, dim, generator=gen, requires_grad=True)
-    grad = torch.randn(tokens * top_k, dim, generator=gen)
+    x = torch.randn(tokens, dim, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(tokens * top_k, dim, generator=gen).to(device, dtype)
     ours = moe._Dispatch.apply(x, order, position, top_k)
     (ours_grad,) = torch.autograd.grad(ours, x, grad)
-    plain = x[order // top_k]
-    (plain_grad,) = torch.autograd.grad(plain, x, grad)
-    assert torch.equal(ours, plain)
-    torch.testing.assert_close(ours_grad, plain_grad, rtol=1e-6, atol=1e-6)
-    y = torch.randn(tokens * top_k, dim, generator=gen, requires_grad=True)
+    assert torch.equal(ours, x[order // top_k])
+    # the gradient against indexing's computed in float64: within the dtype's rounding of the exact sum
+    exact = x.detach().double().requires_grad_()
+    (exact_grad,) = torch.autograd.grad(exact[order // top_k], exact, grad.double())
+    torch.testing.assert_close(ours_grad.double(), exact_grad, rtol=tol, atol=1e-6)
+    y = torch.randn(tokens * top_k, dim, generator=gen).to(device, dtype).requires_grad_()
     (ours_grad,) = torch.autograd.grad(moe._Permute.apply(y, position, order), y, grad)
     (plain_grad,) = torch.autograd.grad(y[position], y, grad)
     assert torch.equal(moe._Permute.apply(y, position, order), y[position]) and torch.equal(ours_grad, plain_grad)
+
+
+def test_dispatch_and_combine_have_indexings_gradients_without_its_sort():
+    """The block's two reorderings, the routed copies in expert order and back to token-major order, compute what
+    indexing computes, forward and backward: the combine (a permutation) exactly, the dispatch (each token read
+    top_k times: its copies' gradients summed) within fp32 rounding of the exact sum."""
+    check_reorderings("cpu", torch.float32, tokens=13, top_k=3, dim=8, experts=5, tol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_and_combine_have_indexings_gradients():
+    """The same on CUDA in bf16 at Qwen3-30B-A3B's routing (8 of 128 experts a token, a residual of 2048): the dispatch's
+    gradient sums a token's 8 copies in fp32 and rounds once, so it is the exact sum rounded to bf16 (half a step)."""
+    check_reorderings("cuda", torch.bfloat16, tokens=512, top_k=8, dim=2048, experts=128, tol=2**-8)
 
 
 @pytest.mark.parametrize("path", ["loop", "grouped_mm"])
