@@ -354,8 +354,9 @@ def test_loss_parity_width2048_smoke(tmp_path):
     import loss_parity_width2048
 
     out = tmp_path / "w.json"
-    argv = "--device cpu --width 128 --layers 1 --seq-len 64 --batch 2 --steps 3 --pretrain-steps 2 --pretrain-batch 2"
-    argv += " --heldout 8 --train-records 32 --variants ours16,ours4_fp8 --arch qwen3"
+    # (short rows and few held-out records: torch's float8 matmul on the CPU takes seconds a call)
+    argv = "--device cpu --width 128 --layers 1 --seq-len 32 --batch 1 --steps 3 --pretrain-steps 2 --pretrain-batch 2"
+    argv += " --heldout 4 --train-records 32 --variants ours16,ours4_fp8 --arch qwen3"
     status = loss_parity_width2048.main(
         [*argv.split(), "--data-dir", str(DATA_DIR), "--out", str(out), "--allow-dirty"]
     )

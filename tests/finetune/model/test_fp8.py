@@ -184,7 +184,7 @@ def test_biases_qk_norms_and_tied_embeddings_train_under_fp8(key, width, convert
     if key == "qwen2_5_3b":
         assert layer.attn.q_proj.bias is params["layers.0.attn.q_proj.bias"]
         assert model.output.tied_module is model.tok_embeddings
-    tokens = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))  # (FP8 on the CPU is slow)
     losses = []
     for m in (plain, model):
         logits = m(tokens)
