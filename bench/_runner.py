@@ -104,10 +104,7 @@ class Footprint:
         # (seconds, host GB taken, GPU MiB, compile workers GB, dirty GB, shared memory GB, MemTotal's change GB)
         self.every, self.samples, self.infos = every, [], []
         self._stop = threading.Event()
-        start = self._meminfo()
-        self._start_info = start
-        self._base = start["MemAvailable"]
-        self._base_shmem, self._base_total = start.get("Shmem", 0), start.get("MemTotal", 0)
+        self._start_info = self._meminfo()
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -151,10 +148,9 @@ class Footprint:
         while not self._stop.is_set():
             t = time.monotonic() - self._start
             info = self._meminfo()
-            taken = (self._base - info["MemAvailable"]) / 1e9
+            taken = (self._start_info["MemAvailable"] - info["MemAvailable"]) / 1e9
             dirty = round((info.get("Dirty", 0) + info.get("Writeback", 0)) / 1e9, 2)
-            shmem = round((info.get("Shmem", 0) - self._base_shmem) / 1e9, 2)
-            total = round((info.get("MemTotal", 0) - self._base_total) / 1e9, 2)
+            shmem, total = round(self._since_start(info, "Shmem"), 2), round(self._since_start(info, "MemTotal"), 2)
             self.samples.append((round(t, 1), taken, self._gpu_mib(), self._compile_workers_gb(), dirty, shmem, total))
             self.infos.append(info)
             self._stop.wait(self.every)
@@ -194,12 +190,16 @@ class Footprint:
             },
         }
 
+    def _since_start(self, info: dict, field: str) -> float:
+        """A /proc/meminfo field's change from the start (GB, signed)."""
+        return (info.get(field, 0) - self._start_info.get(field, 0)) / 1e9
+
     def meminfo_change(self, sample: tuple, at_least: float = 0.01) -> dict:
         """The /proc/meminfo fields that moved by ``at_least`` GB or more from the start to ``sample`` (GB, signed,
         the sample's time beside them): where a peak's drop went (the run's anonymous and shared pages, page cache,
         slab, page tables, ...)."""
         info = self.infos[self.samples.index(sample)]
-        change = {k: (v - self._start_info.get(k, 0)) / 1e9 for k, v in info.items()}
+        change = {k: self._since_start(info, k) for k in info}
         return {"t": sample[0], **{k: round(v, 2) for k, v in change.items() if abs(v) >= at_least}}
 
 
