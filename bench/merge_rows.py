@@ -29,7 +29,7 @@ from typing import List, Optional
 import _harness as harness
 
 RESULTS = harness.REPO_ROOT / "bench" / "results"
-PROVENANCE = ("command", "hardware", "versions", "date", "code")
+PROVENANCE = ("command", "hardware", "versions", "code")  # (a new file's date is its calls', added as merged)
 
 
 def gpu_of(hardware: str) -> Optional[str]:
@@ -122,7 +122,6 @@ def main(argv: Optional[List[str]] = None) -> None:
             "weights": new.get("weights", "random values"),
             "rows": [],
         }
-        doc.pop("date", None)
     lines = merge(new, doc, args.call, args.note)
     harness.write_json(into, doc)
     for line in lines:
