@@ -37,8 +37,9 @@ beside the figures and a footprint over them fails the row. The checkpoint folde
 (a 7B run writes ~20 GB a checkpoint). Each recipe is run as a file with ``python`` (the GPU machine has no `tune`).
 
 ``--folders DIR`` makes each model's random-valued folder when no ``--checkpoint`` names it, and ``--budget-s``
-starts only the configs that should end in time, printing the rest as the next call's ``--configs``
-(docs/benchmarks.md, "Every shipped config, end to end").
+starts only the configs that should end in time, printing the rest as the next call's ``--configs``; a row whose
+checkpoints would not fit where they go is refused before it runs (``disk_shortfall``; docs/benchmarks.md, "Every
+shipped config, end to end").
 
 Each row names the repository files its runs imported (``imported``: the recipes and every module of finetune/,
 optimizers/ and eval/ that the run, the resume or the eval loaded, from Python's ``PYTHONPROFILEIMPORTTIME`` lines in
@@ -57,6 +58,7 @@ import json
 import re
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -103,6 +105,12 @@ ROW_SECONDS_3B = {"12gb": 155, "24gb": 145, "80gb": 190}
 FOLDER_SECONDS = 60
 MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
 BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
+# What a checkpoint's optimizer state takes on disk beside its weights, by the optimizer's class name (its last part):
+# both AdamW moments at a byte (8-bit, FP8) or half a byte (4-bit) an element plus their block scales (Qwen2.5 3B's
+# 4-bit checkpoint: 6.2 GB of weights, 3.3 of states), else in the weights' own dtype (torch's AdamW: twice the weights).
+STATE_PER_WEIGHT_BYTE = {"AdamW4bit": 0.55, "AdamW8bit": 1.05, "AdamWFp8": 1.05}
+STATE_PER_WEIGHT_BYTE_DEFAULT = 2.0
+DISK_MARGIN = 1.05  # (recipe_state.pt's other entries, the tokenizer's files, a filesystem's own blocks)
 SAVE_FIGURES = ("checkpoint_blocked_s", "checkpoint_staged_gpu_gib", "checkpoint_staged_host_gib", "host_pinned_gib")
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
@@ -475,6 +483,59 @@ def eval_fits_beside(cls: Optional[str], folder: str) -> bool:
     return harness.CLASS_GIB.get(cls or "80gb", 78) + fp32_gib + EVAL_WORK_GIB <= int(out[0]) / 1024
 
 
+def _setting(settings: dict, args, key: str):
+    """A config's top-level value as this call runs it: its last --set (``key=`` or ``key._component_=``), else the
+    file's (a component's ``_component_``)."""
+    for o in reversed(args.set):
+        name, _, value = o.partition("=")
+        if name in (key, f"{key}._component_"):
+            return value
+    value = settings.get(key)
+    return value.get("_component_") if isinstance(value, dict) else value
+
+
+def checkpoint_gb(config: str, args) -> float:
+    """About what one checkpoint of the config's run takes on disk (GB): the folder's weights (their element count,
+    from the safetensors headers) in the config's dtype, and the optimizer state beside them (STATE_PER_WEIGHT_BYTE)."""
+    elements = 0
+    for f in Path(args.resolved[config]).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        elements += sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
+    weights = elements * (4 if str(_setting(settings, args, "dtype")) in ("fp32", "float32") else 2)
+    optimizer = str(_setting(settings, args, "optimizer") or "").rsplit(".", 1)[-1]
+    return weights * (1 + STATE_PER_WEIGHT_BYTE.get(optimizer, STATE_PER_WEIGHT_BYTE_DEFAULT)) / 1e9
+
+
+def disk_shortfall(config: str, args) -> Optional[str]:
+    """Why the row's checkpoints would not fit where they go, or None: the first run's step and epoch saves in
+    --work-dir and the resume's epoch save in --resume-dir (all three where the two share a filesystem), each
+    checkpoint_gb, against the free space there. A row that would fill the disk at its epoch save spends minutes of
+    the device call and fails; Llama2-7B's 80 GB config with torch's AdamW writes 40 GB a checkpoint."""
+    one = checkpoint_gb(config, args)
+    need: Dict[int, list] = {}  # filesystem -> [a folder on it, GB, what goes there]
+    for folder, saves, what in (
+        (args.work_dir, 2, "the run's step and epoch saves"),
+        (args.resume_dir, 1, "the resume's epoch save"),
+    ):
+        where = Path(folder or args.work_dir).absolute()
+        while not where.exists():
+            where = where.parent
+        entry = need.setdefault(where.stat().st_dev, [where, 0.0, []])
+        entry[1] += saves * one
+        entry[2].append(what)
+    for where, gb, what in need.values():
+        free = shutil.disk_usage(where).free / 1e9
+        if gb * DISK_MARGIN > free:
+            return (
+                f"{' and '.join(what)} take about {gb:.0f} GB ({one:.1f} GB a checkpoint) and {where} has {free:.0f} GB "
+                "free: give --work-dir or --resume-dir on a filesystem with room (on the GPU machine /dev/shm holds what "
+                "its disk does not)"
+            )
+    return None
+
+
 def transformers_loads(folder: Path) -> bool:
     """In a process of its own (its memory is not the run's): transformers loads the folder, and every tensor the
     file holds equals the model's, bit for bit."""
@@ -645,6 +706,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         folder_s, start = time.monotonic() - start, time.monotonic()
         if error:
             row = {"config": config, "class": card_class(config), "checks": {}, "error": f"folder: {error}"}
+        elif not args.speed_only and (short := disk_shortfall(config, args)):
+            row = {"config": config, "class": card_class(config), "checks": {}, "error": f"disk: {short}"}
         else:
             row = check_config(config, args)
         if doc.get("env"):  # (a row merged into another file keeps what steered it)

@@ -256,3 +256,39 @@ def test_a_folder_there_that_this_tool_did_not_make_is_neither_used_half_made_no
     error = configs_check.ensure_folder("llama3_2/3B_full_24gb", args)
     assert "exists without a config.json and this tool did not make it" in error
     assert (tmp_path / "llama3_2_3b" / "notes.txt").read_text() == "mine"
+
+
+def test_a_row_whose_checkpoints_would_not_fit_the_disk_is_refused_before_it_runs(tmp_path, monkeypatch):
+    """Each checkpoint is the folder's weights in the config's dtype plus its optimizer's state: twice the weights
+    for torch's AdamW (Llama2-7B's 80 GB config: 40 GB a save), about half for the 4-bit states; the first run's two
+    saves and the resume's one must fit where they go, or the row is refused in one line that names the fix, before
+    anything of it runs (on the GPU machine it would fail at its epoch save, minutes into the call)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "llama2"
+    folder.mkdir()
+    save_file({"a": torch.zeros(1000, 600), "b": torch.zeros(400, 1000)}, str(folder / "model.safetensors"))  # 1e6
+    argv = ["--configs", "llama2/7B_full", "--checkpoint", f"llama2={folder}", "--work-dir", str(tmp_path / "work")]
+    argv += ["--out", str(tmp_path / "check.json"), "--allow-dirty", "--set", "device=cpu"]
+    args = configs_check.parse_args(argv)
+    args.resolved["llama2/7B_full"] = args.resolved["llama2/7B_full_24gb"] = str(folder)
+    assert configs_check.checkpoint_gb("llama2/7B_full", args) == pytest.approx(1e6 * 2 * 3 / 1e9)  # (bf16; fp32 file)
+    assert configs_check.checkpoint_gb("llama2/7B_full_24gb", args) == pytest.approx(1e6 * 2 * 1.55 / 1e9)
+    args.set.append("optimizer=optimizers.AdamW8bit")
+    assert configs_check.checkpoint_gb("llama2/7B_full", args) == pytest.approx(1e6 * 2 * 2.05 / 1e9)
+    args.set.pop()
+
+    def free(gb):
+        monkeypatch.setattr(configs_check.shutil, "disk_usage", lambda _: SimpleNamespace(free=gb * 1e9))
+
+    free(0.0185)  # the three saves, 0.018 GB, and the margin: no room
+    short = configs_check.disk_shortfall("llama2/7B_full", args)
+    assert "the run's step and epoch saves and the resume's epoch save take about" in short
+    assert "--work-dir or --resume-dir" in short and str(tmp_path) in short
+    free(0.02)
+    assert configs_check.disk_shortfall("llama2/7B_full", args) is None
+    free(0.0185)
+    configs_check.main(argv)
+    (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert row["error"].startswith("disk: ") and "command" not in row and not row["checks"]
+    assert not (tmp_path / "work").exists()
