@@ -25,6 +25,11 @@ rows): a speed figure of that setting, not of the shipped config. ``--anchor-bat
 each side at the batch it fits at that depth (the anchor's 8 bytes a parameter leave it less room for a step's
 tokens than ours), so ``vs_anchor`` then says what the memory buys; each row records its ``batch_size``.
 
+``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds a row ``ours_depth+NAME``: our config at the anchor's
+depth with these overrides after --set's (``batch_size=N`` among them is the row's batch), so that one call measures
+several settings beside one anchor row, e.g. ``--variant compiled:compile=True --variant resident:compile=True,
+stream_optimizer_states=False``.
+
 Per row: ``tok_s`` (median trained tokens/s of the steps after ``--skip-steps``), ``peak_gib`` / ``peak_reserved_gib``
 (torch's allocator), ``gpu_mib_peak`` (nvidia-smi, the CUDA context included) and ``host_gb_peak`` (MemAvailable's
 drop), sampled by bench/_runner.py's Footprint; ``vs_anchor``: over the anchor row of the same depth. The
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -48,6 +54,7 @@ import _harness as harness
 import _runner as runner
 
 ROWS = ("anchor", "ours_depth", "ours_full")
+VARIANT = "ours_depth+"  # (a --variant row's name: this, then the variant's)
 CONFIG = "qwen3_moe/30B_A3B_full_80gb"
 FULL_DEPTH = 48
 # 8 layers: 5.6B parameters, 45 GB of bf16 weights, gradients and AdamW states for the anchor, with room for its
@@ -87,16 +94,27 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
         "log_every_n_steps=1",
         f"max_steps_per_epoch={args.steps}",
         f"dataset.split={args.split}",
-        f"batch_size={args.batch_size}",
+        f"batch_size={batch_size(row, args)}",
         f"tokenizer.max_seq_len={args.seq_len}",
         *(TOY_OURS if args.toy else [harness.CAP["80gb"]]),
-        *args.set,
+        *overrides(row, args),
     )
 
 
+def overrides(row: str, args) -> List[str]:
+    """Our row's overrides of the config: --set's, then a --variant row's own (its batch_size is the command's)."""
+    own = args.variants.get(row[len(VARIANT) :], []) if row.startswith(VARIANT) else []
+    return [*args.set, *(o for o in own if not o.startswith("batch_size="))]
+
+
 def batch_size(row: str, args) -> int:
-    """The rows a step of ``row``: the anchor's own where --anchor-batch-size gives one."""
-    return args.anchor_batch_size if row == "anchor" and args.anchor_batch_size else args.batch_size
+    """The rows a step of ``row``: the anchor's own where --anchor-batch-size gives one, a --variant row's where its
+    overrides give one."""
+    if row == "anchor":
+        return args.anchor_batch_size or args.batch_size
+    own = args.variants.get(row[len(VARIANT) :], []) if row.startswith(VARIANT) else []
+    given = [int(o.split("=", 1)[1]) for o in own if o.startswith("batch_size=")]
+    return given[-1] if given else args.batch_size
 
 
 def depth_of(row: str, args) -> int:
@@ -130,7 +148,7 @@ def run_row(row: str, args) -> dict:
         command=run.command,
         wall_s=run.wall_s,
         config=None if row == "anchor" else CONFIG,
-        overrides=None if row == "anchor" else args.set,
+        overrides=None if row == "anchor" else overrides(row, args),
         gpu_mib_peak=peaks["gpu_mib_peak"],
         host_gb_peak=peaks["host_gb_peak"],
     )
@@ -266,6 +284,14 @@ def parse_args(argv: Optional[List[str]] = None):
         help="an override of our config in our rows (e.g. stream_optimizer_states=False at a depth whose states fit "
         "the GPU); recorded in each row's overrides. Give such rows an --out of their own",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a row ours_depth+NAME: our config at the anchor's depth with these overrides after --set's "
+        "(batch_size=N: its rows a step); repeat for more",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds per row before it is stopped as an error")
     ap.add_argument("--work-dir", default="/tmp/moe_anchor", help="folders, runs, pack cache")
     ap.add_argument("--keep-folders", action="store_true", help="keep the random folders after their rows")
@@ -277,6 +303,24 @@ def parse_args(argv: Optional[List[str]] = None):
     harness.add_arguments(ap)
     args = ap.parse_args(argv)
     args.names = harness.pick(ap, args.rows, ROWS, "rows")
+    args.variants = {}
+    for v in args.variant:
+        name, _, settings = v.partition(":")
+        given = [o.strip() for o in settings.split(",") if o.strip()]
+        if (
+            not re.fullmatch(r"[A-Za-z0-9_]+", name)
+            or name in args.variants
+            or not given
+            or not all(re.fullmatch(r"[A-Za-z_][\w.]*=.+", o) for o in given)
+        ):
+            ap.error(
+                f"--variant {v!r}: give NAME:KEY=VALUE[,KEY=VALUE...], a name of letters, digits and _ used once, "
+                "e.g. --variant resident:stream_optimizer_states=False"
+            )
+        if any(o.startswith("batch_size=") and not o.split("=", 1)[1].isdigit() for o in given):
+            ap.error(f"--variant {v!r}: batch_size takes a whole number of rows, e.g. batch_size=64")
+        args.variants[name] = given
+    args.names += [VARIANT + name for name in args.variants]
     args.full_depth = 2 if args.toy else FULL_DEPTH
     args.depth = args.depth or (1 if args.toy else DEFAULT_DEPTH)
     if not 1 <= args.depth <= args.full_depth:
@@ -307,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     # The rows in depth order: the reduced-depth folder serves the anchor and ours, then goes before the full one.
-    order = sorted(args.names, key=lambda r: (depth_of(r, args), ROWS.index(r)))
+    order = sorted(args.names, key=lambda r: (depth_of(r, args), ROWS.index(r) if r in ROWS else len(ROWS)))
     for i, row in enumerate(order):
         depth = depth_of(row, args)
         try:

@@ -27,18 +27,28 @@ def one_thread(monkeypatch):
 
 
 def test_toy_mode_runs_the_anchor_and_ours_at_both_depths(tmp_path, one_thread):
+    """With a --variant row beside them: our config at the anchor's depth with its own overrides and batch."""
     out, work = tmp_path / "anchor.json", tmp_path / "work"
-    moe_anchor.main(["--toy", "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"])
+    argv = ["--toy", "--data-dir", str(DATA_DIR), "--work-dir", str(work), "--out", str(out), "--allow-dirty"]
+    moe_anchor.main([*argv, "--variant", "three_rows:batch_size=3,optimizer.weight_decay=0.1"])
     doc = json.loads(out.read_text())
     lead = support.command_lead(doc)
     assert doc["command"].startswith(lead + "python bench/moe_anchor.py --toy") and doc["hardware"] and doc["date"]
     rows = {r["name"]: r for r in doc["records"]}
-    assert list(rows) == ["anchor", "ours_depth", "ours_full"], rows
+    assert list(rows) == ["anchor", "ours_depth", "ours_depth+three_rows", "ours_full"], rows
     for r in rows.values():
         assert not r.get("error") and r["tok_s"] > 0 and len(r["losses"]) == 3, r
         assert r["host_gb_peak"] is not None and r["gpu_mib_peak"] == 0  # (sampled; no GPU here)
-        # the same tokens a step, give or take the packing's padding (2 rows of 128 tokens)
-        assert all(200 <= t <= 256 for t in r["tokens_per_step"]), r["tokens_per_step"]
+        # the same tokens a step, give or take the packing's padding (2 rows of 128 tokens; the variant's 3)
+        low, high = (300, 384) if r["name"].endswith("three_rows") else (200, 256)
+        assert all(low <= t <= high for t in r["tokens_per_step"]), r["tokens_per_step"]
+    variant = rows["ours_depth+three_rows"]
+    assert (
+        variant["depth"] == 1 and variant["batch_size"] == 3 and variant["overrides"] == ["optimizer.weight_decay=0.1"]
+    )
+    assert " batch_size=3 " in variant["command"] and " batch_size=2 " not in variant["command"]
+    assert variant["command"].endswith("optimizer.weight_decay=0.1")
+    assert variant["vs_anchor"] == pytest.approx(variant["tok_s"] / rows["anchor"]["tok_s"], rel=1e-2)
     anchor, ours, full = rows["anchor"], rows["ours_depth"], rows["ours_full"]
     assert (anchor["depth"], ours["depth"], full["depth"]) == (1, 1, 2)
     assert anchor["experts_path"] and "--anchor-run" in anchor["command"] and anchor["config"] is None
@@ -54,6 +64,10 @@ def test_toy_mode_runs_the_anchor_and_ours_at_both_depths(tmp_path, one_thread):
         (["--depth", "49"], "--depth 49 is not between 1 and 48 layers"),
         (["--rows", "ours,anchor"], "unknown rows ['ours']"),
         (["--steps", "4"], "--skip-steps 4 leaves none of --steps 4"),
+        (["--variant", "resident"], "--variant 'resident': give NAME:KEY=VALUE"),
+        (["--variant", "a b:compile=True"], "--variant 'a b:compile=True': give NAME:KEY=VALUE"),
+        (["--variant", "x:compile=True", "--variant", "x:compile=False"], "a name of letters, digits and _ used once"),
+        (["--variant", "big:batch_size=lots"], "batch_size takes a whole number of rows"),
     ],
 )
 def test_bad_flags_are_one_error_line(argv, named, capsys):
