@@ -105,12 +105,9 @@ ROW_SECONDS_3B = {"12gb": 155, "24gb": 145, "80gb": 190}
 FOLDER_SECONDS = 60
 MADE_MARK = ".made_by_configs_check"  # (in each folder --folders wrote: the only folders it ever removes)
 BPE_FILE = "stand_in_bpe.json"  # (under --folders: the 7-8B folders' tokenizer, trained once)
-# What a checkpoint's optimizer state takes on disk beside its weights, by the optimizer's class name (its last part):
-# both AdamW moments at a byte (8-bit, FP8) or half a byte (4-bit) an element plus their block scales (Qwen2.5 3B's
-# 4-bit checkpoint: 6.2 GB of weights, 3.3 of states), else in the weights' own dtype (torch's AdamW: twice the weights).
-STATE_PER_WEIGHT_BYTE = {"AdamW4bit": 0.55, "AdamW8bit": 1.05, "AdamWFp8": 1.05}
-STATE_PER_WEIGHT_BYTE_DEFAULT = 2.0
-DISK_MARGIN = 1.05  # (recipe_state.pt's other entries, the tokenizer's files, a filesystem's own blocks)
+# A checkpoint beyond its weights and optimizer state (recipe_state.pt's other entries, the tokenizer's files, the
+# filesystem's own blocks): Qwen2.5 3B's 4-bit checkpoint wrote 9.46 GB, its weights and states 9.45 GB by checkpoint_gb.
+DISK_MARGIN = 1.02
 SAVE_FIGURES = ("checkpoint_blocked_s", "checkpoint_staged_gpu_gib", "checkpoint_staged_host_gib", "host_pinned_gib")
 STEP_LINE = re.compile(r"\bstep (\d+) \| epoch")
 SAVED_LINE = re.compile(r"Saved checkpoint \S*/((?:step|epoch)_\d+) ")
@@ -495,17 +492,21 @@ def _setting(settings: dict, args, key: str):
 
 
 def checkpoint_gb(config: str, args) -> float:
-    """About what one checkpoint of the config's run takes on disk (GB): the folder's weights (their element count,
-    from the safetensors headers) in the config's dtype, and the optimizer state beside them (STATE_PER_WEIGHT_BYTE)."""
+    """About what one checkpoint of the config's run takes on disk (GB): per parameter of the folder (counted from
+    its safetensors headers), its weight in the config's dtype and its optimizer state: the registered bytes of our
+    variants (optimizers.VARIANTS: 4-bit AdamW 1.06 bytes, block scales included), else both moments in the weights'
+    dtype (torch's AdamW)."""
+    from optimizers import VARIANTS  # (lazy: torch, for a row that runs)
+
     elements = 0
     for f in Path(args.resolved[config]).glob("*.safetensors"):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
         elements += sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
     settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
-    weights = elements * (4 if str(_setting(settings, args, "dtype")) in ("fp32", "float32") else 2)
-    optimizer = str(_setting(settings, args, "optimizer") or "").rsplit(".", 1)[-1]
-    return weights * (1 + STATE_PER_WEIGHT_BYTE.get(optimizer, STATE_PER_WEIGHT_BYTE_DEFAULT)) / 1e9
+    weight = 4 if str(_setting(settings, args, "dtype")) in ("fp32", "float32") else 2
+    ours = [v for v in VARIANTS.values() if v.component == _setting(settings, args, "optimizer")]
+    return elements * (weight + (ours[0].bytes_per_param if ours else 2 * weight)) / 1e9
 
 
 def disk_shortfall(config: str, args) -> Optional[str]:
