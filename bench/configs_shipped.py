@@ -17,13 +17,16 @@ single-device check cannot run (``*_distributed``) are listed apart: they need a
 Rows span device calls and days, so "current" is decided by the code, not the date: a change to bench/ or docs/ keeps
 every row, a change to ``finetune/`` makes every row stale until it runs again, except where the row names the files
 its runs imported (``imported``, recorded by bench/configs_check.py): then a changed Python file that none of its runs
-loaded keeps it (the MoE blocks, for a dense config: code a process never imports cannot change what it did). Other
-changed files under those folders (not Python: a template, a .pth) make it stale as before.
+loaded keeps it (the MoE blocks, for a dense config: code a process never imports cannot change what it did). So does
+a Python file whose change is comments or layout alone (its syntax tree, docstrings included, is the commit's): a
+comment is not code, and rewording one must not cost every row a device run. Other changed files under those folders
+(not Python: a template, a .pth) make it stale as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
@@ -70,7 +73,20 @@ def changed_since(
     if imported is not None:
         loaded = set(imported)
         changed = [f for f in changed if f == own or not f.endswith(".py") or f in loaded]
-    return changed
+    return [f for f in changed if not (f.endswith(".py") and same_code(root, commit, f))]
+
+
+def same_code(root: Path, commit: str, path: str) -> bool:
+    """Whether a Python file's code at ``commit`` is the working tree's: the same syntax tree (docstrings and every
+    name, value and statement in it; not comments, blank lines, line breaks or quotes). False where either side is
+    missing or does not parse."""
+    before = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, timeout=60)
+    if before.returncode != 0 or not (root / path).is_file():
+        return False
+    try:
+        return ast.dump(ast.parse(before.stdout)) == ast.dump(ast.parse((root / path).read_text()))
+    except (SyntaxError, ValueError):
+        return False
 
 
 def same_settings(root: Path, commit: str, path: str) -> bool:

@@ -86,6 +86,34 @@ def test_a_row_that_names_its_imports_stays_current_across_python_files_its_runs
     assert entry["state"] == "stale" and entry["changed"] == ["finetune/train.py"]
 
 
+def test_a_python_files_comments_and_layout_keep_the_row_its_code_and_docstrings_do_not(repo):
+    """A comment reworded, a line broken differently, quotes swapped: the syntax tree is the commit's and the row stays
+    current (with or without its list of imports). A changed value, name or docstring makes it stale; so does a file
+    that no longer parses."""
+    train = repo / "finetune" / "train.py"
+    train.write_text('def f(a):\n    """Doubles."""\n    return a * 2  # why\n')
+    git(repo, "commit", "-qam", "code")
+    first = git(repo, "rev-parse", "HEAD")
+    row = {"config": "a/1B_full_80gb", "passed": True, "code": first, "tok_s": 100}
+    path = results(repo, row, {**row, "config": "a/1B_full_24gb", "imported": ["finetune/train.py"]})
+
+    def states():
+        table = configs_shipped.status(repo, [path])
+        return [table[c]["state"] for c in ("a/1B_full_80gb", "a/1B_full_24gb")]
+
+    train.write_text("# the module\n\ndef f(\n    a,\n):\n    'Doubles.'\n    return a * 2  # the reason, reworded\n")
+    assert states() == ["shipped", "shipped"]
+    for code in (
+        'def f(a):\n    """Doubles."""\n    return a * 3\n',  # a value
+        'def f(b):\n    """Doubles."""\n    return b * 2\n',  # a name
+        'def f(a):\n    """Twice a."""\n    return a * 2\n',  # a docstring (a manual may print it)
+        "def f(a):\n    return a *\n",  # no longer parses
+    ):
+        train.write_text(code)
+        assert states() == ["stale", "stale"], code
+        assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["changed"] == ["finetune/train.py"]
+
+
 def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_not(repo):
     first = git(repo, "rev-parse", "HEAD")
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("# measured: 100 tok/s\nname: a/1B_full_80gb  # (why)\n")
