@@ -43,8 +43,9 @@ shipped config, end to end").
 
 Each row names the repository files its runs imported (``imported``: the recipes and every module of finetune/,
 optimizers/ and eval/ that the run, the resume or the eval loaded, from Python's ``PYTHONPROFILEIMPORTTIME`` lines in
-their logs): bench/configs_shipped.py keeps a row current across changes to files its runs never loaded (the MoE
-blocks, for a dense config).
+their logs and from each process's modules at its exit, which bench/module_record/sitecustomize.py writes: the lines
+leave out a module importlib.import_module loads): bench/configs_shipped.py keeps a row current across changes to
+files its runs never loaded (the MoE blocks, for a dense config).
 
 ``--speed-only`` runs only the first run, without saves, stopped once its last step is logged, and records item 5's
 figures: to choose a setting (e.g. ``--set stream_layers=14``) by its tokens/s and footprints. Such a row is marked
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -80,6 +82,20 @@ EVAL_RECIPE = "recipes/evaluate.py"
 # same line of the log: searched for, not matched from the start.)
 IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)")
+# Those lines leave out a module that importlib.import_module loads (finetune.streaming's lazy attributes, a config's
+# _component_): the rows' runs also carry bench/module_record/ on their path, whose sitecustomize writes each
+# process's modules at its exit into the folder beside the run's log (LOG.modules/).
+MODULE_RECORD = Path(__file__).resolve().parent / "module_record"
+IMPORTED_FROM = "import-time lines and each process's modules at exit"  # (rows before it: the lines alone)
+
+
+def run_env(log: Path) -> Dict[str, str]:
+    """The environment of a row's run whose output goes to ``log``: import-time lines on, and the module record on
+    the path, writing into ``log``'s .modules folder."""
+    path = os.pathsep.join(p for p in (str(MODULE_RECORD), os.environ.get("PYTHONPATH", "")) if p)
+    return {**IMPORT_TIMES, "PYTHONPATH": path, "FINETUNE_MODULES_DIR": str(log.with_suffix(".modules"))}
+
+
 # What a card of each class holds per process, by nvidia-smi (MiB), and the host memory a run of the class may take
 # (GB): a 16 GB card has 16,376 MiB less the driver's and a display's share; the desktops that carry 12-16 GB cards
 # mostly have 32 GB of RAM, of which the system and a desktop keep some. The 24 and 32 GB classes' cards (an RTX
@@ -153,7 +169,7 @@ def recipe_run(config: str, out: Path, args, extra: List[str], log: Path, saves:
     fp = runner.Footprint()
     until = None if saves else (lambda: len(harness.read_metrics(out)) >= args.steps)
     result = harness.run(
-        cmd, log, timeout=args.timeout, until=until, on_line=lambda line, t: lines.append((t, line)), env=IMPORT_TIMES
+        cmd, log, timeout=args.timeout, until=until, on_line=lambda line, t: lines.append((t, line)), env=run_env(log)
     )
     fp.stop()
     metrics = harness.read_metrics(out)
@@ -247,6 +263,7 @@ def check_config(config: str, args) -> dict:
         row["resume_error"] = second.error()
     checks["evaluates"] = bool(row["eval"]) and 0.0 <= row["eval"].get("truthfulqa_mc2", -1) <= 1.0
     row["imported"] = imported_files([work / "run.log", work / "resumed.log", work / "eval.log"])
+    row["imported_from"] = IMPORTED_FROM
     _check_limits(row)
     row["passed"] = all(checks.values())
     _clean_up(config, work, args, again_dir)
@@ -310,9 +327,11 @@ def _speed_figures(row: dict, metrics: List[dict], config: str, args) -> None:
 
 
 def imported_files(logs: List[Path]) -> List[str]:
-    """The repository files the runs of these logs loaded: the recipes they ran as scripts, and each module of the
-    library's packages that a ``PYTHONPROFILEIMPORTTIME`` line names (its file, or its package's ``__init__.py``)."""
+    """The repository files the runs of these logs loaded: the recipes they ran as scripts, each module of the
+    library's packages that a ``PYTHONPROFILEIMPORTTIME`` line names (its file, or its package's ``__init__.py``), and
+    each such file that a process of theirs held at its exit (the module record, ``LOG.modules/``)."""
     found = {RECIPE}
+    root = harness.REPO_ROOT.resolve()
     for log in logs:
         if not log.is_file():
             continue
@@ -325,6 +344,11 @@ def imported_files(logs: List[Path]) -> List[str]:
             for path in (base.with_name(base.name + ".py"), base / "__init__.py"):
                 if path.is_file():
                     found.add(str(path.relative_to(harness.REPO_ROOT)))
+        for record in sorted(log.with_suffix(".modules").glob("*.txt")):
+            for line in record.read_text(errors="replace").splitlines():
+                path = Path(line).resolve()
+                if path.suffix == ".py" and path.is_relative_to(root) and path.relative_to(root).parts[0] in RUN_PATHS:
+                    found.add(str(path.relative_to(root)))
     return sorted(found)
 
 
@@ -558,7 +582,7 @@ def evaluate(folder: Path, args, log: Path) -> Optional[Dict[str, float]]:
     cmd = [sys.executable, EVAL_RECIPE, "--config", "configs/eval/truthfulqa_mc2.yaml", f"checkpoint_dir={folder}"]
     cmd += [f"data_dir={args.data_dir}", f"limit={args.eval_limit}", "training_run=False", f"output_dir={log.parent}"]
     cmd += args.eval_set
-    result = harness.run(cmd, log, timeout=args.timeout, env=IMPORT_TIMES)
+    result = harness.run(cmd, log, timeout=args.timeout, env=run_env(log))
     if result.error():
         return {"error": result.error()}
     found = sorted(log.parent.rglob("results*.json"))

@@ -20,7 +20,10 @@ its runs imported (``imported``, recorded by bench/configs_check.py): then a cha
 loaded keeps it (the MoE blocks, for a dense config: code a process never imports cannot change what it did). So does
 a Python file whose change is comments or layout alone (its syntax tree, docstrings included, is the commit's): a
 comment is not code, and rewording one must not cost every row a device run. Other changed files under those folders
-(not Python: a template, a .pth) make it stale as before.
+(not Python: a template, a .pth) make it stale as before. Rows recorded before bench/configs_check.py's module record
+(no ``imported_from``) name only what Python's import-time lines reported, which leave out a module that
+``importlib.import_module`` loads: of a package that loads its modules so (``finetune/streaming``: the host-room check,
+``room.py``, ran in every streamed run unreported), such a row that loaded any module counts the whole package.
 """
 
 from __future__ import annotations
@@ -89,6 +92,25 @@ def same_code(root: Path, commit: str, path: str) -> bool:
         return False
 
 
+def lazy_packages(root: Path) -> List[str]:
+    """The packages under RUN_PATHS whose ``__init__.py`` loads their modules through ``importlib.import_module``."""
+    inits = (p for d in RUN_PATHS for p in sorted((root / d).rglob("__init__.py")))
+    return [str(p.parent.relative_to(root)) for p in inits if "import_module(" in p.read_text(errors="replace")]
+
+
+def row_imports(root: Path, row: dict) -> Optional[List[str]]:
+    """The files a row's runs loaded: its ``imported`` list (None without one), and for a row recorded from the
+    import-time lines alone, every module of a lazily loading package (``lazy_packages``) of which it names one."""
+    imported = row.get("imported")
+    if imported is None or row.get("imported_from"):
+        return imported
+    found = set(imported)
+    for package in lazy_packages(root):
+        if any(f.startswith(f"{package}/") and f != f"{package}/__init__.py" for f in imported):
+            found |= {str(p.relative_to(root)) for p in (root / package).glob("*.py")}
+    return sorted(found)
+
+
 def same_settings(root: Path, commit: str, path: str) -> bool:
     """Whether a config file holds the same settings at ``commit`` as in the working tree: its comments (the header's
     measured figures, written after a row) do not change a run."""
@@ -116,7 +138,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
             continue
         entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
         for name, row in passing.get(config, []):
-            changed = changed_since(root, row["code"], config, row.get("imported")) if row.get("code") else None
+            changed = changed_since(root, row["code"], config, row_imports(root, row)) if row.get("code") else None
             state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
             entries.append(
                 {
@@ -128,7 +150,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                 }
             )
         for name, row in failing.get(config, []):  # (an old failure may be fixed)
-            if row.get("code") and changed_since(root, row["code"], config, row.get("imported")) == []:
+            if row.get("code") and changed_since(root, row["code"], config, row_imports(root, row)) == []:
                 failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
                 entries.append(
                     {

@@ -295,3 +295,25 @@ def test_a_row_whose_checkpoints_would_not_fit_the_disk_is_refused_before_it_run
     (row,) = json.loads((tmp_path / "check.json").read_text())["rows"]
     assert row["error"].startswith("disk: ") and "command" not in row and not row["checks"]
     assert not (tmp_path / "work").exists()
+
+
+def test_a_rows_files_include_a_module_importlib_loaded_which_the_import_time_lines_leave_out(tmp_path, monkeypatch):
+    """finetune.streaming loads its modules on first use through importlib.import_module, which Python's import-time
+    lines do not report: a streamed run executes finetune/streaming/room.py (the host-room check) without a line for
+    it. The module record on the run's path (bench/module_record/sitecustomize.py) names it from the process's
+    modules at exit; an environment's own sitecustomize, which the record's shadows, still runs."""
+    own = tmp_path / "own_site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text(f"open({str(tmp_path / 'own_ran')!r}, 'w').close()\n")
+    monkeypatch.setenv("PYTHONPATH", str(own))
+    log = tmp_path / "run.log"
+    code = "from finetune import streaming; streaming.check_host_room"
+    run = configs_check.harness.run([sys.executable, "-c", code], log, timeout=300, env=configs_check.run_env(log))
+    assert run.returncode == 0, log.read_text()[-2000:]
+    assert "finetune.streaming.room" not in configs_check.IMPORT_LINE.findall(log.read_text())  # (why the record)
+    imported = configs_check.imported_files([log])
+    assert "finetune/streaming/room.py" in imported and "finetune/streaming/states.py" in imported
+    assert all(
+        (REPO_ROOT / f).is_file() and f.split("/")[0] in ("finetune", "recipes", "optimizers", "eval") for f in imported
+    )
+    assert (tmp_path / "own_ran").is_file()

@@ -114,6 +114,41 @@ def test_a_python_files_comments_and_layout_keep_the_row_its_code_and_docstrings
         assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["changed"] == ["finetune/train.py"]
 
 
+def test_a_row_recorded_from_import_lines_alone_counts_a_lazily_loading_package_whole(repo):
+    """Python's import-time lines leave out a module importlib.import_module loads: a row recorded from them alone (no
+    ``imported_from``) that loaded any module of such a package (its __init__.py calls import_module) counts the
+    whole package, so a change to the module it loaded unreported makes it stale. A row of the module record, or one
+    that loaded only the package's __init__.py (a run that streams nothing), keeps its list."""
+    lazy = repo / "finetune" / "lazy"
+    lazy.mkdir()
+    (lazy / "__init__.py").write_text(
+        "import importlib\n\ndef __getattr__(n):\n    return importlib.import_module(n)\n"
+    )
+    (lazy / "used.py").write_text("x = 1\n")
+    (lazy / "unreported.py").write_text("x = 1\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "lazy")
+    first = git(repo, "rev-parse", "HEAD")
+    row = {"passed": True, "code": first, "tok_s": 100}
+    path = results(
+        repo,
+        {**row, "config": "a/1B_full_80gb", "imported": ["finetune/lazy/__init__.py", "finetune/lazy/used.py"]},
+        {**row, "config": "a/1B_full_12gb", "imported": ["finetune/lazy/__init__.py"]},
+        {
+            **row,
+            "config": "a/1B_full_24gb",
+            "imported": ["finetune/lazy/__init__.py", "finetune/lazy/used.py"],
+            "imported_from": "import-time lines and each process's modules at exit",
+        },
+    )
+    (lazy / "unreported.py").write_text("x = 2\n")
+    table = configs_shipped.status(repo, [path])
+    assert table["a/1B_full_80gb"]["state"] == "stale"
+    assert table["a/1B_full_80gb"]["changed"] == ["finetune/lazy/unreported.py"]
+    assert table["a/1B_full_12gb"]["state"] == "shipped" and table["a/1B_full_24gb"]["state"] == "shipped"
+    assert configs_shipped.lazy_packages(repo) == ["finetune/lazy"]
+
+
 def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_not(repo):
     first = git(repo, "rev-parse", "HEAD")
     (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text("# measured: 100 tok/s\nname: a/1B_full_80gb  # (why)\n")
