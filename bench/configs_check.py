@@ -56,11 +56,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -140,14 +140,21 @@ def class_card(config: str, args) -> List[str]:
     (9 GiB for a 3B model) where a 24 GB card copies it into host memory, and the footprints are not the card's.
     Nothing where --set names a cap or a device other than CUDA (the CPU tests)."""
     cls = card_class(config)
-    mine = [o for o in args.set if o.startswith("device_memory_limit_gib=")]
     elsewhere = [o for o in args.set if o.startswith("device=") and not o.startswith("device=cuda")]
-    if cls is None or mine or elsewhere:
-        return []
-    settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
-    if settings.get("device_memory_limit_gib") is not None:
+    if cls is None or elsewhere or setting(config, args, "device_memory_limit_gib") is not None:
         return []
     return [harness.CAP[cls]]
+
+
+def setting(config: str, args, key: str):
+    """A config's top-level value as this call runs it: its last --set (``key=`` or ``key._component_=``), else the
+    file's (a component's ``_component_``); None where neither sets it."""
+    for o in reversed(args.set):
+        name, _, value = o.partition("=")
+        if name in (key, f"{key}._component_"):
+            return value
+    value = (yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}).get(key)
+    return value.get("_component_") if isinstance(value, dict) else value
 
 
 def recipe_command(config: str, folder, out: Path, args, steps: int, save_every, extra: List[str]) -> List[str]:
@@ -504,32 +511,19 @@ def eval_fits_beside(cls: Optional[str], folder: str) -> bool:
     return harness.CLASS_GIB.get(cls or "80gb", 78) + fp32_gib + EVAL_WORK_GIB <= int(out[0]) / 1024
 
 
-def _setting(settings: dict, args, key: str):
-    """A config's top-level value as this call runs it: its last --set (``key=`` or ``key._component_=``), else the
-    file's (a component's ``_component_``)."""
-    for o in reversed(args.set):
-        name, _, value = o.partition("=")
-        if name in (key, f"{key}._component_"):
-            return value
-    value = settings.get(key)
-    return value.get("_component_") if isinstance(value, dict) else value
-
-
 def checkpoint_gb(config: str, args) -> float:
     """About what one checkpoint of the config's run takes on disk (GB): per parameter of the folder (counted from
-    its safetensors headers), its weight in the config's dtype and its optimizer state: the registered bytes of our
-    variants (optimizers.VARIANTS: 4-bit AdamW 1.06 bytes, block scales included), else both moments in the weights'
-    dtype (torch's AdamW)."""
-    from optimizers import VARIANTS  # (lazy: torch, for a row that runs)
+    its safetensors headers by finetune/weight_shapes.py's reader), its weight in the config's dtype and its optimizer
+    state: the registered bytes of our variants (optimizers.VARIANTS: 4-bit AdamW 1.06 bytes, block scales included),
+    else both moments in the weights' dtype (torch's AdamW)."""
+    from finetune.weight_shapes import read_shapes  # (lazy: torch, for a row that runs)
+    from optimizers import VARIANTS
 
-    elements = 0
-    for f in Path(args.resolved[config]).glob("*.safetensors"):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        elements += sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
-    settings = yaml.safe_load((harness.REPO_ROOT / "configs" / f"{config}.yaml").read_text()) or {}
-    weight = 4 if str(_setting(settings, args, "dtype")) in ("fp32", "float32") else 2
-    ours = [v for v in VARIANTS.values() if v.component == _setting(settings, args, "optimizer")]
+    folder = Path(args.resolved[config])
+    shapes = read_shapes(folder, sorted(folder.glob("*.safetensors")), fix="make the folder again (--folders)")
+    elements = sum(math.prod(shape) for shape, _ in shapes.values())
+    weight = 4 if str(setting(config, args, "dtype")) in ("fp32", "float32") else 2
+    ours = [v for v in VARIANTS.values() if v.component == setting(config, args, "optimizer")]
     return elements * (weight + (ours[0].bytes_per_param if ours else 2 * weight)) / 1e9
 
 

@@ -34,7 +34,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -83,13 +83,19 @@ def same_code(root: Path, commit: str, path: str) -> bool:
     """Whether a Python file's code at ``commit`` is the working tree's: the same syntax tree (docstrings and every
     name, value and statement in it; not comments, blank lines, line breaks or quotes). False where either side is
     missing or does not parse."""
-    before = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, timeout=60)
-    if before.returncode != 0 or not (root / path).is_file():
-        return False
+    texts = then_and_now(root, commit, path)
     try:
-        return ast.dump(ast.parse(before.stdout)) == ast.dump(ast.parse((root / path).read_text()))
+        return texts is not None and ast.dump(ast.parse(texts[0])) == ast.dump(ast.parse(texts[1]))
     except (SyntaxError, ValueError):
         return False
+
+
+def then_and_now(root: Path, commit: str, path: str) -> Optional[Tuple[str, str]]:
+    """A file's text at ``commit`` and in the working tree; None where either is missing."""
+    before = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, timeout=60)
+    if before.returncode != 0 or not (root / path).is_file():
+        return None
+    return before.stdout, (root / path).read_text()
 
 
 def lazy_packages(root: Path) -> List[str]:
@@ -98,14 +104,15 @@ def lazy_packages(root: Path) -> List[str]:
     return [str(p.parent.relative_to(root)) for p in inits if "import_module(" in p.read_text(errors="replace")]
 
 
-def row_imports(root: Path, row: dict) -> Optional[List[str]]:
+def row_imports(root: Path, row: dict, lazy: Sequence[str]) -> Optional[List[str]]:
     """The files a row's runs loaded: its ``imported`` list (None without one), and for a row recorded from the
-    import-time lines alone, every module of a lazily loading package (``lazy_packages``) of which it names one."""
+    import-time lines alone, every module of a lazily loading package (``lazy``: ``lazy_packages``) of which it
+    names one."""
     imported = row.get("imported")
     if imported is None or row.get("imported_from"):
         return imported
     found = set(imported)
-    for package in lazy_packages(root):
+    for package in lazy:
         if any(f.startswith(f"{package}/") and f != f"{package}/__init__.py" for f in imported):
             found |= {str(p.relative_to(root)) for p in (root / package).glob("*.py")}
     return sorted(found)
@@ -114,10 +121,8 @@ def row_imports(root: Path, row: dict) -> Optional[List[str]]:
 def same_settings(root: Path, commit: str, path: str) -> bool:
     """Whether a config file holds the same settings at ``commit`` as in the working tree: its comments (the header's
     measured figures, written after a row) do not change a run."""
-    before = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, text=True, timeout=60)
-    if before.returncode != 0 or not (root / path).is_file():
-        return False
-    return yaml.safe_load(before.stdout) == yaml.safe_load((root / path).read_text())
+    texts = then_and_now(root, commit, path)
+    return texts is not None and yaml.safe_load(texts[0]) == yaml.safe_load(texts[1])
 
 
 def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
@@ -131,6 +136,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
         for row in data["rows"] + data.get("failed", []):
             (passing if row.get("passed") else failing).setdefault(row["config"], []).append((path.name, row))
     rank = {"shipped": 0, "failing": 1, "stale": 2, "unknown_code": 3}
+    lazy = lazy_packages(root)
     out = {}
     for config in shipped_configs(root):
         if config.endswith("_distributed"):
@@ -138,7 +144,9 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
             continue
         entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
         for name, row in passing.get(config, []):
-            changed = changed_since(root, row["code"], config, row_imports(root, row)) if row.get("code") else None
+            changed = (
+                changed_since(root, row["code"], config, row_imports(root, row, lazy)) if row.get("code") else None
+            )
             state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
             entries.append(
                 {
@@ -150,7 +158,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                 }
             )
         for name, row in failing.get(config, []):  # (an old failure may be fixed)
-            if row.get("code") and changed_since(root, row["code"], config, row_imports(root, row)) == []:
+            if row.get("code") and changed_since(root, row["code"], config, row_imports(root, row, lazy)) == []:
                 failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
                 entries.append(
                     {

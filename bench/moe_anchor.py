@@ -101,10 +101,14 @@ def row_command(row: str, folder: Path, out: Path, args) -> List[str]:
     )
 
 
+def own_overrides(row: str, args) -> List[str]:
+    """A --variant row's own overrides as given (none for the other rows)."""
+    return args.variants.get(row[len(VARIANT) :], []) if row.startswith(VARIANT) else []
+
+
 def overrides(row: str, args) -> List[str]:
     """Our row's overrides of the config: --set's, then a --variant row's own (its batch_size is the command's)."""
-    own = args.variants.get(row[len(VARIANT) :], []) if row.startswith(VARIANT) else []
-    return [*args.set, *(o for o in own if not o.startswith("batch_size="))]
+    return [*args.set, *(o for o in own_overrides(row, args) if not o.startswith("batch_size="))]
 
 
 def batch_size(row: str, args) -> int:
@@ -112,8 +116,7 @@ def batch_size(row: str, args) -> int:
     overrides give one."""
     if row == "anchor":
         return args.anchor_batch_size or args.batch_size
-    own = args.variants.get(row[len(VARIANT) :], []) if row.startswith(VARIANT) else []
-    given = [int(o.split("=", 1)[1]) for o in own if o.startswith("batch_size=")]
+    given = [int(o.split("=", 1)[1]) for o in own_overrides(row, args) if o.startswith("batch_size=")]
     return given[-1] if given else args.batch_size
 
 
