@@ -5,7 +5,8 @@
 A config is shipped when a results file (by default each ``bench/results/configs_check_*.json``: one per GPU) has a
 passing row of it whose code is the current code: nothing a run reads changed between the row's commit (its ``code``)
 and the working tree, in the recipes, the library (``finetune/``, ``optimizers/``, ``eval/``), the eval's settings
-(``configs/eval/``) and the config's own settings (its comments, where the measured figures go, may change). A row
+(``configs/eval/``) and the config's own settings (its comments, where the measured figures go, may change, and so
+may a setting the row's command line gives, such as ``output_dir``: the run never read the file's). A row
 from older code is ``stale`` (the changed files are named: a fix in the checkpoint writer can break a save the row
 proved); a config whose row from the current code failed (in ``rows`` or the file's ``failed`` list) is
 ``failing``, the failed checks named, though an older row passed: the current code is what a user runs; a config
@@ -31,10 +32,11 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -58,11 +60,16 @@ def shipped_configs(root: Path) -> List[str]:
 
 
 def changed_since(
-    root: Path, commit: str, config: str, imported: Optional[Sequence[str]] = None
+    root: Path,
+    commit: str,
+    config: str,
+    imported: Optional[Sequence[str]] = None,
+    command: Optional[str] = None,
 ) -> Optional[List[str]]:
     """The files a run of ``config`` reads that differ between ``commit`` and the working tree; None where git does not
     know the commit (a shallow clone, a row from another repository). ``imported``: the Python files the row's runs
-    loaded, where it names them; a changed Python file outside them is left out."""
+    loaded, where it names them; a changed Python file outside them is left out. ``command``: the row's recipe
+    command, whose ``key=value`` settings replace the file's on both sides (``command_settings``)."""
     paths = RUN_PATHS + [EVAL_CONFIGS, f"configs/{config}.yaml"]
     proc = subprocess.run(
         ["git", "diff", "--name-only", commit, "--", *paths], cwd=root, capture_output=True, text=True, timeout=60
@@ -71,7 +78,7 @@ def changed_since(
         return None
     changed = proc.stdout.split()
     own = f"configs/{config}.yaml"
-    if own in changed and same_settings(root, commit, own):
+    if own in changed and same_settings(root, commit, own, command_settings(command)):
         changed.remove(own)  # (its header's figures, comments only: the run reads the same settings)
     if imported is not None:
         loaded = set(imported)
@@ -118,11 +125,42 @@ def row_imports(root: Path, row: dict, lazy: Sequence[str]) -> Optional[List[str
     return sorted(found)
 
 
-def same_settings(root: Path, commit: str, path: str) -> bool:
+def command_settings(command: Optional[str]) -> Dict[str, str]:
+    """The ``key=value`` settings of a recipe command line (``key`` dotted for a nested one), in its order: what the
+    run took from the command rather than from its config file. None or no such words: none."""
+    settings: Dict[str, str] = {}
+    for word in shlex.split(command or ""):
+        key, eq, value = word.partition("=")
+        if eq and key and not key.startswith("-") and all(part.isidentifier() for part in key.split(".")):
+            settings[key] = value
+    return settings
+
+
+def _with_settings(doc: Any, settings: Dict[str, str]) -> Any:
+    """``doc`` (a config's parsed YAML) with each of ``settings`` put in place of the file's value, as the recipe's
+    command line does (a dotted key into its section); a document that is not a mapping is left as it is."""
+    if not isinstance(doc, dict):
+        return doc
+    for key, value in settings.items():
+        *sections, name = key.split(".")
+        node = doc
+        for section in sections:
+            if not isinstance(node.get(section), dict):
+                node[section] = {}
+            node = node[section]
+        node[name] = value
+    return doc
+
+
+def same_settings(root: Path, commit: str, path: str, settings: Optional[Dict[str, str]] = None) -> bool:
     """Whether a config file holds the same settings at ``commit`` as in the working tree: its comments (the header's
-    measured figures, written after a row) do not change a run."""
+    measured figures, written after a row) do not change a run, nor does a value the row's command line gives
+    (``settings``, from ``command_settings``: the run took that one from the command, on both sides)."""
     texts = then_and_now(root, commit, path)
-    return texts is not None and yaml.safe_load(texts[0]) == yaml.safe_load(texts[1])
+    if texts is None:
+        return False
+    then, now = (_with_settings(yaml.safe_load(t), settings or {}) for t in texts)
+    return then == now
 
 
 def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
@@ -145,7 +183,9 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
         entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
         for name, row in passing.get(config, []):
             changed = (
-                changed_since(root, row["code"], config, row_imports(root, row, lazy)) if row.get("code") else None
+                changed_since(root, row["code"], config, row_imports(root, row, lazy), row.get("command"))
+                if row.get("code")
+                else None
             )
             state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
             entries.append(
@@ -158,7 +198,12 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                 }
             )
         for name, row in failing.get(config, []):  # (an old failure may be fixed)
-            if row.get("code") and changed_since(root, row["code"], config, row_imports(root, row, lazy)) == []:
+            changed = (
+                changed_since(root, row["code"], config, row_imports(root, row, lazy), row.get("command"))
+                if row.get("code")
+                else None
+            )
+            if changed == []:
                 failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
                 entries.append(
                     {

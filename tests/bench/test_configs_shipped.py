@@ -161,6 +161,29 @@ def test_a_change_to_the_configs_settings_makes_its_row_stale_its_comments_do_no
     assert entry["state"] == "stale" and entry["changed"] == ["configs/a/1B_full_80gb.yaml"]
 
 
+def test_a_setting_the_rows_command_gave_is_not_read_from_the_file_so_its_change_keeps_the_row(repo):
+    """The row's run took output_dir (and a dotted logger setting) from its command line: the file's values may
+    change; a value the command did not give still makes the row stale."""
+    (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text(
+        "output_dir: outputs/x\nlogger:\n  project: p\n  dir: ${output_dir}\nbatch_size: 4\n"
+    )
+    git(repo, "commit", "-qam", "settings")
+    first = git(repo, "rev-parse", "HEAD")
+    command = "python recipes/r.py --config configs/a/1B_full_80gb.yaml output_dir=/tmp/run logger.project=q"
+    path = results(repo, {"config": "a/1B_full_80gb", "passed": True, "code": first, "command": command})
+    (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text(
+        "output_dir: outputs/y\nlogger:\n  project: other\n  dir: ${output_dir}\nbatch_size: 4\n"
+    )
+    git(repo, "commit", "-qam", "its own output folder")
+    assert configs_shipped.status(repo, [path])["a/1B_full_80gb"]["state"] == "shipped"
+    (repo / "configs" / "a" / "1B_full_80gb.yaml").write_text(
+        "output_dir: outputs/y\nlogger:\n  project: other\n  dir: ${output_dir}\nbatch_size: 8\n"
+    )
+    entry = configs_shipped.status(repo, [path])["a/1B_full_80gb"]
+    assert entry["state"] == "stale" and entry["changed"] == ["configs/a/1B_full_80gb.yaml"]
+    assert configs_shipped.command_settings(command) == {"output_dir": "/tmp/run", "logger.project": "q"}
+
+
 def test_of_several_files_a_current_row_ships_the_config(repo):
     """An H200's file beside the H100's: a stale row in one and a current row in the other ship the config."""
     old = git(repo, "rev-parse", "HEAD")

@@ -52,6 +52,17 @@ def test_found_the_configs():
     assert Path("configs/llama2/7B_full.yaml") in FINETUNE_CONFIGS
 
 
+def test_every_config_writes_into_an_output_folder_of_its_own():
+    """Two configs of one default output_dir would meet each other's runs there (a resume, the run folder's refusal)
+    when a user runs both as given; the 16 GB FP8 configs of two families once named their 32 GB twins' folder."""
+    owners = {}
+    for path in FINETUNE_CONFIGS:
+        output_dir = yaml.safe_load((REPO_ROOT / path).read_text()).get("output_dir")
+        if output_dir is not None:
+            owners.setdefault(output_dir, []).append(str(path))
+    assert {d: paths for d, paths in owners.items() if len(paths) > 1} == {}
+
+
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=str)
 def test_config_loads_and_components_import(path, tmp_path):
     cfg = load(path, tmp_path)
