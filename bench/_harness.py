@@ -13,6 +13,9 @@ A benchmark script parses its flags, calls ``provenance()`` first (which refuses
     date      UTC, when the benchmark started
     code      ``git rev-parse HEAD``, the committed code it ran; ``<hash>+dirty`` under --allow-dirty; null where it
               cannot be told (no .git, as in a copied tree, or git failing), with the reason in ``code_note``
+    code_tree a fingerprint of the files under CODE_PATHS as they were (``code_tree()``): where a copied tree's .git
+              lags the files it was given (the GPU machine's copy records an old commit, "+dirty"), the commit whose
+              files these are is found by it (``commit_code_tree()``; bench/merge_rows.py does)
 
 A result is only worth keeping if its code can be named, so a benchmark refuses to start while tracked files under
 CODE_PATHS have uncommitted changes (staged or not; untracked files and bench/results/ do not count). --allow-dirty
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import hashlib
 import importlib
 import json
 import os
@@ -223,6 +227,61 @@ def steering_env() -> Dict[str, str]:
     }
 
 
+def _code_dirs() -> List[str]:
+    """CODE_PATHS as plain folders (their exclusions applied by ``_is_code``): git ls-tree takes no pathspec magic."""
+    return [p for p in CODE_PATHS if not p.startswith(":")]
+
+
+def _is_code(rel: str) -> bool:
+    excluded = [p.split(")", 1)[1] for p in CODE_PATHS if p.startswith(":(exclude)")]
+    return not any(rel == e or rel.startswith(e.rstrip("/") + "/") for e in excluded)
+
+
+def _fingerprint(entries: Dict[str, str]) -> str:
+    """sha256 over "path blob-id" lines in path order: the same files (paths and contents) give the same value."""
+    return hashlib.sha256("".join(f"{path} {blob}\n" for path, blob in sorted(entries.items())).encode()).hexdigest()
+
+
+def code_tree(root: Path = REPO_ROOT) -> Optional[str]:
+    """The fingerprint of the code files in ``root`` as they are on disk: each file under CODE_PATHS that git tracks
+    or would (untracked and not ignored), by its path and git blob id. It names the files a run read whatever
+    commit the checkout's .git records: a tree copied over an older .git (the GPU machine's) gives its own files'
+    value, which ``commit_code_tree`` of the commit holding those files equals. None where git cannot list them."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *_code_dirs()],
+            cwd=root, capture_output=True, timeout=60, check=True,
+        ).stdout.decode()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = {}
+    for rel in filter(None, set(listed.split("\0"))):
+        path = Path(root) / rel
+        if not _is_code(rel) or not (path.is_file() or path.is_symlink()):
+            continue  # (in an older index but gone from the tree)
+        data = os.readlink(path).encode() if path.is_symlink() else path.read_bytes()
+        entries[rel] = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    return _fingerprint(entries)
+
+
+def commit_code_tree(commit: str, root: Path = REPO_ROOT) -> Optional[str]:
+    """``code_tree``'s fingerprint of the code files of ``commit``; None where git does not know it."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-tree", "-r", "-z", commit, "--", *_code_dirs()],
+            cwd=root, capture_output=True, timeout=60, check=True,
+        ).stdout.decode()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = {}
+    for line in filter(None, listed.split("\0")):
+        meta, rel = line.split("\t", 1)
+        _, kind, blob = meta.split()
+        if kind == "blob" and _is_code(rel):
+            entries[rel] = blob
+    return _fingerprint(entries)
+
+
 def provenance(script: str, argv: List[str], allow_dirty: bool) -> dict:
     """The fields every result starts with (module docstring). Call it before any work: on a dirty tree it exits
     with status 2 unless allow_dirty. Variables of the environment that steer the runs (``steering_env``) are kept
@@ -239,6 +298,7 @@ def provenance(script: str, argv: List[str], allow_dirty: bool) -> dict:
         "versions": versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "code": code,
+        "code_tree": code_tree(REPO_ROOT),
     }
     if note:
         record["code_note"] = note

@@ -6,8 +6,9 @@
 A device call writes its own file (``--out $OUT/cc.json``); the shipped configs' proof is the committed file of the
 GPU that ran them, ``bench/results/configs_check_h100.json`` or ``_h200.json`` (chosen from the call's ``hardware``;
 ``--into`` names another). Each row takes its call's provenance, so that a row read alone says what ran it:
-``code`` (the commit the call's tree was, refused where the call recorded none or a dirty tree: that row would prove
-no commit), ``device_call`` (``--call``, the letter the closing notes use), ``measured_at``, ``results_command`` and
+``code`` (the commit the call's tree was: where the call's copy of git recorded a stale commit or "+dirty", the
+commit of this repository's history whose code files are the ones the call fingerprinted, ``code_tree``; refused
+where the call recorded no code or a dirty tree that no commit holds: that row would prove no commit), ``device_call`` (``--call``, the letter the closing notes use), ``measured_at``, ``results_command`` and
 ``hardware``. Then
 
 - a passing row takes the place of the config's row in ``rows`` (the order of the file kept), the replaced one moving
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 from typing import List, Optional
 
@@ -50,14 +52,52 @@ def read_json(path: Path, what: str) -> dict:
     return doc
 
 
-def merge(new: dict, doc: dict, call: str, note: Optional[str]) -> List[str]:
-    """Merge ``new``'s rows into ``doc`` (module docstring); one line per row, for the terminal."""
-    code = new.get("code")
-    if not code or str(code).endswith("+dirty"):
+# How far back a call's files are looked for (a call runs the tree of a recent commit).
+SEARCH_COMMITS = 400
+
+
+def commit_of(tree: Optional[str], root: Path) -> Optional[str]:
+    """The commit, of the last SEARCH_COMMITS reachable from HEAD in ``root``, whose code files have the fingerprint
+    ``tree`` (``harness.code_tree``); None where none has."""
+    if not tree:
+        return None
+    try:
+        commits = subprocess.run(
+            ["git", "rev-list", f"--max-count={SEARCH_COMMITS}", "HEAD"],
+            cwd=root, capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.split()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((c for c in commits if harness.commit_code_tree(c, root) == tree), None)
+
+
+def call_code(new: dict, root: Path) -> tuple:
+    """(the commit the call's rows ran, a line saying how it was told or None): the recorded commit where the call's
+    tree was clean and its code files are that commit's (or cannot be compared: no fingerprint, a commit this
+    repository lacks), else the commit whose code files the call fingerprinted; refused where none is."""
+    code, tree = new.get("code"), new.get("code_tree")
+    if code and not str(code).endswith("+dirty"):
+        at = harness.commit_code_tree(code, root) if tree else None
+        if at is None or at == tree:
+            return code, None
+    found = commit_of(tree, root)
+    if found is None:
         harness.refuse(
-            f"the call's code is {code!r}: its rows would prove no commit; run the call on a committed tree "
-            "(a clean checkout of the commit) and merge that"
-        )
+            f"the call's code is {code!r}" + (" and no commit here holds its files" if tree else "")
+            + ": its rows would prove no commit; run the call on a committed tree (a clean checkout of the commit) "
+            "and merge that"
+        )  # fmt: skip
+    return found, (
+        f"the call's copy of git recorded {code}; its code files are those of {found[:7]}: its rows record {found[:7]}"
+    )
+
+
+def merge(new: dict, doc: dict, call: str, note: Optional[str], root: Path = harness.REPO_ROOT) -> List[str]:
+    """Merge ``new``'s rows into ``doc`` (module docstring); one line per row, for the terminal. ``root``: the
+    repository whose history the call's code is looked up in."""
+    code, told = call_code(new, root)
+    if doc.get("code") == new.get("code"):  # (a file this call starts: its provenance is the call's)
+        doc["code"] = code
     merged = {
         (r.get("device_call"), r.get("measured_at"))
         for key in ("rows", "superseded", "failed", "speed_only")
@@ -90,6 +130,9 @@ def merge(new: dict, doc: dict, call: str, note: Optional[str]) -> List[str]:
             doc.setdefault("failed", []).append(row)
             verdict = f"FAIL ({row.get('error') or ', '.join(k for k, ok in row.get('checks', {}).items() if not ok)})"
         lines.append(f"{row['config']}: {verdict}")
+    if told:
+        lines.append(told)
+        note = f"Call {call}: {told}." + (f" {note}" if note else "")
     date = f"{new.get('date')} (call {call})"
     doc["date"] = f"{doc['date']}; {date}" if doc.get("date") else date
     if note:

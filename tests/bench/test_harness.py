@@ -76,6 +76,25 @@ def test_results_and_untracked_files_do_not_make_a_tree_dirty(repo):
     assert harness.code_version(repo) == (git(repo, "rev-parse", "HEAD"), None)
 
 
+def test_the_code_tree_names_the_files_whatever_commit_the_git_copy_records(repo):
+    """The GPU machine's copy of the tree sits over an older .git: HEAD and the index lag the files it was given.
+    The fingerprint of the files is the one of the commit that holds them, not of the commit recorded."""
+    first = git(repo, "rev-parse", "HEAD")
+    assert harness.code_tree(repo) == harness.commit_code_tree(first, repo)
+    (repo / "recipes" / "r.py").write_text("x = 2\n")
+    (repo / "recipes" / "new.py").write_text("y = 1\n")
+    (repo / "bench" / "results" / "r.json").write_text('{"more": 1}\n')  # (results are not code)
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "second")
+    second = git(repo, "rev-parse", "HEAD")
+    git(repo, "reset", "-q", "--mixed", first)  # the lagging .git: HEAD and index at the first commit
+    assert harness.code_version(repo, allow_dirty=True) == (first + "+dirty", None)
+    assert harness.code_tree(repo) == harness.commit_code_tree(second, repo) != harness.commit_code_tree(first, repo)
+    (repo / "recipes" / "r.py").write_text("x = 3\n")  # files of no commit
+    assert harness.code_tree(repo) not in (harness.commit_code_tree(c, repo) for c in (first, second))
+    assert harness.commit_code_tree("f" * 40, repo) is None
+
+
 def test_code_is_null_with_a_reason_where_git_cannot_tell(repo, tmp_path, monkeypatch):
     code, note = harness.code_version(tmp_path / "copied_tree")
     assert code is None and "no .git" in note

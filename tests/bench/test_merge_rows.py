@@ -12,6 +12,7 @@ from conftest import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import merge_rows
+from support import git
 
 H100 = "1x NVIDIA H100 80GB HBM3 (80 GiB), 16 CPU cores"
 
@@ -79,6 +80,33 @@ def test_a_call_that_proves_no_commit_or_ran_elsewhere_is_refused(tmp_path, comm
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and named in err, err
     assert committed.read_text() == before
+
+
+def test_a_call_whose_git_copy_lagged_its_files_records_the_commit_that_holds_them(tmp_path, committed, capsys):
+    """The GPU machine's copy of git records an old commit "+dirty"; the call's fingerprint of its code files
+    (harness.code_tree) finds the commit they are. Files no commit holds are refused."""
+    import _harness as harness
+
+    repo = tmp_path / "repo"
+    (repo / "finetune").mkdir(parents=True)
+    (repo / "finetune" / "a.py").write_text("x = 1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "first")
+    first = git(repo, "rev-parse", "HEAD")
+    (repo / "finetune" / "a.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "second")
+    second = git(repo, "rev-parse", "HEAD")
+    tree = harness.code_tree(repo)
+    doc = json.loads(committed.read_text())
+    new = json.loads(call_file(tmp_path, row("m/3B_full_24gb"), code=first + "+dirty").read_text())
+    lines = merge_rows.merge({**new, "code_tree": tree}, doc, "BC", "why.", root=repo)
+    assert doc["rows"][1]["code"] == second and doc["rows"][1]["config"] == "m/3B_full_24gb"
+    assert any(second[:7] in line for line in lines) and f"its rows record {second[:7]}" in doc["code_note"]
+    (repo / "finetune" / "a.py").write_text("x = 3\n")
+    with pytest.raises(SystemExit):
+        merge_rows.merge({**new, "code_tree": harness.code_tree(repo)}, doc, "BD", None, root=repo)
+    assert "no commit here holds its files" in capsys.readouterr().err
 
 
 def test_the_same_call_merged_twice_is_refused(tmp_path, committed, capsys):
