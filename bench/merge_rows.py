@@ -8,7 +8,8 @@ GPU that ran them, ``bench/results/configs_check_h100.json`` or ``_h200.json`` (
 ``--into`` names another). Each row takes its call's provenance, so that a row read alone says what ran it:
 ``code`` (the commit the call's tree was: where the call's copy of git recorded a stale commit or "+dirty", the
 commit of this repository's history whose code files are the ones the call fingerprinted, ``code_tree``; refused
-where the call recorded no code or a dirty tree that no commit holds: that row would prove no commit), ``device_call`` (``--call``, the letter the closing notes use), ``measured_at``, ``results_command`` and
+where the call recorded no code or a dirty tree that no commit holds: that row would prove no commit),
+``device_call`` (``--call``, the letter the closing notes use), ``measured_at``, ``results_command`` and
 ``hardware``. Then
 
 - a passing row takes the place of the config's row in ``rows`` (the order of the file kept), the replaced one moving
