@@ -36,9 +36,11 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # bench/configs_check.py's committed results, a file per GPU (configs_check_h100.json, configs_check_h200.json)
@@ -136,22 +138,6 @@ def command_settings(command: Optional[str]) -> Dict[str, str]:
     return settings
 
 
-def _with_settings(doc: Any, settings: Dict[str, str]) -> Any:
-    """``doc`` (a config's parsed YAML) with each of ``settings`` put in place of the file's value, as the recipe's
-    command line does (a dotted key into its section); a document that is not a mapping is left as it is."""
-    if not isinstance(doc, dict):
-        return doc
-    for key, value in settings.items():
-        *sections, name = key.split(".")
-        node = doc
-        for section in sections:
-            if not isinstance(node.get(section), dict):
-                node[section] = {}
-            node = node[section]
-        node[name] = value
-    return doc
-
-
 def same_settings(root: Path, commit: str, path: str, settings: Optional[Dict[str, str]] = None) -> bool:
     """Whether a config file holds the same settings at ``commit`` as in the working tree: its comments (the header's
     measured figures, written after a row) do not change a run, nor does a value the row's command line gives
@@ -159,7 +145,11 @@ def same_settings(root: Path, commit: str, path: str, settings: Optional[Dict[st
     texts = then_and_now(root, commit, path)
     if texts is None:
         return False
-    then, now = (_with_settings(yaml.safe_load(t), settings or {}) for t in texts)
+    given = OmegaConf.from_dotlist([f"{k}={v}" for k, v in (settings or {}).items()])
+    try:  # (merged as the recipe's command line merges them: OmegaConf's dotlist, a dotted key into its section)
+        then, now = (OmegaConf.to_container(OmegaConf.merge(yaml.safe_load(t) or {}, given)) for t in texts)
+    except OmegaConfBaseException:  # (a command setting the file's structure refuses: nothing to tell, so stale)
+        return False
     return then == now
 
 
