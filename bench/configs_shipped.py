@@ -145,8 +145,8 @@ def same_settings(root: Path, commit: str, path: str, settings: Optional[Dict[st
     texts = then_and_now(root, commit, path)
     if texts is None:
         return False
-    given = OmegaConf.from_dotlist([f"{k}={v}" for k, v in (settings or {}).items()])
     try:  # (merged as the recipe's command line merges them: OmegaConf's dotlist, a dotted key into its section)
+        given = OmegaConf.from_dotlist([f"{k}={v}" for k, v in (settings or {}).items()])
         then, now = (OmegaConf.to_container(OmegaConf.merge(yaml.safe_load(t) or {}, given)) for t in texts)
     except OmegaConfBaseException:  # (a command setting the file's structure refuses: nothing to tell, so stale)
         return False
