@@ -183,6 +183,12 @@ class FullFinetuneRecipeDistributed:
             reshard_after_forward=s.memory.reshard_after_forward,
             dp_mesh=mesh["dp"],
         )
+        # The root (embeddings, final norm, output layer) stays gathered from its forward to its backward, as FSDP2
+        # does by default for a root: a loss that applies the output layer itself (finetune.model
+        # .LinearCrossEntropyLoss) reads its weight after the forward, and a resharded weight's full_tensor() gives
+        # each rank the gradient of its own tokens only, never reduced over the ranks. (Backward would gather the
+        # root again at once anyway: the cost is one all-gather less, not more memory at the peak.)
+        model.set_reshard_after_forward(False, recurse=False)
         scatter_full_weights(model, self._full_state_dict(cfg, meta_sd), main=self._rank0, device=self._device)
         with training.set_default_dtype(self._dtype), self._device:
             for m in model.modules():

@@ -27,8 +27,9 @@ reference. What still differs:
 Runtime: each launch is mostly start-up (the launcher and every rank import torch, torchtune and torchao, ~6.5 s
 each), so launches are shared where the checks allow: one 2-rank run per optimizer serves the matching, metrics,
 layout, resume and late-write checks (``runs``), and one process re-runs the five single-device references. What
-is left: 8 two-rank runs, two single-process resumes and that one reference process, plus the two stop-signal runs
-through recipes/launch.py (a launcher process, two ranks, a save made 3 s slow).
+is left: 9 two-rank runs, two single-process resumes, the one-device twin of the output-layer loss's run and that
+one reference process, plus the two stop-signal runs through recipes/launch.py (a launcher process, two ranks, a
+save made 3 s slow).
 """
 
 import json
@@ -179,6 +180,23 @@ def test_two_ranks_match_single_device_with_the_global_batch(runs, optimizer):
     run = runs(optimizer)
     assert [m["step"] for m in run.metrics] == [1, 2, 3, 4, 5, 6]
     assert run.losses == pytest.approx(SINGLE_DEVICE_BATCH4[optimizer], rel=RTOL[optimizer])
+
+
+def test_a_loss_that_applies_the_output_layer_itself_trains_what_one_device_trains(tmp_path):
+    """finetune.model.LinearCrossEntropyLoss, the loss of most configs, applies the output layer itself, after the
+    model's forward: 2 ranks x 1 row take the gradients one device takes from 2 micro-batches of 1 row (rank r reads
+    samples r, r+2, ...; one device reads 0, 1, ... in that order), so the first step's gradient norm is the same sum
+    and the losses after it follow. (While the root was resharded after its forward, each rank's output-layer
+    gradient held its own tokens only: here a first norm of 1.0879 against one device's 1.0050.)"""
+    same = ["loss._component_=finetune.model.LinearCrossEntropyLoss", "batch_size=1", "max_steps_per_epoch=4"]
+    ranks = run_distributed(tmp_path / "ranks", *same)
+    one = run_here(tmp_path / "one", *same, "gradient_accumulation_steps=2")
+    assert ranks.ok, ranks.stderr[-3000:]
+    assert one.ok, one.stderr[-3000:]
+    norms = [[m["grad_norm"] for m in run.metrics] for run in (ranks, one)]
+    # (1e-5 apart with the fix, the summation orders differing; 8e-2 without it)
+    assert norms[0][0] == pytest.approx(norms[1][0], rel=1e-3)
+    assert len(ranks.losses) == 4 and ranks.losses == pytest.approx(one.losses, rel=RTOL_EXACT)
 
 
 def test_metrics_are_reduced_over_ranks(runs):
