@@ -153,6 +153,14 @@ def same_settings(root: Path, commit: str, path: str, settings: Optional[Dict[st
     return then == now
 
 
+def row_changes(root: Path, config: str, row: dict, lazy: Sequence[str]) -> Optional[List[str]]:
+    """``changed_since`` for a results row of ``config``: its commit, the files its runs imported, its command; None
+    where the row names no commit or git does not know it."""
+    if not row.get("code"):
+        return None
+    return changed_since(root, row["code"], config, row_imports(root, row, lazy), row.get("command"))
+
+
 def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
     """Per config: ``state`` (shipped, failing, stale, missing, several_gpus, unknown_code), the row's code, tok/s,
     file, the changed files and (failing) the failed checks. Of several rows (files of other GPUs, rows of other calls)
@@ -172,11 +180,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
             continue
         entries = [{"state": "missing", "code": None, "tok_s": None, "file": None, "changed": []}]
         for name, row in passing.get(config, []):
-            changed = (
-                changed_since(root, row["code"], config, row_imports(root, row, lazy), row.get("command"))
-                if row.get("code")
-                else None
-            )
+            changed = row_changes(root, config, row, lazy)
             state = "unknown_code" if changed is None else ("stale" if changed else "shipped")
             entries.append(
                 {
@@ -188,11 +192,7 @@ def status(root: Path, results: Sequence[Path]) -> Dict[str, dict]:
                 }
             )
         for name, row in failing.get(config, []):  # (an old failure may be fixed)
-            changed = (
-                changed_since(root, row["code"], config, row_imports(root, row, lazy), row.get("command"))
-                if row.get("code")
-                else None
-            )
+            changed = row_changes(root, config, row, lazy)
             if changed == []:
                 failed = sorted(k for k, ok in row.get("checks", {}).items() if not ok) or ["no checks recorded"]
                 entries.append(
